@@ -1,0 +1,289 @@
+"""The off-graph KV cache behind ``UpdateAndAttendNode``.
+
+One logical length for the whole model; per layer a K and a V pool shaped
+``[1, H_kv, slots, D]`` in the storage dtype. A flat layer keeps all history
+and grows its pool by doubling up to the capacity; a ring layer keeps a sliding
+window in ``window + max_write - 1`` slots allocated up front, so a step of up
+to ``max_write`` tokens never overwrites a cell an earlier query of the same
+step still reads. The graph never sees the cache: the op hands it k/v and a
+position, and gets back the history to attend plus the mask to apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .dtypes import KV_DTYPES
+from .errors import CacheFullError, PteError
+
+DEFAULT_INITIAL_CAPACITY = 512
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """What the export fixes about one layer's cache, plus its window policy."""
+
+    n_kv_heads: int
+    head_dim: int
+    window: int = 0  # 0 = flat (all history); > 0 = ring of that window
+
+    @property
+    def is_ring(self) -> bool:
+        return self.window > 0
+
+
+def parse_windows(spec: str | int | list[int] | tuple[int, ...]) -> list[int]:
+    """Read a window pattern: ``"512"``, ``"512,0"``, ``0`` or a list of ints.
+
+    Each entry is a window (0 = flat); the pattern repeats over the layers.
+    """
+    if isinstance(spec, int):
+        fields = [spec]
+    elif isinstance(spec, str):
+        try:
+            fields = [int(f) for f in spec.split(",")]
+        except ValueError:
+            fields = []
+    else:
+        fields = list(spec)
+    if not fields or any(not isinstance(w, int) or w < 0 for w in fields):
+        raise PteError(
+            f"invalid window pattern {spec!r}: expected comma-separated "
+            "non-negative integers such as '512' or '512,0' (0 = flat layer)"
+        )
+    return fields
+
+
+class SequenceCache:
+    """Single-sequence KV cache with flat and ring layers.
+
+    Args:
+        layers: one ``LayerGeometry`` per cache layer (``layer_id`` order).
+        capacity: the most tokens the sequence may hold.
+        dtype: storage dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        initial_capacity: slots a flat pool starts with (clamped to capacity;
+            0 allocates nothing until the first write).
+        max_write: the most tokens one step writes (the prefill chunk); ring
+            pools are sized from it. ``None`` uses each ring's own window.
+    """
+
+    def __init__(
+        self,
+        layers: list[LayerGeometry],
+        capacity: int,
+        dtype: str = "bf16",
+        initial_capacity: int | None = None,
+        max_write: int | None = None,
+    ):
+        if not layers:
+            raise PteError("a cache needs at least one layer")
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise PteError(f"cache capacity must be a positive integer, got {capacity!r}")
+        if dtype not in KV_DTYPES:
+            raise PteError(
+                f"unknown KV storage dtype {dtype!r}: use one of {', '.join(KV_DTYPES)}"
+            )
+        if initial_capacity is None:
+            initial_capacity = DEFAULT_INITIAL_CAPACITY
+        if initial_capacity < 0:
+            raise PteError(f"initial capacity must be >= 0, got {initial_capacity}")
+        if max_write is not None and max_write <= 0:
+            raise PteError(f"max_write must be positive, got {max_write}")
+        for g in layers:
+            if g.n_kv_heads <= 0 or g.head_dim <= 0 or g.window < 0:
+                raise PteError(f"invalid cache layer geometry {g}")
+
+        self.layers = list(layers)
+        self.capacity = capacity
+        self.dtype = dtype
+        self.initial_capacity = initial_capacity
+        self.max_write = max_write
+        self.length = 0
+        self._mx_dtype = KV_DTYPES[dtype]
+        # Ring layers are sized to their window plus one step, never past the
+        # capacity (a ring that big can never wrap).
+        self._max_slots = [
+            min(self._ring_size(g), capacity) if g.is_ring else capacity
+            for g in self.layers
+        ]
+        self._masks: dict[tuple[int, int, int], mx.array] = {}
+        self._allocate()
+
+    def _ring_size(self, g: LayerGeometry) -> int:
+        step = self.max_write if self.max_write is not None else g.window
+        return g.window + step - 1
+
+    def _allocate(self) -> None:
+        self._k: list[mx.array] = []
+        self._v: list[mx.array] = []
+        for g, max_slots in zip(self.layers, self._max_slots):
+            slots = max_slots if g.is_ring else min(self.initial_capacity, max_slots)
+            shape = (1, g.n_kv_heads, slots, g.head_dim)
+            self._k.append(mx.zeros(shape, dtype=self._mx_dtype))
+            self._v.append(mx.zeros(shape, dtype=self._mx_dtype))
+
+    # -- control face -------------------------------------------------------
+
+    def can_extend(self, n: int = 1) -> bool:
+        """Whether ``n`` more tokens fit."""
+        return self.length + n <= self.capacity
+
+    def rewind(self, new_length: int) -> bool:
+        """Truncate the sequence to ``new_length`` tokens.
+
+        Returns False, changing nothing, when that would grow the sequence or
+        when a ring layer has already overwritten a cell the next step at
+        ``new_length`` would attend to.
+        """
+        if new_length < 0 or new_length > self.length:
+            return False
+        if new_length < self.rewind_floor():
+            return False
+        self.length = new_length
+        return True
+
+    def rewind_floor(self) -> int:
+        """The shortest length ``rewind`` accepts now."""
+        floor = 0
+        for g, slots in zip(self.layers, self._max_slots):
+            # A ring of `slots` cells holds positions [length - slots, length).
+            # A query at p reads back to p - window + 1, so p must satisfy
+            # p - window + 1 >= length - slots.
+            if g.is_ring and self.length > slots:
+                floor = max(floor, self.length - slots + g.window - 1)
+        return floor
+
+    def clear(self) -> None:
+        """Forget the sequence; pools keep their grown size."""
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pools hold now (allocated slots, not live tokens)."""
+        return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
+
+    def bytes_per_token(self) -> int:
+        """K+V bytes one token adds across all layers at the storage dtype."""
+        size = self._mx_dtype.size
+        return sum(2 * g.n_kv_heads * g.head_dim * size for g in self.layers)
+
+    # -- op face --------------------------------------------------------------
+
+    def update_and_fetch(self, layer: int, position: int, k: mx.array, v: mx.array):
+        """Write this step's k/v for one layer and return what to attend.
+
+        Args:
+            layer: the cache layer (the node's ``layer_id``).
+            position: logical position of the step's first token.
+            k, v: ``[1, H_kv, T, D]`` new keys and values.
+
+        Returns:
+            ``(K, V, mask)``: the history in logical order, and the mask for
+            ``mx.fast.scaled_dot_product_attention`` (None, "causal" or a
+            boolean ``[1, 1, T, S]`` band).
+        """
+        if not 0 <= layer < len(self.layers):
+            raise PteError(
+                f"cache layer {layer} out of range: this cache has {len(self.layers)} layers"
+            )
+        g = self.layers[layer]
+        T = k.shape[2]
+        end = position + T
+        if position < 0 or position > self.length:
+            raise PteError(
+                f"cache position {position} is past the cache length {self.length}: "
+                "positions must continue the sequence (rewind() to go back)"
+            )
+        if end > self.capacity:
+            raise CacheFullError(
+                f"KV cache full: writing {T} tokens at position {position} exceeds "
+                f"capacity {self.capacity}; rewind, clear, or build a larger cache"
+            )
+        if k.shape[1] != g.n_kv_heads or k.shape[3] != g.head_dim:
+            raise PteError(
+                f"layer {layer} k has shape {tuple(k.shape)}, cache expects "
+                f"[1, {g.n_kv_heads}, T, {g.head_dim}]"
+            )
+        if g.is_ring:
+            K, V, S = self._ring_step(layer, g, position, T, k, v)
+        else:
+            K, V, S = self._flat_step(layer, position, end, k, v)
+        self.length = max(self.length, end)
+
+        if T == 1:
+            return K, V, None
+        if g.is_ring and g.window < S:
+            return K, V, self._band_mask(T, S, g.window)
+        return K, V, "causal"
+
+    def _flat_step(self, layer, position, end, k, v):
+        self._grow(layer, end)
+        kp, vp = self._k[layer], self._v[layer]
+        kp[:, :, position:end, :] = k.astype(self._mx_dtype)
+        vp[:, :, position:end, :] = v.astype(self._mx_dtype)
+        return kp[:, :, :end, :], vp[:, :, :end, :], end
+
+    def _grow(self, layer: int, needed: int) -> None:
+        kp = self._k[layer]
+        slots = kp.shape[2]
+        if needed <= slots:
+            return
+        new_slots = max(slots, 1)
+        while new_slots < needed:
+            new_slots *= 2
+        new_slots = min(new_slots, self._max_slots[layer])
+        _, H, _, D = kp.shape
+        pad = mx.zeros((1, H, new_slots - slots, D), dtype=self._mx_dtype)
+        self._k[layer] = mx.concatenate([kp, pad], axis=2)
+        self._v[layer] = mx.concatenate([self._v[layer], pad], axis=2)
+
+    def _ring_step(self, layer, g, position, T, k, v):
+        size = self._max_slots[layer]
+        step_limit = self.max_write if self.max_write is not None else g.window
+        if T > step_limit:
+            raise PteError(
+                f"a step of {T} tokens exceeds the ring layer's max write of "
+                f"{step_limit}; feed at most {step_limit} tokens per call"
+            )
+        kp, vp = self._k[layer], self._v[layer]
+        k = k.astype(self._mx_dtype)
+        v = v.astype(self._mx_dtype)
+        offset = 0
+        for start, n in _ring_runs(position, T, size):
+            kp[:, :, start : start + n, :] = k[:, :, offset : offset + n, :]
+            vp[:, :, start : start + n, :] = v[:, :, offset : offset + n, :]
+            offset += n
+        read_start = max(0, position - g.window + 1)
+        S = position + T - read_start
+        runs = _ring_runs(read_start, S, size)
+        if len(runs) == 1:
+            (start, n), = runs
+            return kp[:, :, start : start + n, :], vp[:, :, start : start + n, :], S
+        K = mx.concatenate([kp[:, :, s : s + n, :] for s, n in runs], axis=2)
+        V = mx.concatenate([vp[:, :, s : s + n, :] for s, n in runs], axis=2)
+        return K, V, S
+
+    def _band_mask(self, T: int, S: int, window: int) -> mx.array:
+        key = (T, S, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            # Query i (of T, right-aligned to the S keys) sees key j when
+            # hi - window < j - i <= hi, hi = S - T.
+            diff = mx.arange(S)[None, :] - mx.arange(T)[:, None]
+            hi = S - T
+            mask = ((diff <= hi) & (diff > hi - window))[None, None]
+            if len(self._masks) > 64:
+                self._masks.clear()
+            self._masks[key] = mask
+        return mask
+
+
+def _ring_runs(start: int, n: int, size: int) -> list[tuple[int, int]]:
+    """Split logical cells ``[start, start + n)`` into physical ring runs."""
+    phys = start % size
+    first = min(n, size - phys)
+    if first < n:
+        return [(phys, first), (0, n - first)]
+    return [(phys, first)]

@@ -1,0 +1,75 @@
+"""ExecuTorch ScalarType codes and their MLX and numpy counterparts."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import PteError
+
+# ExecuTorch ScalarType (c10 numbering) -> MLX dtype, for the types MLX has.
+SCALAR_TYPES: dict[int, mx.Dtype] = {
+    0: mx.uint8,  # Byte
+    1: mx.int8,  # Char
+    2: mx.int16,  # Short
+    3: mx.int32,  # Int
+    4: mx.int64,  # Long
+    5: mx.float16,  # Half
+    6: mx.float32,  # Float
+    11: mx.bool_,  # Bool
+    15: mx.bfloat16,  # BFloat16
+    27: mx.uint16,  # UInt16
+    28: mx.uint32,  # UInt32
+    29: mx.uint64,  # UInt64
+}
+
+SCALAR_TYPE_NAMES = {
+    0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "fp16",
+    6: "fp32", 7: "fp64", 11: "bool", 15: "bf16", 27: "uint16", 28: "uint32",
+    29: "uint64",
+}
+
+# Storage dtypes the off-graph cache accepts, by the names users type.
+KV_DTYPES: dict[str, mx.Dtype] = {
+    "bf16": mx.bfloat16,
+    "fp16": mx.float16,
+    "fp32": mx.float32,
+}
+
+# Numpy views for raw buffers; bf16 has no numpy type and is read as uint16.
+_NUMPY_VIEW = {
+    mx.uint8: np.uint8, mx.int8: np.int8, mx.int16: np.int16,
+    mx.int32: np.int32, mx.int64: np.int64, mx.float16: np.float16,
+    mx.float32: np.float32, mx.bool_: np.bool_, mx.bfloat16: np.uint16,
+    mx.uint16: np.uint16, mx.uint32: np.uint32, mx.uint64: np.uint64,
+}
+
+
+def mlx_dtype(scalar_type: int) -> mx.Dtype:
+    """The MLX dtype of an ExecuTorch ScalarType code."""
+    try:
+        return SCALAR_TYPES[scalar_type]
+    except KeyError:
+        name = SCALAR_TYPE_NAMES.get(scalar_type, f"ScalarType {scalar_type}")
+        raise PteError(f"unsupported tensor dtype {name} in the program") from None
+
+
+def scalar_type_name(scalar_type: int) -> str:
+    return SCALAR_TYPE_NAMES.get(scalar_type, f"ScalarType {scalar_type}")
+
+
+def kv_dtype_name(dtype: mx.Dtype) -> str | None:
+    """The cache name ("bf16", ...) of an MLX float dtype, else None."""
+    for name, dt in KV_DTYPES.items():
+        if dt == dtype:
+            return name
+    return None
+
+
+def array_from_buffer(buffer, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    """An MLX array holding a copy of raw little-endian bytes."""
+    view = np.frombuffer(buffer, dtype=_NUMPY_VIEW[dtype]).reshape(shape)
+    arr = mx.array(view)
+    if dtype == mx.bfloat16:
+        arr = arr.view(mx.bfloat16)
+    return arr

@@ -1,0 +1,418 @@
+"""Runs an MLX program: each node prepared once, each call a list of closures.
+
+A call works on a *frame*, one Python list holding every slot the program
+names: tensors at their Tid (constants, inputs, outputs, mutable buffers,
+temps), then scalar values at ``num_tensors + vid``, then literals the nodes
+carry (so a node reads a literal and a dynamic value the same way), then host
+copies of inputs. At load each node becomes a closure ``run(frame)`` with its
+slot indices and literals already resolved; a call copies the template frame,
+binds inputs, and runs the closures. Building the MLX graph is lazy: nothing
+here waits on the device except the nodes whose semantics need a host value
+(``ItemIntNode``, an ``UpdateAndAttendNode`` whose position is not an input).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ._schema import mlx_delegate as md
+from .dtypes import mlx_dtype, scalar_type_name
+from .errors import PteError
+from .graph import node_name
+
+Run = Callable[[list], None]
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def clamp_int32(v: int) -> int:
+    """Literal ints are int64 on the wire; like ExecuTorch, clamp them to int32
+    (INT64_MAX is the usual "to the end" sentinel of a slice)."""
+    return INT32_MAX if v >= INT32_MAX else INT32_MIN if v <= INT32_MIN else int(v)
+
+
+class BuildContext:
+    """What a node builder sees at load: slot resolution and shared services.
+
+    Builders (``ops``) call these to turn schema fields into frame indices, so
+    the closures they return only index a list.
+    """
+
+    def __init__(self, graph: md.MLXGraphT, cache=None):
+        self.graph = graph
+        self.cache = cache
+        self.num_constants = graph.numConstantTensors
+        self.num_tensors = (
+            graph.numConstantTensors + graph.numInputTensors + graph.numOutputTensors
+            + graph.numMutableBufferTensors + graph.numTempTensors
+        )
+        self.num_values = graph.numValues
+        self.extra: list = []  # literal and host-shadow slots, after the values
+        self._literal_slots: dict[tuple[type, object], int] = {}
+        self.input_tids = {
+            s.idx for s in (graph.inputMap or []) if s.slotType == md.SlotType.TensorSlot
+        }
+        self.host_slots: dict[int, int] = {}  # input tid -> frame slot of its host copy
+        self.chains: dict[int, list[tuple[str, Run]]] = {}
+        self.in_init_chain = False
+        self.current_node = "?"
+        self._writers: dict[int, tuple[str, object]] = {}
+
+    # -- slots ------------------------------------------------------------
+
+    @property
+    def frame_size(self) -> int:
+        return self.num_tensors + self.num_values + len(self.extra)
+
+    def t(self, tid) -> int:
+        """Frame index of a required tensor slot (a ``TidT``)."""
+        if tid is None:
+            raise PteError(f"{self.current_node}: a required tensor slot is missing")
+        if not 0 <= tid.idx < self.num_tensors:
+            raise PteError(
+                f"{self.current_node}: tensor slot {tid.idx} out of range "
+                f"(the program has {self.num_tensors} tensor slots)"
+            )
+        return tid.idx
+
+    def t_opt(self, tid) -> int | None:
+        """Frame index of an optional tensor slot, or None when absent."""
+        return None if tid is None else self.t(tid)
+
+    def out(self, tid) -> int:
+        """Frame index of a tensor slot the node writes."""
+        i = self.t(tid)
+        if i < self.num_constants and not self.in_init_chain:
+            raise PteError(f"{self.current_node}: writes constant tensor slot {i}")
+        return i
+
+    def v(self, vid) -> int:
+        """Frame index of a scalar value slot (a ``VidT``)."""
+        if vid is None:
+            raise PteError(f"{self.current_node}: a required value slot is missing")
+        if not 0 <= vid.idx < self.num_values:
+            raise PteError(
+                f"{self.current_node}: value slot {vid.idx} out of range "
+                f"(the program has {self.num_values} value slots)"
+            )
+        return self.num_tensors + vid.idx
+
+    def literal(self, value) -> int:
+        """Frame index of a slot holding a constant (ints, floats, arrays...)."""
+        key = (type(value), value if isinstance(value, (int, float, bool, str)) else id(value))
+        slot = self._literal_slots.get(key)
+        if slot is None:
+            slot = self.frame_size
+            self.extra.append(value)
+            self._literal_slots[key] = slot
+        return slot
+
+    def int_(self, iov) -> int:
+        """Frame index of an ``IntOrVid``: its value slot or a literal slot."""
+        if iov is None:
+            raise PteError(f"{self.current_node}: a required int field is missing")
+        return self.v(iov.vid) if iov.isVid else self.literal(clamp_int32(iov.literal))
+
+    def float_(self, fov) -> int:
+        """Frame index of a ``FloatOrVid``."""
+        if fov is None:
+            raise PteError(f"{self.current_node}: a required float field is missing")
+        return self.v(fov.vid) if fov.isVid else self.literal(float(fov.literal))
+
+    def static_int(self, iov) -> int | None:
+        """The literal of an ``IntOrVid``, or None when it is dynamic."""
+        return None if iov.isVid else clamp_int32(iov.literal)
+
+    def ints(self, iovs) -> Callable[[list], list[int]]:
+        """A getter for a list of ``IntOrVid`` (constant when all are literal)."""
+        iovs = iovs or []
+        if all(not x.isVid for x in iovs):
+            const = [clamp_int32(x.literal) for x in iovs]
+            return lambda f: const
+        idx = [self.int_(x) for x in iovs]
+        return lambda f: [f[i] for i in idx]
+
+    def dtype(self, scalar_type: int) -> mx.Dtype:
+        try:
+            return mlx_dtype(scalar_type)
+        except PteError:
+            raise PteError(
+                f"{self.current_node}: unsupported dtype {scalar_type_name(scalar_type)}"
+            ) from None
+
+    def host_int(self, tid) -> Callable[[list], int]:
+        """A getter for element 0 of an integer tensor, read on the host.
+
+        When the tensor is a program input, the caller's host copy is used and
+        the device is not touched; otherwise this evaluates the tensor (a sync).
+        """
+        i = self._host_source(self.t(tid))
+        if i in self.input_tids:
+            slot = self.host_slots.get(i)
+            if slot is None:
+                slot = self.frame_size
+                self.extra.append(None)
+                self.host_slots[i] = slot
+            return lambda f: f[slot]
+
+        def read(f):
+            return int(f[i].reshape(-1)[0].item())
+
+        return read
+
+    def record_write(self, name: str, node) -> None:
+        """Remember which node last wrote each slot (for ``_host_source``)."""
+        out = getattr(node, "out", None)
+        if hasattr(out, "idx"):
+            self._writers[out.idx] = (name, node)
+        for many in ("outs", "outputs"):
+            for t in getattr(node, many, None) or []:
+                self._writers[t.idx] = ("opaque", None)
+
+    def _host_source(self, i: int) -> int:
+        """Follow ``i`` back through nodes that keep element [0, ..., 0] in
+        place (reshapes, transposes, casts, index-0 takes and slices) to the
+        program input it came from; return ``i`` itself when it did not."""
+        seen = set()
+        while i not in self.input_tids and i not in seen:
+            seen.add(i)
+            name, node = self._writers.get(i, ("opaque", None))
+            if not _keeps_first_element(name, node):
+                return i
+            i = node.x.idx
+        return i
+
+    def chain(self, index: int) -> Run:
+        """A closure running instruction chain ``index`` on the same frame."""
+        chains = self.graph.instructionChains
+        if not 0 <= index < len(chains):
+            raise PteError(f"{self.current_node}: instruction chain {index} out of range")
+        if index not in self.chains:
+            self.chains[index] = []  # placeholder stops a chain that calls itself
+            self.chains[index] = build_chain(self, index)
+        ops = self.chains[index]
+        return lambda f: run_ops(ops, f)
+
+
+def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
+    from .ops import BUILDERS  # the op table imports this module
+
+    ops = []
+    for instr in ctx.graph.instructionChains[index].instructions or []:
+        name = node_name(instr)
+        builder = BUILDERS.get(name)
+        if builder is None:
+            raise PteError(f"{name} is not supported by this runtime")
+        outer, ctx.current_node = ctx.current_node, name
+        try:
+            ops.append((name, builder(instr.op, ctx)))
+            ctx.record_write(name, instr.op)
+        finally:
+            ctx.current_node = outer
+    return ops
+
+
+_LAYOUT_NODES = {
+    "ExpandDimsNode", "ReshapeNode", "SqueezeNode", "AsTypeNode", "IdCopyNode",
+    "ContiguousNode", "TransposeNode", "BroadcastToNode",
+}
+
+
+def _keeps_first_element(name: str, node) -> bool:
+    if name in _LAYOUT_NODES:
+        return True
+    if name == "TakeNode":
+        return node.index.kind == 0 and node.index.literal == 0
+    if name == "SliceNode":
+        return not node.start.isVid and node.start.literal == 0 and node.step > 0
+    return False
+
+
+def run_ops(ops: list[tuple[str, Run]], frame: list) -> None:
+    for name, run in ops:
+        run(frame)
+
+
+def run_ops_checked(ops: list[tuple[str, Run]], frame: list) -> None:
+    """Run a chain, turning any failure into a ``PteError`` naming the node."""
+    for i, (name, run) in enumerate(ops):
+        try:
+            run(frame)
+        except PteError:
+            raise
+        except Exception as e:
+            raise PteError(f"{name} (instruction {i}) failed: {e}") from None
+
+
+class GraphExecutor:
+    """One loaded MLX program: constants, mutable buffers, prepared chains.
+
+    Args:
+        graph: the decoded program.
+        constants: an array per constant slot, in Tid order.
+        cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
+    """
+
+    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None):
+        if len(constants) != graph.numConstantTensors:
+            raise PteError(
+                f"program has {graph.numConstantTensors} constants, got {len(constants)}"
+            )
+        self.graph = graph
+        ctx = BuildContext(graph, cache)
+        self._ctx = ctx
+        chains = graph.instructionChains
+        if not 0 <= graph.mainChainIdx < len(chains):
+            raise PteError(f"main chain index {graph.mainChainIdx} out of range")
+
+        self.input_slots = [_slot_index(ctx, s) for s in graph.inputMap or []]
+        self.output_slots = [_slot_index(ctx, s) for s in graph.outputMap or []]
+        self.input_meta = [_tensor_meta(graph, s) for s in graph.inputMap or []]
+        self.output_meta = [_tensor_meta(graph, s) for s in graph.outputMap or []]
+        self._mutable = []
+        for s in graph.mutableBufferMap or []:
+            if s.slotType != md.SlotType.TensorSlot:
+                raise PteError("a mutable buffer is not a tensor slot")
+            self._mutable.append(ctx.t(_tid(s.idx)))
+
+        init = None
+        if graph.initChainIdx >= 0:
+            ctx.in_init_chain = True
+            init = ctx.chain(graph.initChainIdx)
+            ctx.in_init_chain = False
+        self._main = build_chain(ctx, graph.mainChainIdx)
+        self.node_names = [name for name, _ in self._main]
+
+        template = [None] * ctx.frame_size
+        template[: len(constants)] = constants
+        for tid in self._mutable:
+            meta = _meta_of(graph, tid)
+            shape = [d.value for d in meta.shape or []]
+            if any(d < 0 for d in shape):
+                raise PteError(f"mutable buffer {tid} has a dynamic shape")
+            template[tid] = mx.zeros(shape, dtype=ctx.dtype(meta.scalarType))
+        template[ctx.num_tensors + ctx.num_values :] = ctx.extra
+        self._template = template
+        self._host_slots = [(i, ctx.host_slots.get(i)) for i in self.input_slots]
+        if init is not None:
+            run_guarded(init, template, "init chain")
+            mx.eval([t for t in template[: ctx.num_constants] if t is not None])
+
+    @property
+    def constants(self) -> list[mx.array]:
+        return self._template[: self._ctx.num_constants]
+
+    def execute(self, inputs: list) -> list:
+        """Run the main chain; tensors come back as lazy ``mx.array``s."""
+        if len(inputs) != len(self.input_slots):
+            raise PteError(
+                f"the program takes {len(self.input_slots)} inputs, got {len(inputs)}"
+            )
+        f = self._template.copy()
+        for k, ((slot, host_slot), meta, x) in enumerate(
+            zip(self._host_slots, self.input_meta, inputs)
+        ):
+            if meta is None:  # a scalar value slot
+                f[slot] = int(x)
+                continue
+            arr, host = to_mlx(x, meta, k)
+            f[slot] = arr
+            if host_slot is not None:
+                f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
+                    arr.reshape(-1)[0].item()
+                )
+        run_ops_checked(self._main, f)
+        for tid in self._mutable:
+            self._template[tid] = f[tid]
+        outs = []
+        for slot in self.output_slots:
+            value = f[slot]
+            if value is None:
+                raise PteError(f"the program never wrote its output slot {slot}")
+            outs.append(value)
+        return outs
+
+
+def run_guarded(run: Run, frame: list, what: str) -> None:
+    try:
+        run(frame)
+    except PteError:
+        raise
+    except Exception as e:
+        raise PteError(f"{what} failed: {e}") from None
+
+
+def _tid(idx: int):
+    t = md.TidT()
+    t.idx = idx
+    return t
+
+
+def _slot_index(ctx: BuildContext, slot) -> int:
+    if slot.slotType == md.SlotType.TensorSlot:
+        return ctx.t(_tid(slot.idx))
+    v = md.VidT()
+    v.idx = slot.idx
+    return ctx.v(v)
+
+
+def _meta_of(graph, tid: int):
+    metas = graph.tensorMeta or []
+    if tid >= len(metas) or metas[tid] is None:
+        raise PteError(f"tensor slot {tid} has no metadata")
+    return metas[tid]
+
+
+def _tensor_meta(graph, slot):
+    if slot.slotType != md.SlotType.TensorSlot:
+        return None
+    return _meta_of(graph, slot.idx)
+
+
+def to_mlx(x, meta, position: int):
+    """Convert a caller's input to the MLX array the program expects.
+
+    Returns ``(array, host)``, ``host`` being a numpy copy when the input came
+    from the host (so a position can be read without a device sync).
+    """
+    want = mlx_dtype(meta.scalarType)
+    host = None
+    if isinstance(x, mx.array):
+        arr = x
+    else:
+        if type(x).__module__.startswith("torch"):
+            x = x.detach().cpu()
+            if str(x.dtype) == "torch.bfloat16":
+                x = x.float()
+            x = x.numpy()
+        host = np.asarray(x)
+        if host.dtype == np.float64:
+            host = host.astype(np.float32)
+        arr = mx.array(host)
+    if arr.dtype != want:
+        same_kind = mx.issubdtype(arr.dtype, mx.integer) == mx.issubdtype(want, mx.integer)
+        if not same_kind:
+            raise PteError(
+                f"input {position} has dtype {arr.dtype}, the program expects {want}"
+            )
+        arr = arr.astype(want)
+    dims = meta.shape or []
+    if arr.ndim != len(dims):
+        raise PteError(
+            f"input {position} has {arr.ndim} dimensions {tuple(arr.shape)}, "
+            f"the program expects {len(dims)}"
+        )
+    for d, (size, dim) in enumerate(zip(arr.shape, dims)):
+        if dim.value >= 0 and size != dim.value:
+            raise PteError(
+                f"input {position} dimension {d} is {size}, the program expects {dim.value}"
+            )
+        if dim.value < 0 and (size < dim.minValue or (dim.maxValue >= 0 and size > dim.maxValue)):
+            bound = f"{dim.minValue}..{dim.maxValue}" if dim.maxValue >= 0 else f">= {dim.minValue}"
+            raise PteError(
+                f"input {position} dimension {d} is {size}, the program accepts {bound}"
+            )
+    return arr, host

@@ -1,0 +1,39 @@
+"""Attention with the off-graph cache (``UpdateAndAttendNode``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..errors import PteError
+from . import op
+
+
+@op("UpdateAndAttendNode")
+def build_update_and_attend(n, ctx):
+    if ctx.cache is None:
+        raise PteError(
+            "this program uses an off-graph KV cache: build one with "
+            "program.new_cache(capacity=...) and pass it to load_method(..., cache=cache)"
+        )
+    if n.layerId is None or n.scale is None:
+        raise PteError("UpdateAndAttendNode: layer_id and scale must be set")
+    if not 0 <= n.layerId < len(ctx.cache.layers):
+        raise PteError(
+            f"UpdateAndAttendNode: layer {n.layerId} out of range for a cache of "
+            f"{len(ctx.cache.layers)} layers"
+        )
+    q, k, v, out = ctx.t(n.q), ctx.t(n.k), ctx.t(n.v), ctx.out(n.out)
+    position = ctx.host_int(n.position)
+    layer, scale, cache = n.layerId, float(n.scale), ctx.cache
+    out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
+    sdpa = mx.fast.scaled_dot_product_attention
+
+    def run(f):
+        Q = f[q]
+        K, V, mask = cache.update_and_fetch(layer, position(f), f[k], f[v])
+        if K.dtype != Q.dtype:
+            K, V = K.astype(Q.dtype), V.astype(Q.dtype)
+        y = sdpa(Q, K, V, scale=scale, mask=mask)
+        f[out] = y if out_dtype is None else y.astype(out_dtype)
+
+    return run

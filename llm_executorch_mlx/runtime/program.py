@@ -1,0 +1,282 @@
+"""``load_program`` and the Program/Method objects, after ``executorch.runtime``."""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from ._schema import mlx_delegate as md
+from .cache import LayerGeometry, SequenceCache, parse_windows
+from .container import Plan, PteFile, TensorValue
+from .dtypes import array_from_buffer, mlx_dtype, scalar_type_name
+from .errors import PteError
+from .graph import decode_graph, node_name
+from .interpreter import GraphExecutor
+from .metadata import ForwardSignature, ModelMetadata, read_metadata
+
+MLX_BACKEND = "MLXBackend"
+
+
+def load_program(path: str | os.PathLike) -> "Program":
+    """Read and validate a .pte file; raise ``PteError`` saying what is wrong."""
+    return Program(PteFile(path))
+
+
+class Method:
+    """A loaded method; ``execute(inputs)`` returns its outputs as a list."""
+
+    def __init__(self, name: str, run, n_inputs: int):
+        self.name = name
+        self._run = run
+        self.n_inputs = n_inputs
+
+    def execute(self, inputs: list | tuple = ()) -> list:
+        """Run once. Inputs may be numpy arrays, mx arrays, torch tensors or
+        lists; tensor outputs are ``mx.array`` (lazy: evaluate or convert)."""
+        if len(inputs) != self.n_inputs:
+            raise PteError(f"{self.name} takes {self.n_inputs} inputs, got {len(inputs)}")
+        return self._run(list(inputs))
+
+    __call__ = execute
+
+
+class Program:
+    """A .pte program: its methods, metadata, and off-graph cache geometry."""
+
+    def __init__(self, pte: PteFile):
+        self.pte = pte
+        self.path = pte.path
+        self.method_names = set(pte.plans)
+        self._graphs: dict[str, md.MLXGraphT] = {}
+        self._constants: dict[str, list[mx.array]] = {}
+        raw = {}
+        for name, plan in pte.plans.items():
+            if not plan.delegates and not plan.kernel_calls:
+                raw[name] = _as_python(self._constant_outputs(plan))
+        forward = self._forward_signature() if "forward" in pte.plans else None
+        self.metadata: ModelMetadata = read_metadata(raw, forward)
+
+    # -- methods --------------------------------------------------------------
+
+    def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:
+        """Prepare a method to run; delegated methods decode their program now.
+
+        Args:
+            name: the method name (see ``method_names``).
+            cache: the off-graph cache, required when the program has one.
+        """
+        plan = self._plan(name)
+        if not plan.delegates and not plan.kernel_calls:
+            outputs = self._constant_outputs(plan)
+            return Method(name, lambda inputs: list(outputs), len(plan.inputs))
+        graph = self._graph(name)
+        uses_cache = _uses_offgraph_cache(graph)
+        if uses_cache and cache is None:
+            raise PteError(
+                f"{name} uses an off-graph KV cache: build one with "
+                "program.new_cache(capacity=...) and pass it as load_method(..., cache=cache)"
+            )
+        if cache is not None and uses_cache:
+            self._check_cache(cache)
+        executor = GraphExecutor(graph, self._load_constants(name, graph), cache if uses_cache else None)
+        return Method(name, executor.execute, len(plan.inputs))
+
+    def _plan(self, name: str) -> Plan:
+        try:
+            return self.pte.plans[name]
+        except KeyError:
+            raise PteError(
+                f"{self.path} has no method '{name}' (it has: {', '.join(sorted(self.method_names))})"
+            ) from None
+
+    def _constant_outputs(self, plan: Plan) -> list:
+        outs = []
+        for idx in plan.outputs:
+            value = plan.values[idx]
+            if isinstance(value, TensorValue):
+                value = self._constant_tensor(plan.name, value)
+            outs.append(value)
+        return outs
+
+    def _constant_tensor(self, method: str, t: TensorValue) -> mx.array:
+        if t.data_buffer_idx <= 0:
+            raise PteError(f"{method} returns a tensor with no constant data")
+        dtype = mlx_dtype(t.scalar_type)
+        nbytes = int(np.prod(t.sizes, dtype=np.int64)) * dtype.size
+        return array_from_buffer(self.pte.constant_data(t.data_buffer_idx, nbytes), t.sizes, dtype)
+
+    def _graph(self, name: str) -> md.MLXGraphT:
+        graph = self._graphs.get(name)
+        if graph is not None:
+            return graph
+        plan = self._plan(name)
+        if plan.kernel_calls or len(plan.delegates) != 1 or len(plan.delegate_args) != 1:
+            raise PteError(
+                f"{name} is not a single MLX delegate call ({len(plan.delegates)} delegates, "
+                f"{plan.kernel_calls} portable kernel calls): this runtime runs programs "
+                "fully delegated to MLXBackend"
+            )
+        delegate = plan.delegates[0]
+        if delegate.backend_id != MLX_BACKEND:
+            raise PteError(
+                f"{name} is delegated to {delegate.backend_id}, not {MLX_BACKEND}: "
+                "export with the MLX partitioner to run it here"
+            )
+        graph = decode_graph(delegate.payload)
+        args = plan.delegate_args[0]
+        n_in, n_out = len(graph.inputMap or []), len(graph.outputMap or [])
+        if args != plan.inputs + plan.outputs or n_in != len(plan.inputs) or n_out != len(plan.outputs):
+            raise PteError(
+                f"{name}'s delegate call does not map the method's {len(plan.inputs)} inputs "
+                f"and {len(plan.outputs)} outputs onto the MLX program's {n_in} and {n_out}"
+            )
+        self._graphs[name] = graph
+        return graph
+
+    def _load_constants(self, name: str, graph: md.MLXGraphT) -> list[mx.array]:
+        """Weights as MLX arrays in their stored dtype, shared by every load."""
+        cached = self._constants.get(name)
+        if cached is not None:
+            return cached
+        names = {}
+        for ns in graph.namedSlots or []:
+            if ns.slot.slotType == md.SlotType.TensorSlot:
+                names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
+        metas = graph.tensorMeta or []
+        constants = []
+        for tid in range(graph.numConstantTensors):
+            key = names.get(tid)
+            if key is None or tid >= len(metas) or metas[tid] is None:
+                raise PteError(f"{name}: constant tensor {tid} has no name or metadata")
+            meta = metas[tid]
+            shape = tuple(d.value for d in meta.shape or [])
+            if any(d < 0 for d in shape):
+                raise PteError(f"{name}: constant '{key}' has a dynamic shape")
+            dtype = mlx_dtype(meta.scalarType)
+            data = self.pte.named_data(key)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+            if len(data) < nbytes:
+                raise PteError(
+                    f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"
+                )
+            constants.append(array_from_buffer(data[:nbytes], shape, dtype))
+        mx.eval(constants)
+        self._constants[name] = constants
+        return constants
+
+    def _forward_signature(self) -> ForwardSignature:
+        plan = self._plan("forward")
+        if not plan.outputs:
+            raise PteError("forward publishes no outputs")
+        logits = plan.values[plan.outputs[0]]
+        tokens = plan.values[plan.inputs[0]] if plan.inputs else None
+        if not isinstance(logits, TensorValue):
+            raise PteError("forward's first output is not a tensor of logits")
+        token_bound = None
+        if isinstance(tokens, TensorValue) and tokens.sizes:
+            token_bound = tokens.sizes[-1]
+        graph_dtype = None
+        if plan.delegates and plan.delegates[0].backend_id == MLX_BACKEND:
+            graph_dtype = _attention_dtype(self._graph("forward"))
+        return ForwardSignature(
+            n_inputs=len(plan.inputs),
+            token_bound=token_bound,
+            logits_shape=logits.sizes,
+            logits_dtype=scalar_type_name(logits.scalar_type),
+            graph_dtype=graph_dtype,
+        )
+
+    # -- cache ----------------------------------------------------------------
+
+    def cache_geometry(self, windows=None) -> list[LayerGeometry]:
+        """Per-layer cache geometry the file publishes, with an optional window
+        pattern (``"512"``, ``"512,0"``, ``0``...) replacing the model's own."""
+        m = self.metadata
+        if not m.has_offgraph_cache:
+            raise PteError(
+                f"{self.path} publishes no off-graph cache geometry (get_n_caches): "
+                "re-export with --use-offgraph-cache"
+            )
+        pattern = m.windows if windows is None else parse_windows(windows)
+        return [
+            LayerGeometry(m.kv_heads[i], m.head_dims[i], pattern[i % len(pattern)])
+            for i in range(m.n_caches)
+        ]
+
+    def new_cache(
+        self,
+        capacity: int | None = None,
+        dtype: str | None = None,
+        initial_capacity: int | None = None,
+        windows=None,
+    ) -> SequenceCache:
+        """Build an off-graph cache for this program.
+
+        Args:
+            capacity: most tokens the sequence may hold (default: max context).
+            dtype: storage dtype "bf16" | "fp16" | "fp32" (default: the
+                model's activation dtype, else bf16).
+            initial_capacity: starting slots of flat pools (default 512).
+            windows: a window pattern replacing the model's own.
+        """
+        m = self.metadata
+        layers = self.cache_geometry(windows)
+        if capacity is None:
+            capacity = m.max_context
+        if capacity is None:
+            raise PteError("the file publishes no max context: pass capacity=")
+        max_write = m.prefill_chunk
+        narrowest = min((g.window for g in layers if g.window > 0), default=0)
+        if windows is not None and narrowest and max_write and narrowest < max_write:
+            max_write = narrowest  # the chunk follows a narrowed window down
+        return SequenceCache(
+            layers,
+            capacity=capacity,
+            dtype=dtype or m.activation_dtype or "bf16",
+            initial_capacity=initial_capacity,
+            max_write=max_write,
+        )
+
+    def _check_cache(self, cache: SequenceCache) -> None:
+        m = self.metadata
+        if len(cache.layers) != m.n_caches or any(
+            (g.n_kv_heads, g.head_dim) != (m.kv_heads[i], m.head_dims[i])
+            for i, g in enumerate(cache.layers)
+        ):
+            raise PteError(
+                "the cache's layer geometry does not match this program's; build it "
+                "with program.new_cache(...)"
+            )
+
+    @property
+    def prefill_chunk(self) -> int | None:
+        """Most tokens one forward call may take (also the ring max write)."""
+        return self.metadata.prefill_chunk
+
+    def close(self) -> None:
+        self.pte.close()
+
+
+def _uses_offgraph_cache(graph: md.MLXGraphT) -> bool:
+    return any(
+        node_name(i) == "UpdateAndAttendNode"
+        for chain in graph.instructionChains
+        for i in chain.instructions or []
+    )
+
+
+def _attention_dtype(graph: md.MLXGraphT) -> str | None:
+    """The dtype attention computes in: the out_dtype of the first cache node."""
+    for chain in graph.instructionChains:
+        for i in chain.instructions or []:
+            if node_name(i) == "UpdateAndAttendNode" and i.op.outDtype is not None:
+                return {5: "fp16", 6: "fp32", 15: "bf16"}.get(i.op.outDtype)
+    return None
+
+
+def _as_python(values: list):
+    """A constant method's result as plain Python: one value, or a list."""
+    out = [v.tolist() if isinstance(v, mx.array) else v for v in values]
+    return out[0] if len(out) == 1 else out

@@ -1,0 +1,120 @@
+"""Tiny Hugging Face models for the tests, built here (no weights to download).
+
+Each architecture is a few layers of random weights; ``trained`` variants are
+fitted for a few seconds on a synthetic sequence task so their logits have
+clear winners (random bf16 weights tie too often to compare greedy tokens).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+
+VOCAB = 256
+
+ARCHITECTURES = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        ),
+    ),
+}
+
+
+def build_config(arch: str):
+    import transformers
+
+    config_name, _, extra = ARCHITECTURES[arch]
+    return getattr(transformers, config_name)(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def synthetic_batch(generator, batch: int, length: int):
+    """Sequences of a learnable rule: x[t+1] = (3 * x[t] + 7) % VOCAB."""
+    import torch
+
+    x0 = torch.randint(0, VOCAB, (batch, 1), generator=generator)
+    seq = [x0]
+    for _ in range(length - 1):
+        seq.append((3 * seq[-1] + 7) % VOCAB)
+    return torch.cat(seq, dim=1)
+
+
+def build_model(arch: str, trained: bool, seed: int = 0):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    _, model_name, _ = ARCHITECTURES[arch]
+    model = getattr(transformers, model_name)(build_config(arch))
+    if trained:
+        generator = torch.Generator().manual_seed(seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        model.train()
+        for _ in range(60):
+            ids = synthetic_batch(generator, 16, 48)
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    model.eval()
+    return model
+
+
+def spec_key(**spec) -> str:
+    import executorch  # noqa: F401  (its version belongs in the key)
+    import importlib.metadata
+
+    spec["executorch"] = importlib.metadata.version("executorch")
+    spec["transformers"] = importlib.metadata.version("transformers")
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def make_fixture(root: pathlib.Path, arch: str, trained: bool, dtype: str, qlinear: str | None,
+                 max_ctx_len: int = 128, prefill_chunk: int = 32) -> tuple[pathlib.Path, pathlib.Path]:
+    """Save the HF model and export it; return (model dir, .pte path).
+
+    Results are kept under ``root`` by spec, so repeated runs reuse them.
+    """
+    from llm_executorch_mlx.export import export_hf_model
+
+    key = spec_key(arch=arch, trained=trained, dtype=dtype, qlinear=qlinear,
+                   max_ctx_len=max_ctx_len, prefill_chunk=prefill_chunk)
+    out = root / f"{arch}-{'trained' if trained else 'random'}-{dtype}-{qlinear or 'dense'}-{key}"
+    pte = out / "model.pte"
+    model_dir = out / "hf"
+    if pte.exists() and (model_dir / "config.json").exists():
+        return model_dir, pte
+    out.mkdir(parents=True, exist_ok=True)
+    build_model(arch, trained).save_pretrained(model_dir)
+    window = getattr(build_config(arch), "sliding_window", None) if arch == "gemma3" else None
+    chunk = min(prefill_chunk, window) if window else prefill_chunk
+    export_hf_model(model_dir, pte.with_suffix(".tmp"), dtype=dtype, qlinear=qlinear,
+                    group_size=32 if qlinear else None, max_ctx_len=max_ctx_len,
+                    prefill_chunk=chunk)
+    pte.with_suffix(".tmp").rename(pte)
+    return model_dir, pte

@@ -1,0 +1,188 @@
+"""The off-graph cache, through UpdateAndAttendNode, against ExecuTorch's
+eager reference cache (``executorch.extension.llm.cache.reference_cache``)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+from executorch.extension.llm.cache.reference_cache import (
+    CacheConfig,
+    ContiguousReferenceCache,
+    LayerPolicy,
+    attend,
+)
+from opgraph import OpGraph, md
+
+from llm_executorch_mlx.runtime import CacheFullError, LayerGeometry, PteError, SequenceCache
+
+H_Q, H_KV, D = 4, 2, 8
+SCALE = D**-0.5
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class Attention:
+    """One UpdateAndAttendNode per layer, run through our interpreter."""
+
+    def __init__(self, cache: SequenceCache):
+        self.cache = cache
+        self.executors = []
+        for layer in range(len(cache.layers)):
+            g = OpGraph()
+            q = g.input(np.zeros((1, H_Q, 1, D), np.float32), dynamic_dims=(2,))
+            k = g.input(np.zeros((1, H_KV, 1, D), np.float32), dynamic_dims=(2,))
+            v = g.input(np.zeros((1, H_KV, 1, D), np.float32), dynamic_dims=(2,))
+            pos = g.input(np.zeros((1,), np.int64), dynamic_dims=(0,))
+            out = g.temp()
+            g.node(md.UpdateAndAttendNodeT, q=q, k=k, v=v, position=pos, out=out,
+                   layerId=layer, scale=SCALE, outDtype=None)
+            g.output(out)
+            self.executors.append(g.executor(cache=cache))
+
+    def step(self, layer, q, k, v, position):
+        positions = np.arange(position, position + q.shape[2], dtype=np.int64)
+        (out,) = self.executors[layer].execute([q, k, v, positions])
+        return np.array(out)
+
+
+class Reference:
+    def __init__(self, windows, capacity, dtype):
+        self.cache = ContiguousReferenceCache(CacheConfig(
+            n_layers=len(windows), n_kv_heads=H_KV, head_dim=D, capacity=capacity,
+            dtype=TORCH_DTYPES[dtype],
+            layers=[LayerPolicy.ring(w) if w else LayerPolicy.flat() for w in windows],
+        ))
+
+    def step(self, layer, q, k, v, position):
+        pos = torch.arange(position, position + q.shape[2]).unsqueeze(-1)
+        K, V, spec = self.cache.update_and_fetch(layer, torch.from_numpy(k), torch.from_numpy(v), pos)
+        return attend(torch.from_numpy(q), K, V, spec, SCALE, torch.float32).numpy()
+
+
+def random_step(rng, T):
+    return (rng.standard_normal((1, H_Q, T, D)).astype(np.float32),
+            rng.standard_normal((1, H_KV, T, D)).astype(np.float32),
+            rng.standard_normal((1, H_KV, T, D)).astype(np.float32))
+
+
+def run_side_by_side(windows, steps, dtype="fp32", capacity=128, initial=None, max_write=8, atol=1e-5):
+    cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], capacity, dtype,
+                          initial_capacity=initial, max_write=max_write)
+    ours, ref = Attention(cache), Reference(windows, capacity, dtype)
+    rng = np.random.default_rng(0)
+    position = 0
+    for T in steps:
+        for layer in range(len(windows)):
+            q, k, v = random_step(rng, T)
+            np.testing.assert_allclose(ours.step(layer, q, k, v, position),
+                                       ref.step(layer, q, k, v, position), atol=atol, rtol=atol)
+        position += T
+        assert cache.length == position
+    return cache
+
+
+def test_flat_multi_token_steps_match_reference():
+    run_side_by_side([0], [5, 3, 1, 1, 8, 2, 1])
+
+
+def test_ring_wraps_and_matches_reference_past_its_window():
+    # window 8, steps of up to max_write 4 into an 11-slot ring: 80 positions wrap often
+    run_side_by_side([8], [4, 3, 1, 4, 2] * 5 + [1] * 10, max_write=4)
+
+
+def test_mixed_flat_and_ring_layers_share_one_length():
+    cache = run_side_by_side([6, 0, 6], [6, 6, 1, 1, 5, 6, 1], max_write=6)
+    assert cache.length == 26
+
+
+def test_flat_pool_grows_by_doubling_from_small_initial_capacity():
+    cache = run_side_by_side([0], [3, 1, 1, 8, 1], initial=2, capacity=20)
+    assert cache._k[0].shape[2] == 16  # 2 -> 4 -> 8 -> 16 slots, for 14 tokens
+    run_side_by_side([0], [7, 8, 5], initial=0, capacity=20)  # 0 -> 1 -> ... clamped at 20
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_half_precision_storage_matches_reference(dtype):
+    cache = run_side_by_side([0, 8], [5, 1, 1, 4, 1], dtype=dtype, max_write=5, atol=2e-2)
+    assert cache._k[0].dtype == {"fp16": mx.float16, "bf16": mx.bfloat16}[dtype]
+
+
+def test_refuses_a_step_past_capacity_and_keeps_its_length():
+    cache = SequenceCache([LayerGeometry(H_KV, D)], capacity=6, dtype="fp32")
+    att = Attention(cache)
+    rng = np.random.default_rng(1)
+    att.step(0, *random_step(rng, 5), 0)
+    assert cache.can_extend(1) and not cache.can_extend(2)
+    with pytest.raises(CacheFullError, match="capacity 6"):
+        att.step(0, *random_step(rng, 2), 5)
+    assert cache.length == 5
+
+
+def test_refuses_a_position_that_leaves_a_gap():
+    cache = SequenceCache([LayerGeometry(H_KV, D)], capacity=16, dtype="fp32")
+    with pytest.raises(PteError, match="past the cache length"):
+        Attention(cache).step(0, *random_step(np.random.default_rng(2), 1), 3)
+
+
+@pytest.mark.parametrize("windows", [[0], [8, 0]])
+def test_rewind_then_continue_equals_a_fresh_run(windows):
+    rng = np.random.default_rng(3)
+    history = [random_step(rng, 4) for _ in range(5)]  # 20 tokens
+    branch = [random_step(rng, 3), random_step(rng, 1)]
+
+    cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], 64, "fp32", max_write=4)
+    ours = Attention(cache)
+    for i, (q, k, v) in enumerate(history):
+        for layer in range(len(windows)):
+            ours.step(layer, q, k, v, 4 * i)
+    assert cache.rewind(17)
+    assert cache.length == 17
+    assert not cache.rewind(18)  # cannot grow
+
+    ref = Reference(windows, 64, "fp32")
+    for i, (q, k, v) in enumerate(history):
+        T = min(4, 17 - 4 * i)
+        if T <= 0:
+            break
+        for layer in range(len(windows)):
+            ref.step(layer, q[:, :, :T], k[:, :, :T], v[:, :, :T], 4 * i)
+    position = 17
+    for q, k, v in branch:
+        for layer in range(len(windows)):
+            np.testing.assert_allclose(ours.step(layer, q, k, v, position),
+                                       ref.step(layer, q, k, v, position), atol=1e-5)
+        position += q.shape[2]
+
+
+def test_ring_refuses_rewind_past_what_it_still_holds():
+    # window 4, max_write 2 -> 5 slots; after 20 tokens the ring holds 15..19.
+    cache = SequenceCache([LayerGeometry(H_KV, D, 4)], 64, "fp32", max_write=2)
+    att = Attention(cache)
+    rng = np.random.default_rng(4)
+    for p in range(0, 20, 2):
+        att.step(0, *random_step(rng, 2), p)
+    # A query at p reads p-3..p: p >= 18 keeps that inside 15..19.
+    assert cache.rewind_floor() == 18
+    assert not cache.rewind(17)
+    assert cache.length == 20
+    assert cache.rewind(18)
+
+
+def test_clear_then_rerun_equals_a_fresh_cache():
+    rng = np.random.default_rng(5)
+    steps = [random_step(rng, 3), random_step(rng, 1)]
+    cache = SequenceCache([LayerGeometry(H_KV, D, 4)], 32, "fp32", max_write=3)
+    att = Attention(cache)
+    first = [att.step(0, q, k, v, p) for (q, k, v), p in zip(steps, [0, 3])]
+    att.step(0, *random_step(rng, 3), 4)
+    cache.clear()
+    assert cache.length == 0
+    again = [att.step(0, q, k, v, p) for (q, k, v), p in zip(steps, [0, 3])]
+    for a, b in zip(first, again):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_program_free_validation_errors():
+    with pytest.raises(PteError, match="capacity"):
+        SequenceCache([LayerGeometry(H_KV, D)], capacity=0)
+    with pytest.raises(PteError, match="storage dtype"):
+        SequenceCache([LayerGeometry(H_KV, D)], capacity=8, dtype="int8")
