@@ -59,7 +59,8 @@ class BuildContext:
         self.chains: dict[int, list[tuple[str, Run]]] = {}
         self.in_init_chain = False
         self.current_node = "?"
-        self._writers: dict[int, tuple[str, object]] = {}
+        self._writes: list[tuple[str, object]] = []  # every node built, in order
+        self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
 
     # -- slots ------------------------------------------------------------
 
@@ -164,23 +165,31 @@ class BuildContext:
         return read
 
     def record_write(self, name: str, node) -> None:
-        """Remember which node last wrote each slot (for ``_host_source``)."""
+        """Remember which node wrote each slot, in order (for ``_host_source``)."""
+        self._writes.append((name, node))
+        step = len(self._writes) - 1
         out = getattr(node, "out", None)
-        if hasattr(out, "idx"):
-            self._writers[out.idx] = (name, node)
+        written = [out] if hasattr(out, "idx") else []
         for many in ("outs", "outputs"):
-            for t in getattr(node, many, None) or []:
-                self._writers[t.idx] = ("opaque", None)
+            written += getattr(node, many, None) or []
+        for t in written:
+            self._writers.setdefault(t.idx, []).append(step)
+
+    def _writer_before(self, i: int, step: int):
+        """The last node that wrote slot ``i`` before write number ``step``."""
+        for s in reversed(self._writers.get(i, [])):
+            if s < step:
+                return s, self._writes[s]
+        return None, ("opaque", None)
 
     def _host_source(self, i: int) -> int:
         """Follow ``i`` back through nodes that keep element [0, ..., 0] in
         place (reshapes, transposes, casts, index-0 takes and slices) to the
         program input it came from; return ``i`` itself when it did not."""
-        seen = set()
-        while i not in self.input_tids and i not in seen:
-            seen.add(i)
-            name, node = self._writers.get(i, ("opaque", None))
-            if not _keeps_first_element(name, node):
+        step = len(self._writes)
+        while i not in self.input_tids:
+            step, (name, node) = self._writer_before(i, step)
+            if step is None or not _keeps_first_element(name, node):
                 return i
             i = node.x.idx
         return i
@@ -410,9 +419,11 @@ def to_mlx(x, meta, position: int):
             raise PteError(
                 f"input {position} dimension {d} is {size}, the program expects {dim.value}"
             )
-        if dim.value < 0 and (size < dim.minValue or (dim.maxValue >= 0 and size > dim.maxValue)):
-            bound = f"{dim.minValue}..{dim.maxValue}" if dim.maxValue >= 0 else f">= {dim.minValue}"
+        # Only the upper bound binds: torch.export records a lower bound of 2
+        # for dynamic dims (it specializes 0 and 1), yet a 1-token step is valid.
+        if dim.value < 0 and dim.maxValue >= 0 and size > dim.maxValue:
             raise PteError(
-                f"input {position} dimension {d} is {size}, the program accepts {bound}"
+                f"input {position} dimension {d} is {size}, the program accepts at "
+                f"most {dim.maxValue}"
             )
     return arr, host

@@ -17,6 +17,10 @@ from .interpreter import GraphExecutor
 from .metadata import ForwardSignature, ModelMetadata, read_metadata
 
 MLX_BACKEND = "MLXBackend"
+LLM_METADATA = (
+    "get_max_ctx_len", "get_max_context_len", "get_max_seq_len", "get_vocab_size",
+    "get_n_caches", "get_prefill_chunk_size", "use_kv_cache",
+)
 
 
 def load_program(path: str | os.PathLike) -> "Program":
@@ -55,7 +59,9 @@ class Program:
         for name, plan in pte.plans.items():
             if not plan.delegates and not plan.kernel_calls:
                 raw[name] = _as_python(self._constant_outputs(plan))
-        forward = self._forward_signature() if "forward" in pte.plans else None
+        # Only a program that publishes LLM metadata promises the LLM forward ABI.
+        is_llm = "forward" in pte.plans and any(k in raw for k in LLM_METADATA)
+        forward = self._forward_signature() if is_llm else None
         self.metadata: ModelMetadata = read_metadata(raw, forward)
 
     # -- methods --------------------------------------------------------------
@@ -112,6 +118,12 @@ class Program:
         if graph is not None:
             return graph
         plan = self._plan(name)
+        others = sorted({d.backend_id for d in plan.delegates} - {MLX_BACKEND})
+        if others:
+            raise PteError(
+                f"{name} is delegated to {', '.join(others)}, not {MLX_BACKEND}: "
+                "export with the MLX partitioner to run it here"
+            )
         if plan.kernel_calls or len(plan.delegates) != 1 or len(plan.delegate_args) != 1:
             raise PteError(
                 f"{name} is not a single MLX delegate call ({len(plan.delegates)} delegates, "
@@ -119,11 +131,6 @@ class Program:
                 "fully delegated to MLXBackend"
             )
         delegate = plan.delegates[0]
-        if delegate.backend_id != MLX_BACKEND:
-            raise PteError(
-                f"{name} is delegated to {delegate.backend_id}, not {MLX_BACKEND}: "
-                "export with the MLX partitioner to run it here"
-            )
         graph = decode_graph(delegate.payload)
         args = plan.delegate_args[0]
         n_in, n_out = len(graph.inputMap or []), len(graph.outputMap or [])

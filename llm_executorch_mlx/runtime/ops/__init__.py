@@ -26,4 +26,5 @@ def op(*names: str):
 
 
 # Importing the modules fills BUILDERS.
-from . import attention  # noqa: E402,F401
+from . import attention, creation, elementwise, reduce, scalar  # noqa: E402,F401
+from . import shape, nn, quant, control  # noqa: E402,F401

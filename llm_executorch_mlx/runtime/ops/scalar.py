@@ -38,10 +38,13 @@ INT_OPS = {
 def build_int_op(n, ctx):
     fn = INT_OPS[ctx.current_node]
     a, b, o = ctx.int_(n.a), ctx.int_(n.b), ctx.v(n.out)
-    sa, sb = ctx.static_int(n.a), ctx.static_int(n.b)
-    if sa is not None and sb is not None:
-        const = fn(sa, sb)  # both literal: fold now, so errors surface at load
-        return lambda f: f.__setitem__(o, const)
+    if not (n.a.isVid or n.b.isVid):
+        const = fn(ctx.static_int(n.a), ctx.static_int(n.b))  # errors surface at load
+
+        def run_const(f):
+            f[o] = const
+
+        return run_const
 
     def run(f):
         f[o] = fn(f[a], f[b])

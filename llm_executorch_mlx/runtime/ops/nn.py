@@ -1,0 +1,127 @@
+"""Neural-network nodes: addmm, norms, RoPE, attention, convolutions."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..errors import PteError
+from . import op
+
+
+@op("AddmmNode")
+def build_addmm(n, ctx):
+    a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
+    bias = ctx.t_opt(n.bias)
+    if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
+
+        def run(f):
+            f[out] = mx.matmul(f[a], f[b])
+
+        return run
+    alpha, beta = float(n.alpha), float(n.beta)
+
+    def run(f):
+        f[out] = mx.addmm(f[bias], f[a], f[b], alpha, beta)
+
+    return run
+
+
+@op("RMSNormNode")
+def build_rms_norm(n, ctx):
+    x, w, out, eps = ctx.t(n.x), ctx.t_opt(n.weight), ctx.out(n.out), float(n.eps)
+    rms_norm = mx.fast.rms_norm
+
+    def run(f):
+        f[out] = rms_norm(f[x], None if w is None else f[w], eps)
+
+    return run
+
+
+@op("LayerNormNode")
+def build_layer_norm(n, ctx):
+    x, out, eps = ctx.t(n.x), ctx.out(n.out), float(n.eps)
+    w, b = ctx.t_opt(n.weight), ctx.t_opt(n.bias)
+    layer_norm = mx.fast.layer_norm
+
+    def run(f):
+        f[out] = layer_norm(f[x], None if w is None else f[w], None if b is None else f[b], eps)
+
+    return run
+
+
+@op("RopeNode")
+def build_rope(n, ctx):
+    if n.offset is None:
+        raise PteError(f"{ctx.current_node}: offset is missing")
+    x, out, freqs = ctx.t(n.x), ctx.out(n.out), ctx.t_opt(n.freqs)
+    # A Vid slot holds an int and a Tid slot an array: mx.fast.rope takes
+    # either, like the two C++ overloads.
+    offset = ctx.v(n.offset.vid) if n.offset.isVid else ctx.t(n.offset.tid)
+    dims, traditional, scale = n.dims, bool(n.traditional), float(n.scale)
+    base = None if freqs is not None else float(n.base)  # MLX takes one of the two
+    rope = mx.fast.rope
+
+    def run(f):
+        f[out] = rope(
+            f[x], dims, traditional=traditional, base=base, scale=scale,
+            offset=f[offset], freqs=None if freqs is None else f[freqs],
+        )
+
+    return run
+
+
+@op("SdpaNode")
+def build_sdpa(n, ctx):
+    q, k, v, out = ctx.t(n.q), ctx.t(n.k), ctx.t(n.v), ctx.out(n.out)
+    mask, scale = ctx.t_opt(n.mask), float(n.scale)
+    sdpa = mx.fast.scaled_dot_product_attention
+    if mask is None:
+        mode = "causal" if n.causal else None
+
+        def run(f):
+            f[out] = sdpa(f[q], f[k], f[v], scale=scale, mask=mode)
+
+        return run
+    if n.causal:
+        raise PteError(f"{ctx.current_node}: causal and an explicit mask together (MLX takes one)")
+
+    def run(f):
+        Q, M = f[q], f[mask]
+        if M.dtype != mx.bool_ and M.dtype != Q.dtype:  # additive masks follow Q
+            M = M.astype(Q.dtype)
+        f[out] = sdpa(Q, f[k], f[v], scale=scale, mask=M)
+
+    return run
+
+
+def _conv(fn, axes: str, transposed: bool):
+    """A builder for one convolution node; ``axes`` names the field suffixes
+    (``""`` for 1D's plain ``stride``, ``"HW"`` for ``strideH, strideW``)."""
+    fields = ("stride", "padding", "dilation") + (("outputPadding",) if transposed else ())
+
+    def param(n, field):
+        if not axes:
+            return getattr(n, field)
+        return tuple(getattr(n, field + a) for a in axes)
+
+    def build(n, ctx):
+        x, w, out = ctx.t(n.x), ctx.t(n.w), ctx.out(n.out)
+        args = [param(n, p) for p in fields] + [n.groups]
+
+        def run(f):
+            f[out] = fn(f[x], f[w], *args)
+
+        return run
+
+    return build
+
+
+for _name, _fn, _axes, _transposed in (
+    ("Conv1DNode", mx.conv1d, "", False),
+    ("Conv2DNode", mx.conv2d, "HW", False),
+    ("Conv3DNode", mx.conv3d, "DHW", False),
+    ("ConvTranspose1DNode", mx.conv_transpose1d, "", True),
+    ("ConvTranspose2DNode", mx.conv_transpose2d, "HW", True),
+    ("ConvTranspose3DNode", mx.conv_transpose3d, "DHW", True),
+):
+    op(_name)(_conv(_fn, _axes, _transposed))
