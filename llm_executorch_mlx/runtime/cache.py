@@ -164,6 +164,14 @@ class SequenceCache:
         """Bytes the pools hold now (allocated slots, not live tokens)."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
 
+    def bytes_in_use(self) -> int:
+        """Bytes of the live tokens: each layer holds at most its slots."""
+        size = self._mx_dtype.size
+        return sum(
+            2 * g.n_kv_heads * g.head_dim * size * min(self.length, slots)
+            for g, slots in zip(self.layers, self._max_slots)
+        )
+
     def bytes_per_token(self) -> int:
         """K+V bytes one token adds across all layers at the storage dtype."""
         size = self._mx_dtype.size

@@ -116,12 +116,9 @@ def _conv(fn, axes: str, transposed: bool):
     return build
 
 
-for _name, _fn, _axes, _transposed in (
-    ("Conv1DNode", mx.conv1d, "", False),
-    ("Conv2DNode", mx.conv2d, "HW", False),
-    ("Conv3DNode", mx.conv3d, "DHW", False),
-    ("ConvTranspose1DNode", mx.conv_transpose1d, "", True),
-    ("ConvTranspose2DNode", mx.conv_transpose2d, "HW", True),
-    ("ConvTranspose3DNode", mx.conv_transpose3d, "DHW", True),
-):
-    op(_name)(_conv(_fn, _axes, _transposed))
+op("Conv1DNode")(_conv(mx.conv1d, "", transposed=False))
+op("Conv2DNode")(_conv(mx.conv2d, "HW", transposed=False))
+op("Conv3DNode")(_conv(mx.conv3d, "DHW", transposed=False))
+op("ConvTranspose1DNode")(_conv(mx.conv_transpose1d, "", transposed=True))
+op("ConvTranspose2DNode")(_conv(mx.conv_transpose2d, "HW", transposed=True))
+op("ConvTranspose3DNode")(_conv(mx.conv_transpose3d, "DHW", transposed=True))

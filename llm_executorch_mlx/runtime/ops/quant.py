@@ -28,7 +28,6 @@ def build_quantized_matmul(n, ctx):
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
     transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
-
     qmm = mx.quantized_matmul
 
     def run(f):  # the decode hot path: no helper calls

@@ -19,7 +19,7 @@ from . import op
 _ALL = slice(None)
 
 
-# -- helpers shared by the op modules ----------------------------------------
+# -- helpers (int_list and text serve the other op modules too) --------------
 
 
 def int_list(values) -> list[int]:
@@ -32,13 +32,13 @@ def text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value or ""
 
 
-def static_ints(ctx, iovs) -> list[int] | None:
+def _static_ints(ctx, iovs) -> list[int] | None:
     """The literals of an ``IntOrVid`` list, or None when any is dynamic."""
     values = [ctx.static_int(x) for x in iovs or []]
     return None if None in values else values
 
 
-def normalize_axis(axis: int, rank: int, what: str) -> int:
+def _normalize_axis(axis: int, rank: int, what: str) -> int:
     if not -rank <= axis < rank:
         raise PteError(f"{what}: axis {axis} out of range for {rank} dimensions")
     return axis + rank if axis < 0 else axis
@@ -64,7 +64,7 @@ def _unary(n, ctx, fn, *args):
 def _with_ints(n, ctx, iovs, fn):
     """``out = fn(x, ints)``, the ints fixed at load when all are literal."""
     x, out = ctx.t(n.x), ctx.out(n.out)
-    const = static_ints(ctx, iovs)
+    const = _static_ints(ctx, iovs)
     if const is not None:
 
         def run(f):
@@ -114,7 +114,7 @@ def build_tile(n, ctx):
 
 @op("BroadcastToNode")
 def build_broadcast_to(n, ctx):
-    const = static_ints(ctx, n.shape)
+    const = _static_ints(ctx, n.shape)
     if const is not None and -1 not in const:
         return _with_ints(n, ctx, n.shape, mx.broadcast_to)
 
@@ -170,7 +170,7 @@ def build_pad(n, ctx):
     def pad(x, flat):
         return mx.pad(x, list(zip(flat[::2], flat[1::2])), mode, value)
 
-    const = static_ints(ctx, widths)
+    const = _static_ints(ctx, widths)
     if const is None:
         return _with_ints(n, ctx, widths, pad)
     pairs = list(zip(const[::2], const[1::2]))
@@ -214,7 +214,7 @@ def build_slice_update(n, ctx):
 
     def run(f):
         d = f[dst]
-        ax = normalize_axis(f[axis], d.ndim, name)
+        ax = _normalize_axis(f[axis], d.ndim, name)
         size = d.shape[ax]
         lo, hi = f[start], f[stop]
         lo = min(max(lo + size if lo < 0 else lo, 0), size)
@@ -240,7 +240,7 @@ def build_index_copy(n, ctx):
             raise PteError(f"{name}: indices must be 1D, got shape {tuple(ix.shape)}")
         if ix.dtype != mx.int64:
             raise PteError(f"{name}: expected int64 indices, got {ix.dtype}")
-        ax = normalize_axis(axis, d.ndim, name)
+        ax = _normalize_axis(axis, d.ndim, name)
         size = d.shape[ax]
         pos = []
         for i in ix.tolist():  # a host read, as in ExecuTorch
@@ -293,7 +293,7 @@ def build_split(n, ctx):
 
     if len(sizes) != len(outs):
         raise PteError(f"{name}: {len(sizes)} sizes for {len(outs)} outputs")
-    const = static_ints(ctx, sizes)
+    const = _static_ints(ctx, sizes)
     if const is not None:
         cuts = list(accumulate(const[:-1]))
 
@@ -333,7 +333,7 @@ def build_take(n, ctx):
 
         def run(f):
             a = f[x]
-            f[out] = mx.take(a, f[idx], normalize_axis(axis, a.ndim, name))
+            f[out] = mx.take(a, f[idx], _normalize_axis(axis, a.ndim, name))
 
         return run
     if index.kind == 1:
@@ -345,7 +345,7 @@ def build_take(n, ctx):
 
     def run(f):
         a, i = f[x], f[slot]
-        ax = normalize_axis(axis, a.ndim, name)
+        ax = _normalize_axis(axis, a.ndim, name)
         size = a.shape[ax]
         if not -size <= i < size:
             raise PteError(f"{name}: index {i} out of range for a dimension of size {size}")
@@ -397,7 +397,7 @@ def build_scatter_add(n, ctx):
         # grid: indices and updates broadcast together, then with the input
         # on every axis but ``axis``.
         a, i, u = f[x], f[idx], f[upd].astype(f[x].dtype)
-        ax = normalize_axis(axis, a.ndim, name)
+        ax = _normalize_axis(axis, a.ndim, name)
         if i.ndim != a.ndim:
             raise PteError(f"{name}: indices have {i.ndim} dims, input has {a.ndim}")
         if u.ndim > i.ndim:
