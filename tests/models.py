@@ -118,3 +118,38 @@ def make_fixture(root: pathlib.Path, arch: str, trained: bool, dtype: str, qline
                     prefill_chunk=chunk)
     pte.with_suffix(".tmp").rename(pte)
     return model_dir, pte
+
+
+LLAMA3_SPECIALS = ["<unk>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+CORPUS = [
+    "Why is the sky blue? Because air scatters short blue wavelengths more than red ones.",
+    "The quick brown fox jumps over the lazy dog. Hello there, how are you today?",
+    "Tell me a story about a cat who learns to read books in the old library.",
+    "Numbers like 1, 2, 3 and 42 appear in text; so do questions and answers.",
+]
+
+
+def make_tokenizer(directory: pathlib.Path, vocab_size: int = 200, extra_tokens: int = 0) -> pathlib.Path:
+    """A small BPE tokenizer.json (+ tokenizer_config.json with a Llama 3 chat
+    template) whose vocabulary fits the test models' 256 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=LLAMA3_SPECIALS))
+    tok.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "chat_template": LLAMA3_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }))
+    return directory / "tokenizer.json"

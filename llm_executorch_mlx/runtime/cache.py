@@ -160,6 +160,11 @@ class SequenceCache:
         self.length = 0
 
     @property
+    def state(self) -> list[mx.array]:
+        """The pool arrays, to ``mx.eval`` after a step whose output is unused."""
+        return self._k + self._v
+
+    @property
     def nbytes(self) -> int:
         """Bytes the pools hold now (allocated slots, not live tokens)."""
         return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))

@@ -257,6 +257,18 @@ class Program:
                 "with program.new_cache(...)"
             )
 
+    def weight_bytes(self) -> int:
+        """Bytes of every delegated method's constants, from metadata alone."""
+        total = 0
+        for name, plan in self.pte.plans.items():
+            if not plan.delegates or plan.delegates[0].backend_id != MLX_BACKEND:
+                continue
+            graph = self._graph(name)
+            for meta in (graph.tensorMeta or [])[: graph.numConstantTensors]:
+                n = int(np.prod([d.value for d in meta.shape or []], dtype=np.int64))
+                total += n * mlx_dtype(meta.scalarType).size
+        return total
+
     @property
     def prefill_chunk(self) -> int | None:
         """Most tokens one forward call may take (also the ring max write)."""

@@ -1,0 +1,191 @@
+"""`llm pte ...`: register, list, inspect and remove .pte models."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import click
+
+from .registry import MODEL_PREFIX, Entry, find_entry, load_entries, save_entries
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _load(path: str):
+    from .runtime import PteError, load_program
+
+    try:
+        return load_program(path)
+    except PteError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _summary(program) -> dict:
+    m = program.metadata
+    return {
+        "max_context": m.max_context,
+        "prefill_chunk": m.prefill_chunk,
+        "vocab_size": m.vocab_size,
+        "activation_dtype": m.activation_dtype,
+        "layers": m.n_caches,
+        "windows": m.windows,
+    }
+
+
+def _layers_text(windows: list[int]) -> str:
+    flat = sum(1 for w in windows if w == 0)
+    rings: dict[int, int] = {}
+    for w in windows:
+        if w:
+            rings[w] = rings.get(w, 0) + 1
+    parts = [f"{flat} flat"] + [f"{n} ring(window {w})" for w, n in sorted(rings.items())]
+    return f"{len(windows)} layers: " + " + ".join(parts)
+
+
+def register_commands(cli):
+    @cli.group(name="pte")
+    def pte():
+        "Manage ExecuTorch .pte models exported for MLX"
+
+    @pte.command(name="register")
+    @click.argument("path", type=click.Path(dir_okay=False))
+    @click.option("--tokenizer", "tokenizer_path", required=True, type=click.Path(dir_okay=False),
+                  help="tokenizer.json, tiktoken or sentencepiece file")
+    @click.option("--name", help="Model name (default: the file's stem); use it as pte:NAME")
+    @click.option("--alias", "aliases", multiple=True, help="Extra name for the model (repeatable)")
+    @click.option("--chat", default="auto", show_default=True,
+                  help="Chat template: auto, llama3, gemma, gemma4, or none/0")
+    @click.option("--force", is_flag=True, help="Replace a model registered under the same name")
+    def register(path, tokenizer_path, name, aliases, chat, force):
+        "Register a .pte model and its tokenizer as pte:NAME"
+        from .text import TextError, load_tokenizer, resolve_template
+
+        path = str(pathlib.Path(path).resolve())
+        tokenizer_path = str(pathlib.Path(tokenizer_path).resolve())
+        name = name or pathlib.Path(path).stem
+        for n in (name, *aliases):
+            if not NAME_RE.match(n):
+                raise click.ClickException(
+                    f"invalid name {n!r}: use letters, digits, '.', '_' and '-'"
+                )
+        entries = load_entries()
+        if name in entries and not force:
+            raise click.ClickException(
+                f"a model named {name!r} is already registered: use --force to replace it"
+            )
+        taken = {a: e.name for e in entries.values() if e.name != name for a in (e.name, *e.aliases)}
+        for a in aliases:
+            if a in taken:
+                raise click.ClickException(f"alias {a!r} is already used by {MODEL_PREFIX}{taken[a]}")
+
+        program = _load(path)
+        m = program.metadata
+        if "forward" not in program.method_names:
+            raise click.ClickException(f"{path} has no forward method: not a language model")
+        if not m.has_offgraph_cache:
+            raise click.ClickException(
+                f"{path} has no off-graph KV cache: re-export it with --use-offgraph-cache "
+                "(or `llm pte export`)"
+            )
+        try:
+            program.load_method("forward", cache=program.new_cache(capacity=1))
+            tokenizer = load_tokenizer(tokenizer_path)
+            resolve_template(chat, tokenizer)
+        except TextError as e:
+            raise click.ClickException(str(e)) from None
+        except Exception as e:  # PteError from the program
+            raise click.ClickException(str(e)) from None
+        if m.vocab_size is not None and tokenizer.vocab_size > m.vocab_size:
+            raise click.ClickException(
+                f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                f"{m.vocab_size}: wrong tokenizer for this model?"
+            )
+        entries[name] = Entry(name=name, path=path, tokenizer=tokenizer_path, chat=chat,
+                              aliases=list(aliases), summary=_summary(program))
+        save_entries(entries)
+        click.echo(f"Registered {MODEL_PREFIX}{name}")
+
+    @pte.command(name="models")
+    @click.option("--json", "as_json", is_flag=True, help="Output as JSON")
+    def models(as_json):
+        "List registered .pte models"
+        entries = load_entries()
+        if as_json:
+            click.echo(json.dumps([
+                {"model_id": e.model_id, "name": e.name, "aliases": e.aliases, "path": e.path,
+                 "tokenizer": e.tokenizer, "chat": e.chat, **e.summary}
+                for e in entries.values()
+            ], indent=2))
+            return
+        if not entries:
+            click.echo("No models registered: llm pte register model.pte --tokenizer tokenizer.json")
+            return
+        for e in entries.values():
+            s = e.summary
+            missing = [f for f in (e.path, e.tokenizer) if not pathlib.Path(f).is_file()]
+            click.echo(e.model_id + (f" (aliases: {', '.join(e.aliases)})" if e.aliases else ""))
+            click.echo(f"  path:      {e.path}")
+            click.echo(f"  tokenizer: {e.tokenizer}")
+            click.echo(f"  chat:      {e.chat}")
+            if s:
+                click.echo(f"  context:   {s.get('max_context')} tokens, prefill chunk {s.get('prefill_chunk')}, "
+                           f"{_layers_text(s.get('windows') or [])}")
+            for f in missing:
+                click.echo(f"  MISSING:   {f}")
+
+    @pte.command(name="remove")
+    @click.argument("name")
+    def remove(name):
+        "Unregister a model (its files are left alone)"
+        entry = find_entry(name)
+        if entry is None:
+            raise click.ClickException(f"no registered model named {name!r}: see llm pte models")
+        entries = load_entries()
+        del entries[entry.name]
+        save_entries(entries)
+        click.echo(f"Removed {entry.model_id}")
+
+    @pte.command(name="info")
+    @click.argument("name_or_path")
+    @click.option("--json", "as_json", is_flag=True, help="Output as JSON")
+    def info(name_or_path, as_json):
+        "Show what a .pte file publishes: methods, metadata, cache geometry, sizes"
+        entry = find_entry(name_or_path)
+        path = entry.path if entry else name_or_path
+        program = _load(path)
+        m = program.metadata
+        facts = {
+            "path": str(pathlib.Path(path).resolve()),
+            "file_bytes": pathlib.Path(path).stat().st_size,
+            "methods": sorted(program.method_names),
+            "weight_bytes": program.weight_bytes(),
+            "metadata": {k: v for k, v in m.as_dict().items() if not k.startswith(("get_", "use_", "enable_"))},
+            "constant_methods": m.raw,
+        }
+        if m.has_offgraph_cache:
+            per_token = {
+                dt: sum(2 * h * d * size for h, d in zip(m.kv_heads, m.head_dims))
+                for dt, size in KV_DTYPE_BYTES.items()
+            }
+            facts["kv_bytes_per_token"] = per_token
+        if as_json:
+            click.echo(json.dumps(facts, indent=2, default=str))
+            return
+        click.echo(f"{facts['path']} ({facts['file_bytes'] / 1e6:.1f} MB, weights {facts['weight_bytes'] / 1e6:.1f} MB)")
+        click.echo(f"methods:          {', '.join(facts['methods'])}")
+        click.echo(f"max context:      {m.max_context}")
+        click.echo(f"prefill chunk:    {m.prefill_chunk}")
+        click.echo(f"vocab size:       {m.vocab_size}")
+        click.echo(f"activation dtype: {m.activation_dtype}")
+        click.echo(f"logits mode:      {m.logits_mode}")
+        click.echo(f"bos / eos ids:    {m.bos_id} / {m.eos_ids or '-'}")
+        if m.has_offgraph_cache:
+            click.echo(f"[cache] off-graph seq | {_layers_text(m.windows)}")
+            click.echo(f"        kv heads {m.kv_heads}, head dims {m.head_dims}")
+            click.echo("        KV bytes/token: " + ", ".join(
+                f"{dt} {n:,}" for dt, n in facts["kv_bytes_per_token"].items()))
+        else:
+            click.echo("[cache] none published (in-graph or not an LLM)")

@@ -1,0 +1,20 @@
+"""The text layer: tokenizers, streaming detokenization, chat templates, sampling, stop strings."""
+
+from .detokenize import StreamDecoder
+from .errors import TextError
+from .sampling import Sampler
+from .stops import StopMatcher
+from .templates import TEMPLATE_NAMES, ChatTemplate, resolve_template
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "TEMPLATE_NAMES",
+    "ChatTemplate",
+    "Sampler",
+    "StopMatcher",
+    "StreamDecoder",
+    "TextError",
+    "Tokenizer",
+    "load_tokenizer",
+    "resolve_template",
+]

@@ -1,0 +1,105 @@
+"""The decode loop: chunked prefill, then one token per step with look-ahead.
+
+``generate_tokens`` yields token ids only; text, stops and stats live a level
+up. Each decode step is queued with ``mx.async_eval`` before the previous
+token is read on the host, so the host waits on the device at most once per
+token and builds step N+1's graph while step N runs (as mlx-lm does). Token
+ids go to ``forward`` as device arrays and positions as host arrays, so no
+step reads a device value it does not need.
+
+Because of the look-ahead, every token yielded has already been fed to the
+model (its K/V is in the cache) unless the cache had no room for it; the
+caller learns which through ``Step.fed``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass
+class Step:
+    token: int
+    fed: bool  # its K/V is in the cache (the next step was queued)
+
+
+@dataclass
+class Timings:
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
+    first_token_seconds: float | None = None
+
+
+def prefill(forward, cache, tokens: list[int], start: int, chunk: int) -> mx.array:
+    """Feed ``tokens`` at positions ``start...`` in chunks; return the last
+    row of logits (lazy).
+
+    Only the cache is evaluated after a chunk that is not the last: its logits
+    are never needed, so the final norm, the last MLP and the LM head of those
+    chunks are never computed, and memory stays at one chunk's activations.
+    """
+    logits = None
+    for off in range(0, len(tokens), chunk):
+        ids = np.asarray([tokens[off : off + chunk]], dtype=np.int64)
+        pos = np.arange(start + off, start + off + ids.shape[1], dtype=np.int64)
+        logits = forward.execute([ids, pos])[0]
+        if off + chunk < len(tokens):
+            mx.eval(cache.state)
+    return logits[0, -1]
+
+
+def generate_tokens(
+    forward,
+    cache,
+    prompt: list[int],
+    start: int,
+    chunk: int,
+    sample: Callable[[mx.array, list[int]], mx.array],
+    max_tokens: int,
+    timings: Timings,
+) -> Iterator[Step]:
+    """Prefill ``prompt`` (the uncached tail, starting at ``start``), then
+    decode up to ``max_tokens`` tokens.
+
+    Args:
+        forward: the loaded forward method (bound to ``cache``).
+        cache: the off-graph cache; a token is fed only while it has room.
+        sample: maps a logits row and the ids so far to a token (mx scalar).
+
+    If this is interrupted, the cache may hold one token more than was
+    yielded (fed, not yet read); the caller rewinds it to what it recorded.
+    """
+    t0 = time.perf_counter()
+    logits = prefill(forward, cache, prompt, start, chunk)
+    history = list(prompt)
+    y = sample(logits, history)
+    mx.async_eval(y)
+    position = start + len(prompt)
+    t_first = None
+    for produced in range(1, max_tokens + 1):
+        fed = produced < max_tokens and cache.can_extend(1)
+        if fed:  # queue the step that feeds y before reading y on the host
+            logits = forward.execute([y.reshape(1, 1), np.array([position], np.int64)])[0][0, -1]
+            position += 1
+        token = y.item()
+        now = time.perf_counter()
+        if t_first is None:
+            t_first = now
+            timings.prefill_tokens = len(prompt)
+            timings.prefill_seconds = timings.first_token_seconds = now - t0
+        timings.decode_tokens = produced - 1
+        timings.decode_seconds = now - t_first
+        if fed:
+            history.append(token)
+            y = sample(logits, history)
+            mx.async_eval(y)
+        yield Step(token, fed)
+        if not fed:
+            return

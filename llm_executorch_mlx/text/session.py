@@ -1,0 +1,120 @@
+"""Conversation sessions: one off-graph cache each, and the ids it holds.
+
+A turn renders the whole history to ids and reuses the longest prefix the
+session's cache already holds: ``hit`` (the cache is a prefix of the prompt),
+``trim`` (rewound to the divergence point), ``reset`` (a ring layer had
+already dropped that point, so the cache is cleared) or ``cold`` (a new
+session). Only the remaining tail is prefilled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+DEFAULT_MAX_SESSIONS = 4
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """The runtime cache choices; changing any of them needs a new cache."""
+
+    capacity: int
+    dtype: str
+    initial_capacity: int | None = None
+    windows: str | None = None
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    """One cache and the exact ids it holds."""
+
+    def __init__(self, program, policy: CachePolicy):
+        self.policy = policy
+        self.cache = program.new_cache(
+            capacity=policy.capacity,
+            dtype=policy.dtype,
+            initial_capacity=policy.initial_capacity,
+            windows=policy.windows,
+        )
+        self.forward = program.load_method("forward", cache=self.cache)
+        self.tokens: list[int] = []
+        self.last_used = time.monotonic()
+
+    def reuse(self, prompt: list[int]) -> tuple[str, int]:
+        """Position the cache for ``prompt``; return (path, tokens reused).
+
+        At least one prompt token is always left to feed, since the next
+        token's logits come from feeding it.
+        """
+        self.last_used = time.monotonic()
+        if not self.tokens:
+            return "cold", 0
+        n = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        if n == len(self.tokens):
+            return "hit", n
+        if n > 0 and self.cache.rewind(n):
+            del self.tokens[n:]
+            return "trim", n
+        self.cache.clear()
+        self.tokens.clear()
+        return "reset", 0
+
+    def resync(self) -> None:
+        """Make the cache hold exactly ``tokens`` again (after an interruption)."""
+        if self.cache.length > len(self.tokens):
+            if not self.cache.rewind(len(self.tokens)):
+                self.cache.clear()
+                self.tokens.clear()
+        else:
+            del self.tokens[self.cache.length :]
+
+
+class SessionPool:
+    """The live sessions of one process, least recently used dropped first."""
+
+    def __init__(self, max_sessions: int = DEFAULT_MAX_SESSIONS):
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[int, tuple[object, Session]] = OrderedDict()
+
+    def acquire(self, key, program, policy: CachePolicy, prompt: list[int]) -> Session:
+        """The session that holds the most of ``prompt``, or a new one.
+
+        A session is reused when its whole history is a prefix of the prompt
+        (the next turn of that conversation), or when most of it is (an edited
+        last turn). A conversation that shares only a little with every live
+        session (say, the same system prompt) gets its own session, so two
+        interleaved conversations do not evict each other's history.
+        """
+        best, best_n = None, 0
+        for sid, (k, s) in self._sessions.items():
+            if k != key or s.policy != policy:
+                continue
+            n = common_prefix(s.tokens, prompt)
+            if n > best_n:
+                best, best_n = sid, n
+        if best is not None:
+            s = self._sessions[best][1]
+            full = len(self._sessions) >= self.max_sessions
+            if best_n == len(s.tokens) or 2 * best_n >= len(s.tokens) or full:
+                self._sessions.move_to_end(best)
+                return s
+        while len(self._sessions) >= self.max_sessions:
+            self._sessions.popitem(last=False)
+        session = Session(program, policy)
+        self._sessions[id(session)] = (key, session)
+        return session
+
+    def clear(self) -> None:
+        self._sessions.clear()
+
+    def __len__(self) -> int:
+        return len(self._sessions)

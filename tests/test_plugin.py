@@ -1,0 +1,289 @@
+"""The llm plugin end to end: CLI commands, prompting, chat sessions.
+
+References are independent of our text layer: transformers' tokenizer and
+``apply_chat_template`` make the prompt ids, the Hugging Face model's eager
+greedy ``generate`` makes the expected continuation.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import llm
+import pytest
+import torch
+import transformers
+from click.testing import CliRunner
+from llm.cli import cli
+from models import make_tokenizer
+
+from llm_executorch_mlx.registry import registry_path
+from llm_executorch_mlx.text import turn as turn_module
+
+
+@pytest.fixture(autouse=True)
+def user_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    turn_module.POOL.clear()
+    turn_module._generated.clear()
+    yield tmp_path / "llm"
+
+
+@pytest.fixture(scope="module")
+def tiny(exported, tmp_path_factory):
+    """A registered-ready (pte, tokenizer dir, hf dir) triple: llama fp32."""
+    model_dir, pte = exported("llama")
+    tok_dir = tmp_path_factory.mktemp("tok")
+    make_tokenizer(tok_dir)
+    return pte, tok_dir, model_dir
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(cli, list(args), input=input, catch_exceptions=False)
+
+
+def register(tiny, name="tiny", *extra):
+    pte, tok_dir, _ = tiny
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", name, *extra)
+    assert r.exit_code == 0, r.output
+    return r
+
+
+def hf_greedy(tiny, messages, max_new_tokens):
+    """The Hugging Face reference: template, ids and greedy continuation."""
+    _, tok_dir, model_dir = tiny
+    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eot, pad_token_id=eot)
+    new = out[0, len(ids):].tolist()
+    if new and new[-1] == eot:
+        new = new[:-1]
+    return ids, tok.decode(new)
+
+
+# -- commands -------------------------------------------------------------
+
+
+def test_register_list_info_remove(tiny):
+    r = register(tiny, "tiny", "--alias", "t1")
+    assert "Registered pte:tiny" in r.output
+    r = invoke("models")
+    assert "pte:tiny" in r.output
+    listed = json.loads(invoke("pte", "models", "--json").output)
+    assert listed[0]["model_id"] == "pte:tiny" and listed[0]["aliases"] == ["t1"]
+    assert listed[0]["max_context"] == 128 and listed[0]["prefill_chunk"] == 32
+    info = invoke("pte", "info", "tiny").output
+    assert "2 layers: 2 flat" in info and "max context:      128" in info
+    info_json = json.loads(invoke("pte", "info", "t1", "--json").output)
+    # 2 layers x (K+V) x 2 kv heads x head dim 16, at 4 bytes per fp32 value
+    assert info_json["kv_bytes_per_token"]["fp32"] == 2 * 2 * 2 * 16 * 4
+    assert invoke("pte", "remove", "tiny").exit_code == 0
+    assert json.loads(invoke("pte", "models", "--json").output) == []
+
+
+def test_refused_registrations_leave_the_registry_unchanged(tiny, tmp_path):
+    register(tiny, "tiny")
+    before = registry_path().read_bytes()
+    pte, tok_dir, _ = tiny
+    bad = tmp_path / "bad.pte"
+    bad.write_bytes(b"not a program at all")
+    big_tok = make_tokenizer(tmp_path / "bigtok", extra_tokens=100)
+    cases = [
+        (["pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", "tiny"], "already registered"),
+        (["pte", "register", str(tmp_path / "missing.pte"), "--tokenizer", str(tok_dir / "tokenizer.json")], "no such file"),
+        (["pte", "register", str(bad), "--tokenizer", str(tok_dir / "tokenizer.json")], "not an ExecuTorch"),
+        (["pte", "register", str(pte), "--tokenizer", str(big_tok), "--name", "x"], "tokenizer has"),
+        (["pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", "y", "--chat", "chatml"], "unknown chat template"),
+    ]
+    for args, message in cases:
+        r = invoke(*args)
+        assert r.exit_code == 1, r.output
+        assert message in r.output
+        assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+        assert registry_path().read_bytes() == before
+
+
+def test_models_lists_even_when_a_file_went_missing(tiny, tmp_path):
+    pte, tok_dir, _ = tiny
+    copy = tmp_path / "copy.pte"
+    copy.write_bytes(pte.read_bytes())
+    r = invoke("pte", "register", str(copy), "--tokenizer", str(tok_dir / "tokenizer.json"))
+    assert r.exit_code == 0
+    copy.unlink()
+    assert "pte:copy" in invoke("models").output
+    assert "MISSING" in invoke("pte", "models").output
+    r = invoke("-m", "pte:copy", "hi", "--no-log")
+    assert r.exit_code == 1 and "missing" in r.output
+
+
+# -- prompting ----------------------------------------------------------------
+
+
+def test_prompt_output_equals_transformers_greedy(tiny):
+    register(tiny)
+    ids, expected = hf_greedy(tiny, [{"role": "user", "content": "Why is the sky blue?"}], 12)
+    r = invoke("-m", "pte:tiny", "Why is the sky blue?", "-o", "max_tokens", "12", "--no-log")
+    assert r.exit_code == 0, r.output
+    assert r.output.rstrip("\n") == expected
+    r2 = invoke("-m", "pte:tiny", "Why is the sky blue?", "-o", "max_tokens", "12", "--no-stream", "--no-log")
+    assert r2.output == r.output
+
+
+def test_system_prompt_goes_through_the_template(tiny):
+    register(tiny)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    ids, expected = hf_greedy(tiny, messages, 10)
+    response = llm.get_model("pte:tiny").prompt("Tell me a story", system="Be brief.", max_tokens=10)
+    assert response.text() == expected
+    assert response.input_tokens == len(ids)
+    assert response.output_tokens <= 10
+
+
+def test_usage_and_response_json(tiny):
+    register(tiny)
+    response = llm.get_model("pte:tiny").prompt("Hello there", max_tokens=6)
+    response.text()
+    j = response.response_json
+    assert j["cache_path"] == "cold" and j["cached_tokens"] == 0
+    assert j["prefilled_tokens"] == response.input_tokens
+    assert j["finish_reason"] in ("stop", "length")
+    assert j["cache_capacity"] == 128 and j["cache_length"] > 0
+    assert j["kv_bytes_in_use"] == j["cache_length"] * 2 * 2 * 2 * 16 * 4
+    assert response.token_details == {"cached": 0}
+
+
+# -- conversations ------------------------------------------------------------
+
+
+def run_cold(messages, max_tokens, forget_generated=False):
+    """A fresh session over the whole history: the reference a cached turn must
+    equal. Replies this process generated are still spliced in as their ids
+    unless ``forget_generated`` (as in a new process, which re-tokenizes)."""
+    turn_module.POOL.clear()
+    if forget_generated:
+        turn_module._generated.clear()
+    model = llm.get_model("pte:tiny")
+    *history, last = messages
+    r = model.prompt(last["content"], messages=[
+        llm.user(m["content"]) if m["role"] == "user" else llm.assistant(m["content"]) for m in history
+    ], max_tokens=max_tokens)
+    return r.text()
+
+
+def test_turn_by_turn_equals_cold_runs_and_prefills_only_new_tokens(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    conversation = model.conversation()
+    user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
+    replies, stats = [], []
+    for text in user_turns:
+        r = conversation.prompt(text, max_tokens=8)
+        replies.append(r.text())
+        stats.append(r.response_json)
+    assert stats[0]["cache_path"] == "cold"
+    tok = transformers.AutoTokenizer.from_pretrained(tiny[1])
+    history = []
+    for i, (previous, s) in enumerate(zip(stats, stats[1:])):
+        assert s["cache_path"] == "hit"
+        # everything in the cache after the previous turn is reused ...
+        assert s["cached_tokens"] == previous["cache_length"]
+        # ... and only the new turn's own tokens are sent to forward
+        history += [{"role": "user", "content": user_turns[i]}, {"role": "assistant", "content": replies[i]}]
+        before = tok.apply_chat_template(history, tokenize=True, return_dict=False)
+        after = tok.apply_chat_template(history + [{"role": "user", "content": user_turns[i + 1]}],
+                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+        # A reply cut by max_tokens leaves its last token and the turn-end
+        # token unfed; a reply ended by the turn-end token leaves nothing.
+        unfed = 0 if previous["finish_reason"] == "stop" else 2
+        assert s["prefilled_tokens"] == len(after) - len(before) + unfed
+    messages = []
+    for text, reply in zip(user_turns, replies):
+        messages.append({"role": "user", "content": text})
+        cold = run_cold(messages, 8)
+        assert cold == reply
+        messages.append({"role": "assistant", "content": reply})
+
+
+def test_interleaved_conversations_keep_their_own_sessions(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    a, b = model.conversation(), model.conversation()
+    a1 = a.prompt("Hello there", max_tokens=6).text()
+    b1 = b.prompt("Numbers like 42", max_tokens=6).text()
+    ra = a.prompt("Tell me a story", max_tokens=6)
+    rb = b.prompt("and questions", max_tokens=6)
+    assert ra.text() and rb.text() is not None
+    assert ra.response_json["cache_path"] == "hit" and rb.response_json["cache_path"] == "hit"
+    assert ra.text() == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": a1},
+                                  {"role": "user", "content": "Tell me a story"}], 6)
+
+
+def test_continue_in_a_fresh_process_sees_the_history(tiny, user_dir):
+    register(tiny)
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    llm_bin = [sys.executable, "-m", "llm"]
+    first = subprocess.run(llm_bin + ["-m", "pte:tiny", "Hello there", "-o", "max_tokens", "6"],
+                           capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
+    second = subprocess.run(llm_bin + ["-c", "Tell me a story", "-o", "max_tokens", "6"],
+                            capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
+    expected = run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
+                         {"role": "user", "content": "Tell me a story"}], 6, forget_generated=True)
+    assert second == expected
+    logged = json.loads(subprocess.run(llm_bin + ["logs", "-n", "1", "--json"], capture_output=True,
+                                       text=True, env=env, check=True).stdout)
+    assert logged[0]["response_json"]["cache_path"] == "cold"  # a new process: nothing cached
+
+
+# -- options and bad option values ----------------------------------------------
+
+
+def test_sampling_is_reproducible_with_a_seed(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    texts = [model.prompt("Hello", temperature=1.5, seed=7, max_tokens=10).text() for _ in range(2)]
+    assert texts[0] == texts[1]
+    other = model.prompt("Hello", temperature=1.5, seed=8, max_tokens=10).text()
+    greedy = model.prompt("Hello", max_tokens=10).text()
+    assert len({texts[0], other, greedy}) > 1
+
+
+def test_stop_string_cuts_the_reply(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    full = model.prompt("Hello there", max_tokens=12).text()
+    assert len(full) > 4
+    stop = full[2:4]
+    cut = model.prompt("Hello there", max_tokens=12, stop=stop).text()
+    assert cut == full[: full.index(stop)]
+
+
+def test_small_capacity_clamps_generation_and_overflow_modes(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    r = model.prompt("Hello there", max_tokens=100, kv_max_capacity=40, chat="none")
+    r.text()
+    assert r.response_json["finish_reason"] in ("capacity", "stop")
+    assert r.response_json["cache_capacity"] == 40
+    long_prompt = "Tell me a story about a cat who learns to read. " * 8
+    with pytest.raises(llm.ModelError, match="cache holds 40"):
+        model.prompt(long_prompt, kv_max_capacity=40, kv_overflow="error").text()
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("kv_storage_dtype", "int8", "bf16, fp16, fp32"),
+    ("kv_overflow", "drop", "truncate, error"),
+    ("kv_windows", "8,x", "comma-separated"),
+    ("chat", "chatml", "auto, llama3"),
+    ("temperature", "-1", "greater than or equal to 0"),
+    ("kv_max_capacity", "0", "greater than or equal to 1"),
+])
+def test_invalid_option_values_are_one_line_errors(tiny, option, value, message):
+    register(tiny)
+    r = invoke("-m", "pte:tiny", "hi", "-o", option, value, "--no-log")
+    assert r.exit_code == 1
+    assert message in r.output and "Traceback" not in r.output
