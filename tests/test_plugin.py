@@ -287,3 +287,138 @@ def test_invalid_option_values_are_one_line_errors(tiny, option, value, message)
     r = invoke("-m", "pte:tiny", "hi", "-o", option, value, "--no-log")
     assert r.exit_code == 1
     assert message in r.output and "Traceback" not in r.output
+
+
+def test_cache_options_change_the_cache_and_rebuild_it_between_turns(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    conversation = model.conversation()
+    r1 = conversation.prompt("Hello there", max_tokens=4, kv_storage_dtype="bf16", kv_initial_capacity=8)
+    r1.text()
+    j1 = r1.response_json
+    assert j1["kv_storage_dtype"] == "bf16"
+    # 2 layers x K,V x 2 heads x 16 dims x 2 bytes x slots (doubled from 8 to fit the turn)
+    assert j1["kv_bytes_allocated"] == 2 * 2 * 2 * 16 * 2 * 32
+    r2 = conversation.prompt("Tell me a story", max_tokens=4, kv_windows="8")
+    r2.text()
+    j2 = r2.response_json
+    assert j2["kv_windows"] == [8, 8] and j2["kv_storage_dtype"] == "fp32"
+    assert j2["cache_path"] == "cold" and j2["prefilled_tokens"] == j2["prompt_tokens"]
+
+
+def test_sessions_are_bounded_least_recently_used_first(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    pool = turn_module.POOL
+    openers = ["Hello there", "Tell me a story", "Why is the sky blue?", "The quick brown fox", "Numbers and questions"]
+    conversations = [model.conversation() for _ in range(pool.max_sessions + 1)]
+    first_prompts = []
+    for opener, c in zip(openers, conversations):
+        r = c.prompt(opener, max_tokens=2)
+        r.text()
+        first_prompts.append(r.response_json["prompt_tokens"])
+    assert len(pool) == pool.max_sessions
+    # the most recent conversations kept their sessions: their first turn is reused ...
+    for c, n in list(zip(conversations, first_prompts))[:0:-1]:
+        r = c.prompt("and more", max_tokens=2)
+        r.text()
+        assert r.response_json["cached_tokens"] >= n
+    # ... the least recently used one's was dropped
+    r = conversations[0].prompt("and more", max_tokens=2)
+    r.text()
+    assert r.response_json["cached_tokens"] < first_prompts[0]
+    assert len(pool) == pool.max_sessions
+
+
+def test_edited_last_turn_trims_the_cache_and_matches_a_cold_run(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    conversation = model.conversation()
+    first = conversation.prompt("Hello there", max_tokens=6).text()
+    conversation.prompt("Tell me a story about a cat", max_tokens=6).text()
+    history = [llm.user("Hello there"), llm.assistant(first)]
+    edited = model.prompt("Tell me a story about a dog", messages=history, max_tokens=6)
+    edited_text = edited.text()
+    assert edited.response_json["cache_path"] == "trim"
+    assert 0 < edited.response_json["cached_tokens"] < edited.response_json["prompt_tokens"]
+    assert edited_text == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
+                                    {"role": "user", "content": "Tell me a story about a dog"}], 6)
+
+
+def test_a_new_conversation_gets_its_own_session(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    model.prompt("Hello there", max_tokens=4).text()
+    other = model.prompt("Tell me a story", max_tokens=4)
+    other.text()
+    assert other.response_json["cache_path"] == "cold"
+    assert len(turn_module.POOL) == 2
+
+
+def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
+    """gemma3's sliding layers (window 16) drop history; turns still equal cold runs."""
+    _, pte = exported("gemma3")
+    tok = make_tokenizer(tmp_path / "tok")
+    assert invoke("pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny").exit_code == 0
+    conversation = llm.get_model("pte:tiny").conversation()
+    messages, paths = [], []
+    for text in ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]:
+        r = conversation.prompt(text, max_tokens=10)
+        reply = r.text()
+        paths.append(r.response_json["cache_path"])
+        assert r.response_json["cache_length"] > 16  # well past the window
+        messages.append({"role": "user", "content": text})
+        assert run_cold(messages, 10) == reply
+        messages.append({"role": "assistant", "content": reply})
+    assert paths[0] == "cold" and all(p in ("hit", "trim", "reset") for p in paths[1:])
+
+
+def test_interrupted_turn_leaves_the_session_consistent(tiny):
+    from llm_executorch_mlx.text.turn import Turn, TurnOptions
+
+    register(tiny)
+    _, tok_dir, _ = tiny
+    pte = tiny[0]
+    messages = [{"role": "user", "content": "Tell me a story about a cat"}]
+    stream = iter(Turn(str(pte), str(tok_dir / "tokenizer.json"), messages, TurnOptions(max_tokens=30, chat="none")))
+    next(stream)
+    next(stream)
+    stream.close()  # what Ctrl-C or a closed pipe does to the generator
+    (session,) = [s for _, s in turn_module.POOL._sessions.values()]
+    assert session.cache.length == len(session.tokens)
+    # the next turn works and equals a cold run of the same history
+    again = Turn(str(pte), str(tok_dir / "tokenizer.json"), messages, TurnOptions(max_tokens=5, chat="none"))
+    text = "".join(again)
+    assert again.result.cache_path in ("hit", "trim")
+    turn_module.POOL.clear()
+    cold = Turn(str(pte), str(tok_dir / "tokenizer.json"), messages, TurnOptions(max_tokens=5, chat="none"))
+    assert "".join(cold) == text
+
+
+def test_truncate_drops_oldest_turns_with_a_notice(tiny, capsys):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    history = []
+    for text in ["Hello there, how are you today?", "Tell me a story about a cat", "Numbers like 42"]:
+        history += [llm.user(text), llm.assistant("Because air scatters short blue wavelengths")]
+    r = model.prompt("Why is the sky blue?", messages=history, system="Be brief.", kv_max_capacity=80, max_tokens=4)
+    r.text()
+    err = capsys.readouterr().err
+    assert "dropped its" in err and "oldest messages" in err
+    assert r.response_json["prompt_tokens"] < 80
+
+
+def test_registry_file_corruption_never_breaks_llm_models(tiny):
+    register(tiny)
+    registry_path().write_text("{not json")
+    r = invoke("models")
+    assert r.exit_code == 0
+
+
+def test_fragments_are_part_of_the_prompt(tiny, tmp_path):
+    register(tiny)
+    fragment = tmp_path / "frag.txt"
+    fragment.write_text("Why is the sky blue?")
+    with_fragment = invoke("-m", "pte:tiny", "-f", str(fragment), "-o", "max_tokens", "6", "--no-log").output
+    _, expected = hf_greedy(tiny, [{"role": "user", "content": "Why is the sky blue?"}], 6)
+    assert with_fragment.rstrip("\n") == expected

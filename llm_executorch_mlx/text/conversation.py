@@ -10,7 +10,9 @@ from __future__ import annotations
 from .errors import TextError
 
 
-def encode_conversation(messages: list[dict], template, tokenizer, generated: dict[str, list[int]]) -> list[int]:
+def encode_conversation(
+    messages: list[dict], template, tokenizer, generated: dict[str, list[int]], add_generation_prompt: bool = True
+) -> list[int]:
     """Token ids for ``messages`` as the model should see them this turn.
 
     Args:
@@ -26,13 +28,20 @@ def encode_conversation(messages: list[dict], template, tokenizer, generated: di
             ids += known if known is not None else tokenizer.encode(m["content"], add_special=(i == 0))
         return ids
 
-    rendered = template.render(messages, add_generation_prompt=True)
+    if not messages:
+        return []
+    rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
     ids, cursor = [], 0
-    for m in messages:
+    for k, m in enumerate(messages):
         known = generated.get(m["content"]) if m["role"] == "assistant" and m["content"] else None
         if known is None:
             continue
-        at = rendered.find(m["content"], cursor)
+        # Look for the reply where its turn begins: the text of the earlier
+        # messages plus the generation prompt (the reply's own words may also
+        # occur earlier, even inside the template's markup).
+        opening = template.render(messages[:k], add_generation_prompt=True)
+        search_from = max(cursor, len(opening)) if rendered.startswith(opening) else cursor
+        at = rendered.find(m["content"], search_from)
         if at < 0:
             continue
         ids += tokenizer.encode(rendered[cursor:at]) + known

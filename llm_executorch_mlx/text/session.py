@@ -85,26 +85,33 @@ class SessionPool:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[int, tuple[object, Session]] = OrderedDict()
 
-    def acquire(self, key, program, policy: CachePolicy, prompt: list[int]) -> Session:
+    def acquire(self, key, program, policy: CachePolicy, prompt: list[int], reply_start: int | None) -> Session:
         """The session that holds the most of ``prompt``, or a new one.
 
-        A session is reused when its whole history is a prefix of the prompt
-        (the next turn of that conversation), or when most of it is (an edited
-        last turn). A conversation that shares only a little with every live
-        session (say, the same system prompt) gets its own session, so two
-        interleaved conversations do not evict each other's history.
+        A session belongs to this prompt's conversation when its whole history
+        is a prefix of the prompt (the next turn), when the prompt is a prefix
+        of it (a regenerated turn), or when they part at or after
+        ``reply_start``, where the prompt's last assistant reply begins (that
+        reply re-tokenized differently, or the last user turn edited). A
+        prompt sharing less (say, only a system prompt) gets a session of its
+        own, so interleaved conversations keep their caches; when the pool is
+        full, the least recently used session is dropped for it.
         """
         best, best_n = None, 0
         for sid, (k, s) in self._sessions.items():
             if k != key or s.policy != policy:
                 continue
             n = common_prefix(s.tokens, prompt)
-            if n > best_n:
+            if n and n >= best_n:  # ties go to the most recently used
                 best, best_n = sid, n
         if best is not None:
             s = self._sessions[best][1]
-            full = len(self._sessions) >= self.max_sessions
-            if best_n == len(s.tokens) or 2 * best_n >= len(s.tokens) or full:
+            same = (
+                best_n == len(s.tokens)
+                or best_n >= len(prompt) - 1
+                or (reply_start is not None and best_n >= reply_start)
+            )
+            if same:
                 self._sessions.move_to_end(best)
                 return s
         while len(self._sessions) >= self.max_sessions:

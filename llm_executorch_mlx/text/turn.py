@@ -146,6 +146,7 @@ class Turn:
                 del messages[first]
                 dropped += 1
             ids = encode_conversation(messages, self.template, self.tokenizer, generated)
+        self.fitted = messages
         if dropped:
             self.notice(
                 f"[pte] the conversation no longer fits the {capacity}-token cache: "
@@ -157,7 +158,7 @@ class Turn:
         r = self.result
         generated = _generated.setdefault(self.key, {})
         prompt = self._fit(generated)
-        session = POOL.acquire(self.key, self.program, self.policy, prompt)
+        session = POOL.acquire(self.key, self.program, self.policy, prompt, self._reply_start(generated))
         path, cached = session.reuse(prompt)
         r.prompt_tokens, r.cached_tokens, r.cache_path = len(prompt), cached, path
         cache = session.cache
@@ -173,8 +174,10 @@ class Turn:
         last_fed = False
         mx.reset_peak_memory()
         try:
+            # a narrowed window lowers the cache's max write below the export's chunk
+            chunk = cache.max_write or self.program.metadata.prefill_chunk
             steps = generate_tokens(
-                session.forward, cache, tail, cached, self.program.metadata.prefill_chunk,
+                session.forward, cache, tail, cached, chunk,
                 self._sample, budget, timings,
             )
             step = None
@@ -213,6 +216,14 @@ class Turn:
         r.output_tokens = len(produced)
         r.stats = self._stats(timings, session, r)
 
+    def _reply_start(self, generated) -> int | None:
+        """Token offset where the prompt's last assistant reply begins."""
+        replies = [i for i, m in enumerate(self.fitted) if m["role"] == "assistant"]
+        if not replies:
+            return None
+        before = self.fitted[: replies[-1]]
+        return len(encode_conversation(before, self.template, self.tokenizer, generated, False))
+
     def _sample(self, logits, history: list[int]):
         recent = None
         if self.opts.repetition_penalty != 1.0:
@@ -233,6 +244,8 @@ class Turn:
             "cache_path": r.cache_path,
             "cache_length": cache.length,
             "cache_capacity": cache.capacity,
+            "kv_storage_dtype": cache.dtype,
+            "kv_windows": [g.window for g in cache.layers],
             "kv_bytes_in_use": cache.bytes_in_use(),
             "kv_bytes_allocated": cache.nbytes,
             "mlx_active_bytes": mx.get_active_memory(),
