@@ -27,6 +27,7 @@ def user_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     turn_module.POOL.clear()
     turn_module._generated.clear()
+    turn_module._truncations.clear()
     yield tmp_path / "llm"
 
 
@@ -422,3 +423,18 @@ def test_fragments_are_part_of_the_prompt(tiny, tmp_path):
     with_fragment = invoke("-m", "pte:tiny", "-f", str(fragment), "-o", "max_tokens", "6", "--no-log").output
     _, expected = hf_greedy(tiny, [{"role": "user", "content": "Why is the sky blue?"}], 6)
     assert with_fragment.rstrip("\n") == expected
+
+
+def test_after_truncation_later_turns_hit_the_cache_again(tiny, capsys):
+    register(tiny)
+    conversation = llm.get_model("pte:tiny").conversation()
+    paths, notices = [], 0
+    for text in ["Hello there", "Tell me a story about a cat", "Why is the sky blue?", "The quick brown fox",
+                 "Numbers like 42", "How are you today?"]:
+        r = conversation.prompt(text, max_tokens=16)
+        r.text()
+        paths.append(r.response_json["cache_path"])
+        notices += "oldest messages" in capsys.readouterr().err
+    first_drop = paths.index("cold", 1)  # the turn whose history no longer fit
+    assert notices >= 1
+    assert paths[first_drop + 1] == "hit"

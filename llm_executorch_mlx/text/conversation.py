@@ -41,12 +41,34 @@ def encode_conversation(
         # occur earlier, even inside the template's markup).
         opening = template.render(messages[:k], add_generation_prompt=True)
         search_from = max(cursor, len(opening)) if rendered.startswith(opening) else cursor
-        at = rendered.find(m["content"], search_from)
-        if at < 0:
+        found = _locate(rendered, m["content"], search_from, known, tokenizer)
+        if found is None:
             continue
-        ids += tokenizer.encode(rendered[cursor:at]) + known
-        cursor = at + len(m["content"])
+        at, length, reply_ids = found
+        ids += tokenizer.encode(rendered[cursor:at]) + reply_ids
+        cursor = at + length
     return ids + tokenizer.encode(rendered[cursor:])
+
+
+def _locate(rendered: str, content: str, start: int, ids: list[int], tokenizer):
+    """Where the reply sits in ``rendered`` and the ids to splice there.
+
+    Templates often strip a reply (Llama 3's ``| trim``); then the ids are the
+    generated run, less whitespace-only tokens at its ends, that decodes to
+    exactly the stripped text. None when the reply cannot be matched.
+    """
+    at = rendered.find(content, start)
+    if at >= 0:
+        return at, len(content), ids
+    stripped = content.strip()
+    at = rendered.find(stripped, start) if stripped else -1
+    if at < 0:
+        return None
+    for a in range(min(3, len(ids))):
+        for b in range(len(ids), max(a, len(ids) - 3), -1):
+            if tokenizer.decode(ids[a:b]) == stripped:
+                return at, len(stripped), ids[a:b]
+    return None
 
 
 def messages_from_llm(prompt_messages) -> list[dict]:

@@ -31,6 +31,12 @@ _tokenizers: dict = {}
 _generated: dict = {}
 MAX_REMEMBERED_REPLIES = 256
 REPETITION_CONTEXT = 64  # ids the repetition penalty looks back over
+# Per loaded program: the oldest messages truncation dropped from conversations.
+_truncations: dict = {}
+
+
+def _signature(messages: list[dict]) -> list[tuple[str, str]]:
+    return [(m["role"], m["content"]) for m in messages]
 
 
 def _file_key(path: str):
@@ -125,20 +131,36 @@ class Turn:
         return ids
 
     def _fit(self, generated) -> list[int]:
-        """Ids of the history, dropping the oldest turns if the cache is too small."""
+        """Ids of the history, dropping the oldest turns if the cache is too small.
+
+        Once a conversation overflows, turns are dropped until it fills at most
+        half the cache: every drop changes the prompt from its start and costs
+        a full prefill, so dropping one turn at a time would pay that on every
+        later turn; half leaves room for several cached turns before the next.
+        """
         capacity = self.policy.capacity
         messages = list(self.messages)
+        first = 1 if messages and messages[0]["role"] == "system" else 0
+        # Drop again what an earlier turn of this conversation dropped, so the
+        # prompt keeps the start the cache holds.
+        truncations = _truncations.setdefault(self.key, [])
+        earlier = 0
+        for dropped_before in sorted(truncations, key=len, reverse=True):
+            n = len(dropped_before)
+            if len(messages) - first > n and _signature(messages[first : first + n]) == dropped_before:
+                del messages[first : first + n]
+                earlier = n
+                break
         ids = encode_conversation(messages, self.template, self.tokenizer, generated)
+        if len(ids) + 1 > capacity and self.opts.kv_overflow == "error":
+            raise TextError(
+                f"the prompt needs {len(ids)} tokens plus one to generate, but the cache holds "
+                f"{capacity}: start a new conversation, raise -o kv_max_capacity, or use "
+                "-o kv_overflow truncate"
+            )
         dropped = 0
-        while len(ids) + 1 > capacity:
-            first = 1 if messages and messages[0]["role"] == "system" else 0
-            if self.opts.kv_overflow == "error" or len(messages) - first <= 1:
-                raise TextError(
-                    f"the prompt needs {len(ids)} tokens plus one to generate, but the "
-                    f"cache holds {capacity}: "
-                    + ("shorten it or raise -o kv_max_capacity" if len(messages) - first <= 1
-                       else "start a new conversation, raise -o kv_max_capacity, or use -o kv_overflow truncate")
-                )
+        target = capacity if len(ids) + 1 <= capacity else capacity // 2
+        while len(ids) + 1 > target and len(messages) - first > 1:
             # drop the oldest whole turn: a user message and the replies after it
             del messages[first]
             dropped += 1
@@ -146,8 +168,15 @@ class Turn:
                 del messages[first]
                 dropped += 1
             ids = encode_conversation(messages, self.template, self.tokenizer, generated)
+        if len(ids) + 1 > capacity:
+            raise TextError(
+                f"the prompt needs {len(ids)} tokens plus one to generate, but the cache holds "
+                f"{capacity}: shorten it or raise -o kv_max_capacity"
+            )
         self.fitted = messages
         if dropped:
+            truncations.append(_signature(self.messages[first : first + earlier + dropped]))
+            del truncations[:-MAX_REMEMBERED_REPLIES]
             self.notice(
                 f"[pte] the conversation no longer fits the {capacity}-token cache: "
                 f"dropped its {dropped} oldest messages"
