@@ -438,3 +438,14 @@ def test_after_truncation_later_turns_hit_the_cache_again(tiny, capsys):
     first_drop = paths.index("cold", 1)  # the turn whose history no longer fit
     assert notices >= 1
     assert paths[first_drop + 1] == "hit"
+
+
+def test_sampling_filters_change_what_is_sampled(tiny):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    greedy = model.prompt("Hello there", max_tokens=10).text()
+    # top_k=1 keeps only the argmax, whatever the temperature
+    assert model.prompt("Hello there", max_tokens=10, temperature=2.0, top_k=1, seed=3).text() == greedy
+    # a strong repetition penalty steers greedy decoding away from its repeats
+    penalised = model.prompt("Hello there", max_tokens=10, repetition_penalty=50.0).text()
+    assert penalised != greedy
