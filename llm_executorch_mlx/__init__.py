@@ -2,23 +2,30 @@
 
 llm imports every plugin on every command, so this module stays cheap:
 the registry is a small JSON file, and mlx, the runtime and the text layer
-are imported only when a model runs or a `llm pte` command needs them.
+are imported only when a model runs or a `llm pte` command needs them. The
+runtime (``llm_executorch_mlx.runtime``) also works without llm installed.
 """
 
-import llm
+try:
+    from pluggy import HookimplMarker
 
-from .registry import load_entries
+    hookimpl = HookimplMarker("llm")
+except ImportError:  # the runtime used on its own, without llm
+
+    def hookimpl(function):
+        return function
 
 
-@llm.hookimpl
+@hookimpl
 def register_models(register):
     from .plugin import PteModel
+    from .registry import load_entries
 
     for entry in load_entries().values():
         register(PteModel(entry), aliases=entry.aliases)
 
 
-@llm.hookimpl
+@hookimpl
 def register_commands(cli):
     from .commands import register_commands as add
 
