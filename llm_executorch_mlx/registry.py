@@ -37,13 +37,38 @@ def registry_path() -> pathlib.Path:
     return pathlib.Path(llm.user_dir()) / FILENAME
 
 
-def load_entries() -> dict[str, Entry]:
-    """Registered models by name; an unreadable file reads as empty."""
+class RegistryError(Exception):
+    """The registry file exists but cannot be read safely."""
+
+
+def load_entries(strict: bool = False) -> dict[str, Entry]:
+    """Registered models by name.
+
+    Lenient (for ``llm models``): a missing or unreadable file reads as empty
+    and a damaged entry is skipped. Strict (before writing): a file that
+    cannot be read in full raises ``RegistryError``, so nothing is lost by
+    writing it back.
+    """
+    path = registry_path()
     try:
-        data = json.loads(registry_path().read_text())
-        return {name: Entry(name=name, **fields) for name, fields in data.get("models", {}).items()}
-    except (OSError, ValueError, TypeError):
+        data = json.loads(path.read_text())
+        models = data["models"]
+        if not isinstance(models, dict):
+            raise TypeError("'models' is not an object")
+    except FileNotFoundError:
         return {}
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        if strict:
+            raise RegistryError(f"{path} is damaged ({e}): fix or delete it") from None
+        return {}
+    entries = {}
+    for name, fields in models.items():
+        try:
+            entries[name] = Entry(name=name, **fields)
+        except TypeError as e:
+            if strict:
+                raise RegistryError(f"{path}: entry {name!r} is damaged ({e}): fix or delete it") from None
+    return entries
 
 
 def save_entries(entries: dict[str, Entry]) -> None:

@@ -186,3 +186,33 @@ def test_program_free_validation_errors():
         SequenceCache([LayerGeometry(H_KV, D)], capacity=0)
     with pytest.raises(PteError, match="storage dtype"):
         SequenceCache([LayerGeometry(H_KV, D)], capacity=8, dtype="int8")
+
+
+def test_a_step_too_large_for_a_ring_is_refused_before_any_layer_writes():
+    cache = SequenceCache([LayerGeometry(H_KV, D, 0), LayerGeometry(H_KV, D, 4)], 64, "fp32", max_write=4)
+    att = Attention(cache)
+    with pytest.raises(PteError, match="max write of 4"):
+        att.step(0, *random_step(np.random.default_rng(6), 6), 0)  # layer 0 is flat
+    assert cache.length == 0 and cache.rewind(0)
+
+
+def test_an_aborted_step_restores_the_length_and_guards_overwritten_ring_cells():
+    # window 4, max_write 2 -> 5 ring slots
+    cache = SequenceCache([LayerGeometry(H_KV, D, 0), LayerGeometry(H_KV, D, 4)], 64, "fp32", max_write=2)
+    att = Attention(cache)
+    rng = np.random.default_rng(7)
+    for p in range(0, 10, 2):
+        for layer in (0, 1):
+            att.step(layer, *random_step(rng, 2), p)
+    assert cache.length == 10 and cache.rewind_floor() == 8
+    cache.begin_step()  # what a forward call does; here both layers write 10, 11 and the call fails
+    for layer in (0, 1):
+        _, k, v = random_step(rng, 2)
+        cache.update_and_fetch(layer, 10, mx.array(k), mx.array(v))
+    cache.abort_step()
+    assert cache.length == 10
+    # the ring now holds 7..11, so a step at 8 would miss position 5..7 of its window
+    assert cache.rewind_floor() == 10
+    assert not cache.rewind(9)
+    cache.clear()
+    assert cache.rewind_floor() == 0

@@ -405,15 +405,26 @@ def test_truncate_drops_oldest_turns_with_a_notice(tiny, capsys):
     r = model.prompt("Why is the sky blue?", messages=history, system="Be brief.", kv_max_capacity=80, max_tokens=4)
     r.text()
     err = capsys.readouterr().err
-    assert "dropped its" in err and "oldest messages" in err
+    assert "left out its" in err and "oldest messages" in err
     assert r.response_json["prompt_tokens"] < 80
 
 
-def test_registry_file_corruption_never_breaks_llm_models(tiny):
-    register(tiny)
-    registry_path().write_text("{not json")
-    r = invoke("models")
-    assert r.exit_code == 0
+@pytest.mark.parametrize("damage", ["{not json", "[1, 2]", '{"models": {"x": {"path": 1, "bogus": 2}}}'])
+def test_a_damaged_registry_never_breaks_llm_models_and_is_never_overwritten(tiny, damage):
+    registry_path().parent.mkdir(parents=True, exist_ok=True)
+    registry_path().write_text(damage)
+    assert invoke("models").exit_code == 0
+    pte, tok_dir, _ = tiny
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"))
+    assert r.exit_code == 1 and "damaged" in r.output
+    assert registry_path().read_text() == damage
+
+
+def test_a_name_cannot_shadow_another_models_alias(tiny):
+    register(tiny, "tiny", "--alias", "t1")
+    pte, tok_dir, _ = tiny
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", "t1")
+    assert r.exit_code == 1 and "already used by pte:tiny" in r.output
 
 
 def test_fragments_are_part_of_the_prompt(tiny, tmp_path):
@@ -449,3 +460,40 @@ def test_sampling_filters_change_what_is_sampled(tiny):
     # a strong repetition penalty steers greedy decoding away from its repeats
     penalised = model.prompt("Hello there", max_tokens=10, repetition_penalty=50.0).text()
     assert penalised != greedy
+
+
+def test_a_remembered_cut_applies_only_where_the_history_overflows(tiny, capsys):
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    history = []
+    for text in ["Hello there, how are you today?", "Tell me a story about a cat"]:
+        history += [llm.user(text), llm.assistant("Because air scatters")]
+    small = model.prompt("Why is the sky blue?", messages=history, kv_max_capacity=60, max_tokens=2)
+    small.text()
+    assert "left out" in capsys.readouterr().err
+    # the same history in a cache it fits: nothing left out, nothing printed
+    big = model.prompt("Why is the sky blue?", messages=history, max_tokens=2)
+    big.text()
+    assert big.response_json["prompt_tokens"] > 60 and capsys.readouterr().err == ""
+    with pytest.raises(llm.ModelError, match="cache holds 60"):
+        model.prompt("Why is the sky blue?", messages=history, kv_max_capacity=60, kv_overflow="error").text()
+
+
+def test_repetition_penalty_sees_the_whole_history_on_a_cache_hit(tiny):
+    register(tiny)
+    conversation = llm.get_model("pte:tiny").conversation()
+    first = conversation.prompt("Hello there", max_tokens=8, repetition_penalty=3.0).text()
+    second = conversation.prompt("Tell me a story", max_tokens=8, repetition_penalty=3.0)
+    text = second.text()
+    assert second.response_json["cache_path"] == "hit"
+    cold = llm.get_model("pte:tiny")
+    turn_module.POOL.clear()
+    again = cold.prompt("Tell me a story", messages=[llm.user("Hello there"), llm.assistant(first)],
+                        max_tokens=8, repetition_penalty=3.0).text()
+    assert again == text
+
+
+def test_an_empty_prompt_is_a_one_line_error(tiny):
+    register(tiny)
+    r = invoke("-m", "pte:tiny", "", "-o", "chat", "none", "--no-log")
+    assert r.exit_code == 1 and "no tokens" in r.output and "Traceback" not in r.output

@@ -108,7 +108,14 @@ class SequenceCache:
             min(self._ring_size(g), capacity) if g.is_ring else capacity
             for g in self.layers
         ]
+        # The most tokens one step may write: the narrowest ring's limit.
+        self._max_step = min(
+            (self.max_write if self.max_write is not None else g.window for g in self.layers if g.is_ring),
+            default=None,
+        )
         self._masks: dict[tuple[int, int, int], mx.array] = {}
+        self._floor = 0  # raised when an aborted step overwrote ring cells
+        self._checkpoint = self._written_end = 0
         self._allocate()
 
     def _ring_size(self, g: LayerGeometry) -> int:
@@ -146,18 +153,32 @@ class SequenceCache:
 
     def rewind_floor(self) -> int:
         """The shortest length ``rewind`` accepts now."""
+        return max(self._floor, self._ring_floor(self.length))
+
+    def _ring_floor(self, length: int) -> int:
         floor = 0
         for g, slots in zip(self.layers, self._max_slots):
             # A ring of `slots` cells holds positions [length - slots, length).
             # A query at p reads back to p - window + 1, so p must satisfy
             # p - window + 1 >= length - slots.
-            if g.is_ring and self.length > slots:
-                floor = max(floor, self.length - slots + g.window - 1)
+            if g.is_ring and length > slots:
+                floor = max(floor, length - slots + g.window - 1)
         return floor
 
     def clear(self) -> None:
         """Forget the sequence; pools keep their grown size."""
-        self.length = 0
+        self.length = self._floor = 0
+
+    def begin_step(self) -> None:
+        """Mark the start of a forward call (see ``abort_step``)."""
+        self._checkpoint = self._written_end = self.length
+
+    def abort_step(self) -> None:
+        """Undo a forward call that failed part-way: some layers wrote, others
+        did not, so the length goes back to where the call began. Cells a ring
+        layer overwrote stay lost, so the rewind floor keeps them out."""
+        self._floor = max(self._floor, self._ring_floor(self._written_end))
+        self.length = min(self.length, self._checkpoint)
 
     @property
     def state(self) -> list[mx.array]:
@@ -214,6 +235,11 @@ class SequenceCache:
                 f"KV cache full: writing {T} tokens at position {position} exceeds "
                 f"capacity {self.capacity}; rewind, clear, or build a larger cache"
             )
+        if self._max_step is not None and T > self._max_step:
+            raise PteError(
+                f"a step of {T} tokens exceeds the ring layers' max write of "
+                f"{self._max_step}; feed at most {self._max_step} tokens per call"
+            )
         if k.shape[1] != g.n_kv_heads or k.shape[3] != g.head_dim:
             raise PteError(
                 f"layer {layer} k has shape {tuple(k.shape)}, cache expects "
@@ -224,6 +250,7 @@ class SequenceCache:
         else:
             K, V, S = self._flat_step(layer, position, end, k, v)
         self.length = max(self.length, end)
+        self._written_end = max(self._written_end, end)
 
         if T == 1:
             return K, V, None
@@ -254,12 +281,6 @@ class SequenceCache:
 
     def _ring_step(self, layer, g, position, T, k, v):
         size = self._max_slots[layer]
-        step_limit = self.max_write if self.max_write is not None else g.window
-        if T > step_limit:
-            raise PteError(
-                f"a step of {T} tokens exceeds the ring layer's max write of "
-                f"{step_limit}; feed at most {step_limit} tokens per call"
-            )
         kp, vp = self._k[layer], self._v[layer]
         k = k.astype(self._mx_dtype)
         v = v.astype(self._mx_dtype)

@@ -333,7 +333,16 @@ class GraphExecutor:
                 f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
                     arr.reshape(-1)[0].item()
                 )
-        run_ops_checked(self._main, f)
+        cache = self._ctx.cache
+        if cache is None:
+            run_ops_checked(self._main, f)
+        else:
+            cache.begin_step()
+            try:
+                run_ops_checked(self._main, f)
+            except BaseException:  # Ctrl-C included: no half-written step survives
+                cache.abort_step()
+                raise
         for tid in self._mutable:
             self._template[tid] = f[tid]
         outs = []

@@ -49,10 +49,22 @@ def prefill(forward, cache, tokens: list[int], start: int, chunk: int) -> mx.arr
     for off in range(0, len(tokens), chunk):
         ids = np.asarray([tokens[off : off + chunk]], dtype=np.int64)
         pos = np.arange(start + off, start + off + ids.shape[1], dtype=np.int64)
-        logits = forward.execute([ids, pos])[0]
+        logits = step(forward, ids, pos)
         if off + chunk < len(tokens):
             mx.eval(cache.state)
-    return logits[0, -1]
+    return logits
+
+
+def step(forward, ids, positions) -> mx.array:
+    """One forward call; the logits row of its last token (lazy).
+
+    A forward exported in "selected" logits mode takes a third input, the row
+    to keep; that is always the last one here.
+    """
+    inputs = [ids, positions]
+    if forward.n_inputs == 3:
+        inputs.append(np.array([ids.shape[1] - 1], dtype=np.int64))
+    return forward.execute(inputs)[0][0, -1]
 
 
 def generate_tokens(
@@ -65,34 +77,37 @@ def generate_tokens(
     max_tokens: int,
     timings: Timings,
 ) -> Iterator[Step]:
-    """Prefill ``prompt`` (the uncached tail, starting at ``start``), then
+    """Prefill ``prompt[start:]`` (the part the cache does not hold yet), then
     decode up to ``max_tokens`` tokens.
 
     Args:
         forward: the loaded forward method (bound to ``cache``).
-        cache: the off-graph cache; a token is fed only while it has room.
-        sample: maps a logits row and the ids so far to a token (mx scalar).
+        cache: the off-graph cache, holding ``prompt[:start]``; a token is fed
+            only while it has room.
+        sample: maps a logits row and all ids so far (the whole prompt, then
+            the generated ones) to a token (mx scalar).
 
     If this is interrupted, the cache may hold one token more than was
     yielded (fed, not yet read); the caller rewinds it to what it recorded.
     """
     t0 = time.perf_counter()
-    logits = prefill(forward, cache, prompt, start, chunk)
+    tail = prompt[start:]
+    logits = prefill(forward, cache, tail, start, chunk)
     history = list(prompt)
     y = sample(logits, history)
     mx.async_eval(y)
-    position = start + len(prompt)
+    position = len(prompt)
     t_first = None
     for produced in range(1, max_tokens + 1):
         fed = produced < max_tokens and cache.can_extend(1)
         if fed:  # queue the step that feeds y before reading y on the host
-            logits = forward.execute([y.reshape(1, 1), np.array([position], np.int64)])[0][0, -1]
+            logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
             position += 1
         token = y.item()
         now = time.perf_counter()
         if t_first is None:
             t_first = now
-            timings.prefill_tokens = len(prompt)
+            timings.prefill_tokens = len(tail)
             timings.prefill_seconds = timings.first_token_seconds = now - t0
         timings.decode_tokens = produced - 1
         timings.decode_seconds = now - t_first

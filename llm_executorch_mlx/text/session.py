@@ -120,6 +120,11 @@ class SessionPool:
         self._sessions[id(session)] = (key, session)
         return session
 
+    def drop(self, key) -> None:
+        """Free every session of one program."""
+        for sid in [sid for sid, (k, _) in self._sessions.items() if k == key]:
+            del self._sessions[sid]
+
     def clear(self) -> None:
         self._sessions.clear()
 

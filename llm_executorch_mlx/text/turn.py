@@ -31,7 +31,7 @@ _tokenizers: dict = {}
 _generated: dict = {}
 MAX_REMEMBERED_REPLIES = 256
 REPETITION_CONTEXT = 64  # ids the repetition penalty looks back over
-# Per loaded program: the oldest messages truncation dropped from conversations.
+# Per (loaded program, capacity): the oldest messages truncation cut from conversations.
 _truncations: dict = {}
 
 
@@ -49,7 +49,12 @@ def get_program(path: str):
     key = _file_key(path)
     if key not in _programs:
         for old in [k for k in _programs if k[0] == key[0]]:
+            # the file changed: free the old program and all that refers to it
             del _programs[old]
+            POOL.drop(old)
+            _generated.pop(old, None)
+            for cut_key in [c for c in _truncations if c[0] == old]:
+                del _truncations[cut_key]
         _programs[key] = load_program(path)
     return key, _programs[key]
 
@@ -134,69 +139,72 @@ class Turn:
         """Ids of the history, dropping the oldest turns if the cache is too small.
 
         Once a conversation overflows, turns are dropped until it fills at most
-        half the cache: every drop changes the prompt from its start and costs
-        a full prefill, so dropping one turn at a time would pay that on every
-        later turn; half leaves room for several cached turns before the next.
+        half the cache, and the cut is remembered: later turns of the same
+        conversation reuse it while it fits, so their prompt keeps the start
+        the cache holds. Dropping one turn at a time would change the prompt's
+        start, and cost a full prefill, on every later turn.
         """
         capacity = self.policy.capacity
         messages = list(self.messages)
-        first = 1 if messages and messages[0]["role"] == "system" else 0
-        # Drop again what an earlier turn of this conversation dropped, so the
-        # prompt keeps the start the cache holds.
-        truncations = _truncations.setdefault(self.key, [])
-        earlier = 0
-        for dropped_before in sorted(truncations, key=len, reverse=True):
-            n = len(dropped_before)
-            if len(messages) - first > n and _signature(messages[first : first + n]) == dropped_before:
-                del messages[first : first + n]
-                earlier = n
-                break
+        self.fitted = messages
         ids = encode_conversation(messages, self.template, self.tokenizer, generated)
-        if len(ids) + 1 > capacity and self.opts.kv_overflow == "error":
+        if len(ids) + 1 <= capacity:
+            return ids
+        if self.opts.kv_overflow == "error":
             raise TextError(
                 f"the prompt needs {len(ids)} tokens plus one to generate, but the cache holds "
                 f"{capacity}: start a new conversation, raise -o kv_max_capacity, or use "
                 "-o kv_overflow truncate"
             )
+        first = 1 if messages[0]["role"] == "system" else 0
+        cuts = _truncations.setdefault((self.key, capacity), [])
         dropped = 0
-        target = capacity if len(ids) + 1 <= capacity else capacity // 2
-        while len(ids) + 1 > target and len(messages) - first > 1:
-            # drop the oldest whole turn: a user message and the replies after it
-            del messages[first]
-            dropped += 1
-            while len(messages) - first > 1 and messages[first]["role"] != "user":
+        for cut in sorted(cuts, key=len, reverse=True):
+            n = len(cut)
+            if len(messages) - first > n and _signature(messages[first : first + n]) == cut:
+                kept = messages[:first] + messages[first + n :]
+                kept_ids = encode_conversation(kept, self.template, self.tokenizer, generated)
+                if len(kept_ids) + 1 <= capacity:
+                    messages, ids, dropped = kept, kept_ids, n
+                    break
+        if not dropped:
+            while len(ids) + 1 > capacity // 2 and len(messages) - first > 1:
+                # drop the oldest whole turn: a user message and the replies after it
                 del messages[first]
                 dropped += 1
-            ids = encode_conversation(messages, self.template, self.tokenizer, generated)
+                while len(messages) - first > 1 and messages[first]["role"] != "user":
+                    del messages[first]
+                    dropped += 1
+                ids = encode_conversation(messages, self.template, self.tokenizer, generated)
+            cuts.append(_signature(self.messages[first : first + dropped]))
+            del cuts[:-MAX_REMEMBERED_REPLIES]
         if len(ids) + 1 > capacity:
             raise TextError(
                 f"the prompt needs {len(ids)} tokens plus one to generate, but the cache holds "
                 f"{capacity}: shorten it or raise -o kv_max_capacity"
             )
         self.fitted = messages
-        if dropped:
-            truncations.append(_signature(self.messages[first : first + earlier + dropped]))
-            del truncations[:-MAX_REMEMBERED_REPLIES]
-            self.notice(
-                f"[pte] the conversation no longer fits the {capacity}-token cache: "
-                f"dropped its {dropped} oldest messages"
-            )
+        self.notice(
+            f"[pte] the conversation is too long for the {capacity}-token cache: "
+            f"left out its {dropped} oldest messages"
+        )
         return ids
 
     def __iter__(self):
         r = self.result
         generated = _generated.setdefault(self.key, {})
         prompt = self._fit(generated)
+        if not prompt:
+            raise TextError("the prompt encodes to no tokens: give the model some text")
+        decoder = StreamDecoder(self.tokenizer, prefix_ids=prompt[-4:])
+        stops = StopMatcher(self.opts.stop)
         session = POOL.acquire(self.key, self.program, self.policy, prompt, self._reply_start(generated))
         path, cached = session.reuse(prompt)
         r.prompt_tokens, r.cached_tokens, r.cache_path = len(prompt), cached, path
         cache = session.cache
         budget = min(self.opts.max_tokens, cache.capacity - len(prompt))
-        tail = prompt[cached:]
-        session.tokens.extend(tail)  # prefill writes them all, or resync trims
+        session.tokens.extend(prompt[cached:])  # prefill writes them all, or resync trims
         timings = Timings()
-        decoder = StreamDecoder(self.tokenizer, prefix_ids=prompt[-4:])
-        stops = StopMatcher(self.opts.stop)
         produced: list[int] = []
         text_parts: list[str] = []
         stop_string = False
@@ -206,7 +214,7 @@ class Turn:
             # a narrowed window lowers the cache's max write below the export's chunk
             chunk = cache.max_write or self.program.metadata.prefill_chunk
             steps = generate_tokens(
-                session.forward, cache, tail, cached, chunk,
+                session.forward, cache, prompt, cached, chunk,
                 self._sample, budget, timings,
             )
             step = None
