@@ -8,7 +8,7 @@ import re
 
 import click
 
-from .registry import MODEL_PREFIX, Entry, find_entry, load_entries, save_entries
+from .registry import MODEL_PREFIX, Entry, RegistryError, find_entry, load_entries, save_entries
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -45,6 +45,14 @@ def _layers_text(windows: list[int]) -> str:
     return f"{len(windows)} layers: " + " + ".join(parts)
 
 
+def _strict_entries() -> dict[str, Entry]:
+    """The registry, read in full before it is rewritten."""
+    try:
+        return load_entries(strict=True)
+    except RegistryError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def register_commands(cli):
     @cli.group(name="pte")
     def pte():
@@ -71,15 +79,15 @@ def register_commands(cli):
                 raise click.ClickException(
                     f"invalid name {n!r}: use letters, digits, '.', '_' and '-'"
                 )
-        entries = load_entries()
+        entries = _strict_entries()
         if name in entries and not force:
             raise click.ClickException(
                 f"a model named {name!r} is already registered: use --force to replace it"
             )
         taken = {a: e.name for e in entries.values() if e.name != name for a in (e.name, *e.aliases)}
-        for a in aliases:
+        for a in (name, *aliases):
             if a in taken:
-                raise click.ClickException(f"alias {a!r} is already used by {MODEL_PREFIX}{taken[a]}")
+                raise click.ClickException(f"the name {a!r} is already used by {MODEL_PREFIX}{taken[a]}")
 
         program = _load(path)
         m = program.metadata
@@ -143,7 +151,7 @@ def register_commands(cli):
         entry = find_entry(name)
         if entry is None:
             raise click.ClickException(f"no registered model named {name!r}: see llm pte models")
-        entries = load_entries()
+        entries = _strict_entries()
         del entries[entry.name]
         save_entries(entries)
         click.echo(f"Removed {entry.model_id}")
