@@ -204,7 +204,7 @@ def _check_forward(md: ModelMetadata, sig: ForwardSignature) -> None:
     if len(sig.logits_shape) < 2 or sig.logits_shape[-1] <= 0:
         raise PteError(f"forward's logits have shape {sig.logits_shape}; expected [..., vocab]")
     if sig.logits_dtype not in ("fp32", "fp16", "bf16", "uint16"):
-        raise PteError(f"forward's logits are {sig.logits_dtype}; a sampler needs fp32, fp16 or bf16")
+        raise PteError(f"forward's logits are {sig.logits_dtype}; a sampler needs fp32, fp16, bf16 or uint16")
     vocab = sig.logits_shape[-1]
     if md.vocab_size is not None and md.vocab_size != vocab:
         raise PteError(

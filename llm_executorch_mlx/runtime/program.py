@@ -10,7 +10,7 @@ import numpy as np
 from ._schema import mlx_delegate as md
 from .cache import LayerGeometry, SequenceCache, parse_windows
 from .container import Plan, PteFile, TensorValue
-from .dtypes import array_from_buffer, mlx_dtype, scalar_type_name
+from .dtypes import array_from_buffer, kv_dtype_name, mlx_dtype, scalar_type_name
 from .errors import PteError
 from .graph import decode_graph, node_name
 from .interpreter import GraphExecutor
@@ -291,7 +291,7 @@ def _attention_dtype(graph: md.MLXGraphT) -> str | None:
     for chain in graph.instructionChains:
         for i in chain.instructions or []:
             if node_name(i) == "UpdateAndAttendNode" and i.op.outDtype is not None:
-                return {5: "fp16", 6: "fp32", 15: "bf16"}.get(i.op.outDtype)
+                return kv_dtype_name(mlx_dtype(i.op.outDtype))
     return None
 
 

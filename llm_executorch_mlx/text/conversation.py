@@ -54,7 +54,7 @@ def _locate(rendered: str, content: str, start: int, ids: list[int], tokenizer):
     """Where the reply sits in ``rendered`` and the ids to splice there.
 
     Templates often strip a reply (Llama 3's ``| trim``); then the ids are the
-    generated run, less whitespace-only tokens at its ends, that decodes to
+    generated run, less at most two tokens at each end, that decodes to
     exactly the stripped text. None when the reply cannot be matched.
     """
     at = rendered.find(content, start)
