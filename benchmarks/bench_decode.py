@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import hashlib
 import importlib.metadata
 import json
 import multiprocessing
@@ -60,6 +61,7 @@ BLAS_HINT = (
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; ``dtypes`` becomes a list."""
     p = argparse.ArgumentParser(
         description="Prefill/decode tokens/s of llm-executorch-mlx vs mlx-lm on one random Llama.",
     )
@@ -101,10 +103,11 @@ def optimized_blas() -> list[str]:
     can bind to. numpy's ``libscipy_openblas`` does not count: its symbols are
     renamed (``scipy_cblas_sgemm64_``), so MLX never calls it."""
     with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1].lower() for line in maps if "/" in line}
+        paths = {line.split()[-1] for line in maps if "/" in line}
+    names = {p: pathlib.Path(p).name.lower() for p in paths}
     return sorted(
-        p for p in paths
-        if ("openblas" in p or "libmkl" in p) and "scipy_openblas" not in p
+        p for p, name in names.items()
+        if ("openblas" in p.lower() or name.startswith("libmkl")) and "scipy_openblas" not in name
     )
 
 
@@ -222,10 +225,18 @@ def pte_dtype(path: pathlib.Path) -> str:
 
 
 def prepare_artifacts(args) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
-    """The HF model dir and one .pte per requested dtype, built when missing."""
-    base = args.workdir / f"{args.shape}-seed{args.seed}"
+    """The HF model dir and one .pte per requested dtype, built when missing.
+
+    Exports of a ``--model-dir`` are cached under a name taken from its path,
+    so they are never mistaken for the random model's.
+    """
     model_dir = args.model_dir
-    if model_dir is None:
+    if model_dir is not None:
+        resolved = model_dir.resolve()
+        digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+        base = args.workdir / f"{resolved.name}-{digest}"
+    else:
+        base = args.workdir / f"{args.shape}-seed{args.seed}"
         model_dir = base / "hf"
         if not (model_dir / "config.json").exists():
             base.mkdir(parents=True, exist_ok=True)
@@ -260,11 +271,11 @@ class Run:
     tokens: list[int]
 
 
-def timed(token_stream: Iterator[int], prompt_len: int) -> Run:
+def timed(token_stream: Iterator[int], prompt_len: int, stream: mx.Stream) -> Run:
     """Drain a token generator, timing its first and last token.
 
-    Waits for the device afterwards, so work a generator queued past its last
-    token cannot spill into the next measurement.
+    Waits for ``stream``, the one the generator computes on, afterwards, so
+    work it queued past its last token cannot spill into the next measurement.
     """
     tokens = []
     t0 = time.perf_counter()
@@ -273,7 +284,7 @@ def timed(token_stream: Iterator[int], prompt_len: int) -> Run:
         if not tokens:
             t_first = now
         tokens.append(token)
-    mx.synchronize()
+    mx.synchronize(stream)
     return Run(prompt_len / (t_first - t0), (len(tokens) - 1) / (now - t_first), tokens)
 
 
@@ -304,7 +315,8 @@ class Ours:
             forward, cache, prompt, 0, self.program.metadata.prefill_chunk,
             lambda logits, history: self.sampler.sample(logits), new_tokens, self.last_timings,
         )
-        return timed((step.token for step in steps), len(prompt))
+        stream = mx.default_stream(mx.default_device())
+        return timed((step.token for step in steps), len(prompt), stream)
 
 
 class MlxLm:
@@ -321,12 +333,12 @@ class MlxLm:
         self.prefill_chunk = prefill_chunk
 
     def run(self, prompt: list[int], new_tokens: int) -> Run:
-        from mlx_lm.generate import generate_step
+        from mlx_lm.generate import generate_step, generation_stream
 
         steps = generate_step(
             mx.array(prompt), self.model, max_tokens=new_tokens, prefill_step_size=self.prefill_chunk,
         )
-        return timed((token for token, _ in steps), len(prompt))
+        return timed((token for token, _ in steps), len(prompt), generation_stream)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -344,7 +356,7 @@ def bench_dtype(dtype: str, pte: pathlib.Path, model_dir: pathlib.Path, args, ba
     ours = Ours(pte)
     meta = ours.program.metadata
     needed = args.prompt_len + args.new_tokens
-    if meta.max_context < needed:
+    if (meta.max_context or 0) < needed:
         sys.exit(f"{pte} holds {meta.max_context} tokens; the run needs {needed}")
     if meta.activation_dtype != dtype:
         sys.exit(f"{pte} is {meta.activation_dtype}, expected {dtype}")
@@ -368,20 +380,28 @@ def bench_dtype(dtype: str, pte: pathlib.Path, model_dir: pathlib.Path, args, ba
             "same_tokens": common_prefix(runs["ours"].tokens, runs["mlx-lm"].tokens),
         })
 
-    weight_bytes = ours.program.weight_bytes()
-    mean_context = args.prompt_len + args.new_tokens / 2
-    kv_bytes = ours.new_cache(needed).bytes_per_token() * mean_context
-    ceiling_tps = bandwidth / (weight_bytes + kv_bytes)
+    ceiling = decode_ceiling(ours, args, bandwidth)
     return {
         "dtype": dtype,
         "pte": pte,
         "prefill_chunk": meta.prefill_chunk,
+        **ceiling,
+        "reps": reps,
+        "summary": summarize_dtype(reps, ceiling["ceiling_decode_tps"]),
+    }
+
+
+def decode_ceiling(ours: Ours, args, bandwidth: float) -> dict:
+    """Decode tokens/s if a step cost only reading its bytes once: every
+    weight, plus the KV cache at the mean context of the timed steps."""
+    weight_bytes = ours.program.weight_bytes()
+    mean_context = args.prompt_len + args.new_tokens / 2
+    kv_bytes = ours.new_cache(args.prompt_len + args.new_tokens).bytes_per_token() * mean_context
+    return {
         "weight_bytes": weight_bytes,
         "mean_context": mean_context,
         "kv_bytes_at_mean_context": kv_bytes,
-        "ceiling_decode_tps": ceiling_tps,
-        "reps": reps,
-        "summary": summarize_dtype(reps, ceiling_tps),
+        "ceiling_decode_tps": bandwidth / (weight_bytes + kv_bytes),
     }
 
 

@@ -199,3 +199,11 @@ def test_importing_the_plugin_is_cheap():
     code = "import sys, llm_executorch_mlx; print([m for m in ('mlx', 'mlx.core', 'torch', 'executorch') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_close_unmaps_the_file_and_loaded_methods_keep_working(llama):
+    program = load_program(llama[1])
+    forward = program.load_method("forward", cache=program.new_cache(capacity=8))
+    program.close()
+    out = forward.execute([np.array([[1, 2]]), np.arange(2)])[0]
+    assert np.isfinite(np.array(out)).all()

@@ -34,7 +34,7 @@ class TensorValue:
 @dataclass(frozen=True)
 class DelegateInfo:
     backend_id: str
-    payload: memoryview
+    payload: bytes  # the delegate's program (weights live in named data)
     compile_specs: dict[str, bytes]
 
 
@@ -191,13 +191,11 @@ class PteFile:
         ref = raw.Processed()
         index = ref.Index()
         if ref.Location() == ep.DataLocation.SEGMENT:
-            payload = self.segment(index)
+            payload = bytes(self.segment(index))
         else:
             if index >= self._program.BackendDelegateDataLength():
                 raise PteError(f"{self.path}: delegate data {index} out of range")
-            data = self._program.BackendDelegateData(index)
-            start = data._tab.Vector(data._tab.Offset(4))
-            payload = self.buffer[start : start + data.DataLength()]
+            payload = self._program.BackendDelegateData(index).DataAsNumpy().tobytes()
         specs = {}
         for i in range(raw.CompileSpecsLength()):
             spec = raw.CompileSpecs(i)
@@ -205,6 +203,7 @@ class PteFile:
         return DelegateInfo(backend_id, payload, specs)
 
     def close(self) -> None:
+        """Unmap the file; arrays already made from it stay valid."""
         self.buffer.release()
         self._map.close()
 
