@@ -197,3 +197,4 @@ def register_commands(cli):
                 f"{dt} {n:,}" for dt, n in facts["kv_bytes_per_token"].items()))
         else:
             click.echo("[cache] none published (in-graph or not an LLM)")
+    from .export_command import add_export_commands; add_export_commands(pte)  # noqa: E702  llm pte export, llm pte demo
