@@ -153,3 +153,25 @@ def make_tokenizer(directory: pathlib.Path, vocab_size: int = 200, extra_tokens:
         "tokenizer_class": "PreTrainedTokenizerFast",
     }))
     return directory / "tokenizer.json"
+
+
+def hf_greedy(tokenizer_dir, model_dir, messages: list[dict], max_new_tokens: int):
+    """The Hugging Face reference: transformers' own chat template and ids,
+    and the model's eager greedy continuation up to ``<|eot_id|>``.
+
+    Returns (prompt ids, continuation text).
+    """
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eot, pad_token_id=eot)
+    new = out[0, len(ids):].tolist()
+    if new and new[-1] == eot:
+        new = new[:-1]
+    return ids, tok.decode(new)

@@ -11,8 +11,8 @@ import json
 import shutil
 
 import llm
+import models
 import pytest
-import torch
 import transformers
 from click.testing import CliRunner
 from llm.cli import cli
@@ -85,18 +85,8 @@ def exported(source, tmp_path_factory):
 
 def hf_greedy(model_dir, prompt, max_new_tokens):
     """Transformers' own template, tokens and eager greedy continuation."""
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                  tokenize=True, return_dict=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eot, pad_token_id=eot)
-    new = out[0, len(ids):].tolist()
-    if new and new[-1] == eot:
-        new = new[:-1]
-    return len(ids), tok.decode(new)
+    ids, text = models.hf_greedy(model_dir, model_dir, [{"role": "user", "content": prompt}], max_new_tokens)
+    return len(ids), text
 
 
 def only_files(directory):

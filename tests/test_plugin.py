@@ -12,10 +12,10 @@ import sys
 
 import llm
 import pytest
-import torch
 import transformers
 from click.testing import CliRunner
 from llm.cli import cli
+import models
 from models import make_tokenizer
 
 from llm_executorch_mlx.registry import registry_path
@@ -52,19 +52,8 @@ def register(tiny, name="tiny", *extra):
 
 
 def hf_greedy(tiny, messages, max_new_tokens):
-    """The Hugging Face reference: template, ids and greedy continuation."""
     _, tok_dir, model_dir = tiny
-    tok = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eot, pad_token_id=eot)
-    new = out[0, len(ids):].tolist()
-    if new and new[-1] == eot:
-        new = new[:-1]
-    return ids, tok.decode(new)
+    return models.hf_greedy(tok_dir, model_dir, messages, max_new_tokens)
 
 
 # -- commands -------------------------------------------------------------
