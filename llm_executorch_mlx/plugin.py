@@ -12,6 +12,8 @@ from .registry import Entry
 KV_DTYPES = ("bf16", "fp16", "fp32")
 OVERFLOW = ("truncate", "error")
 TEMPLATE_NAMES = ("auto", "llama3", "gemma", "gemma4", "none", "0")
+# Options whose value must be one of a few names.
+CHOICES = {"kv_storage_dtype": KV_DTYPES, "kv_overflow": OVERFLOW, "chat": TEMPLATE_NAMES}
 
 
 class PteModel(llm.Model):
@@ -51,18 +53,12 @@ class PteModel(llm.Model):
             None, description="When a conversation outgrows the cache: truncate (default; drop the oldest turns, keep the system prompt) or error"
         )
 
-        @field_validator("kv_storage_dtype")
+        @field_validator(*CHOICES)
         @classmethod
-        def _dtype(cls, v):
-            if v is not None and v not in KV_DTYPES:
-                raise ValueError(f"kv_storage_dtype must be one of {', '.join(KV_DTYPES)}")
-            return v
-
-        @field_validator("kv_overflow")
-        @classmethod
-        def _overflow(cls, v):
-            if v is not None and v not in OVERFLOW:
-                raise ValueError(f"kv_overflow must be one of {', '.join(OVERFLOW)}")
+        def _one_of(cls, v, info):
+            allowed = CHOICES[info.field_name]
+            if v is not None and v not in allowed:
+                raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
             return v
 
         @field_validator("kv_windows")
@@ -72,13 +68,6 @@ class PteModel(llm.Model):
                 fields = str(v).split(",")
                 if not all(f.strip().isdigit() for f in fields):
                     raise ValueError("kv_windows must be comma-separated non-negative integers, e.g. 512 or 512,0")
-            return v
-
-        @field_validator("chat")
-        @classmethod
-        def _chat(cls, v):
-            if v is not None and v not in TEMPLATE_NAMES:
-                raise ValueError(f"chat must be one of {', '.join(TEMPLATE_NAMES)}")
             return v
 
         @field_validator("stop")
