@@ -169,7 +169,9 @@ def register_commands(cli):
             "path": str(pathlib.Path(path).resolve()),
             "file_bytes": pathlib.Path(path).stat().st_size,
             "methods": sorted(program.method_names),
-            "weight_bytes": program.weight_bytes(),
+            "weight_bytes": program.weight_bytes(as_stored=True),
+            "compute_dtype": program.compute_dtype,
+            "weight_bytes_in_memory": program.weight_bytes(),
             "metadata": {k: v for k, v in m.as_dict().items() if not k.startswith(("get_", "use_", "enable_"))},
             "constant_methods": m.raw,
         }
@@ -188,6 +190,9 @@ def register_commands(cli):
         click.echo(f"prefill chunk:    {m.prefill_chunk}")
         click.echo(f"vocab size:       {m.vocab_size}")
         click.echo(f"activation dtype: {m.activation_dtype}")
+        if program.compute_dtype != m.activation_dtype:
+            click.echo(f"computes in:      {program.compute_dtype} on this CPU "
+                       f"(weights {facts['weight_bytes_in_memory'] / 1e6:.1f} MB in memory; -o compute_dtype native keeps {m.activation_dtype})")
         click.echo(f"logits mode:      {m.logits_mode}")
         click.echo(f"bos / eos ids:    {m.bos_id} / {m.eos_ids or '-'}")
         if m.has_offgraph_cache:

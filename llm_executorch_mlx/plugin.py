@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Optional, Union
 
 import llm
@@ -12,8 +13,12 @@ from .registry import Entry
 KV_DTYPES = ("bf16", "fp16", "fp32")
 OVERFLOW = ("truncate", "error")
 TEMPLATE_NAMES = ("auto", "llama3", "gemma", "gemma4", "none", "0")
+COMPUTE_ROUTES = ("auto", "native", "fp32")  # runtime.dtypes.COMPUTE_ROUTES, without importing mlx
 # Options whose value must be one of a few names.
-CHOICES = {"kv_storage_dtype": KV_DTYPES, "kv_overflow": OVERFLOW, "chat": TEMPLATE_NAMES}
+CHOICES = {
+    "kv_storage_dtype": KV_DTYPES, "kv_overflow": OVERFLOW, "chat": TEMPLATE_NAMES,
+    "compute_dtype": COMPUTE_ROUTES,
+}
 
 
 class PteModel(llm.Model):
@@ -41,7 +46,10 @@ class PteModel(llm.Model):
             None, ge=1, description="Tokens the KV cache may hold (default: the model's max context)"
         )
         kv_storage_dtype: Optional[str] = Field(
-            None, description="KV cache storage dtype: bf16, fp16 or fp32 (default: the model's activation dtype)"
+            None, description="KV cache storage dtype: bf16, fp16 or fp32 (default: the dtype the model computes in)"
+        )
+        compute_dtype: Optional[str] = Field(
+            None, description="How bf16/fp16 models compute: auto (default: fp32 on a CPU, where it is several times faster; the file's dtype on a GPU), native or fp32"
         )
         kv_initial_capacity: Optional[int] = Field(
             None, ge=0, description="Slots each full-attention layer starts with; pools double up to the capacity (default 512)"
@@ -105,9 +113,30 @@ class PteModel(llm.Model):
                 messages_from_llm(prompt.messages),
                 TurnOptions(stop=stop, **given),
             )
+            _advise_on_blas_once()
             yield from turn
         except (PteError, TextError) as e:
             raise llm.ModelError(str(e)) from None
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats
+
+
+def _advise_on_blas_once() -> None:
+    """Tell a CPU user once (per llm user dir and message) that MLX runs on
+    its slow reference BLAS, and how to fix it (runtime/blas.py)."""
+    import mlx.core as mx
+
+    from .runtime import blas
+
+    advice = blas.load_fast_blas().advice
+    if advice is None or mx.default_device().type != mx.DeviceType.cpu:
+        return
+    marker = llm.user_dir() / "executorch-mlx-blas-advice.txt"
+    try:
+        if marker.read_text() == advice:
+            return
+    except OSError:
+        pass
+    print(f"note: {advice}", file=sys.stderr)
+    marker.write_text(advice)

@@ -16,10 +16,10 @@ from llm_executorch_mlx.runtime import load_program
 PROMPT_LEN, NEW_TOKENS = 40, 20
 
 
-def greedy(pte, prompt, new_tokens, kv_dtype=None):
+def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto"):
     import mlx.core as mx
 
-    program = load_program(pte)
+    program = load_program(pte, compute=compute)
     cache = program.new_cache(capacity=128, dtype=kv_dtype)
     forward = program.load_method("forward", cache=cache)
     chunk = program.metadata.prefill_chunk
@@ -38,10 +38,14 @@ def greedy(pte, prompt, new_tokens, kv_dtype=None):
     return tokens, np.concatenate(rows)[: len(tokens)]
 
 
-def reference_logits(model_dir, tokens, dtype=torch.float32, quantize=None):
+def reference_logits(model_dir, tokens, dtype=torch.float32, quantize=None, compute_dtype=None):
+    """Eager logits of the model stored as ``dtype``, computed in
+    ``compute_dtype`` (default: the same)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation="eager"
     )
+    if compute_dtype is not None:
+        model = model.to(compute_dtype)
     if quantize:
         from executorch.backends.mlx.llm.quantization import quantize_model_
 
@@ -96,11 +100,29 @@ Q4_REL_TOL = 1e-3
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_bf16_matches_transformers_bf16(exported, arch):
+def test_bf16_native_matches_transformers_bf16(exported, arch):
+    """The file's own dtype (what a GPU runs): bf16 compute on both sides."""
     model_dir, pte = exported(arch, trained=True, dtype="bf16")
-    tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS)
+    tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="native")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16)
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch):
+    """The CPU route: the bf16 weights widened to fp32 at load compute exactly
+    what transformers computes in fp32 on the same bf16-rounded weights."""
+    model_dir, pte = exported(arch, trained=True, dtype="bf16")
+    program = load_program(pte, compute="fp32")
+    assert program.compute_dtype == "fp32"
+    stored = program.weight_bytes(as_stored=True)
+    assert stored < program.weight_bytes() <= 2 * stored  # half-precision weights doubled
+    tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="fp32")
+    ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
+    scale = np.abs(ref).max()
+    err = np.abs(ours[:-1] - ref).max()
+    assert err <= 1e-4 * scale, f"max abs error {err} vs logit scale {scale}"
+    assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()
 
 
 def test_4bit_linear_matches_torchao_reference(exported):

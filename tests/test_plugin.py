@@ -229,6 +229,36 @@ def test_continue_in_a_fresh_process_sees_the_history(tiny, user_dir):
     assert logged[0]["response_json"]["cache_path"] == "cold"  # a new process: nothing cached
 
 
+def test_slow_blas_advice_is_said_once(tiny, user_dir, tmp_path):
+    """A CPU user left on MLX's reference BLAS hears how to fix it once, not
+    on every prompt (here: a BLAS named in LLM_PTE_BLAS that is missing)."""
+    register(tiny)
+    missing = tmp_path / "libmissing.so"
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir), LLM_PTE_BLAS=str(missing))
+    llm_bin = [sys.executable, "-m", "llm", "-m", "pte:tiny", "-o", "max_tokens", "2"]
+    runs = [subprocess.run(llm_bin + [f"Hello {i}"], capture_output=True, text=True, env=env, check=True)
+            for i in range(2)]
+    assert f"note: LLM_PTE_BLAS={missing} could not be opened" in runs[0].stderr
+    assert "note:" not in runs[1].stderr
+    assert runs[0].stdout.strip() and runs[1].stdout.strip()
+
+
+def test_half_precision_models_compute_in_fp32_on_a_cpu_unless_told(exported, tiny):
+    _, tok_dir, _ = tiny
+    _, pte = exported("llama", trained=True, dtype="bf16")
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", "half")
+    assert r.exit_code == 0, r.output
+    model = llm.get_model("pte:half")
+    widened = model.prompt("Hello", max_tokens=3)
+    widened.text()
+    native = model.prompt("Hello", max_tokens=3, compute_dtype="native")
+    native.text()
+    assert widened.response_json["compute_dtype"] == "fp32"
+    assert widened.response_json["kv_storage_dtype"] == "fp32"  # the cache follows the compute
+    assert native.response_json["compute_dtype"] == "bf16"
+    assert native.response_json["kv_storage_dtype"] == "bf16"
+
+
 # -- options and bad option values ----------------------------------------------
 
 
@@ -269,6 +299,7 @@ def test_small_capacity_clamps_generation_and_overflow_modes(tiny):
     ("kv_overflow", "drop", "truncate, error"),
     ("kv_windows", "8,x", "comma-separated"),
     ("chat", "chatml", "auto, llama3"),
+    ("compute_dtype", "fp64", "auto, native, fp32"),
     ("temperature", "-1", "greater than or equal to 0"),
     ("kv_max_capacity", "0", "greater than or equal to 1"),
 ])

@@ -10,6 +10,10 @@ Knows .pte files and MLX, nothing of llm or chat. Imports neither torch nor
 executorch.
 """
 
+from .blas import load_fast_blas
+
+load_fast_blas()  # before anything imports mlx.core: see blas.py
+
 from .cache import LayerGeometry, SequenceCache
 from .errors import CacheFullError, PteError, UnsupportedNodeError
 from .metadata import ModelMetadata

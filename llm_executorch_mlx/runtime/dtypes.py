@@ -36,6 +36,24 @@ KV_DTYPES: dict[str, mx.Dtype] = {
     "fp32": mx.float32,
 }
 
+# How half-precision programs compute, by the names users type. MLX's CPU
+# backend runs bf16/fp16 matmuls without BLAS (~5 GFLOP/s here, against ~100
+# for fp32 through OpenBLAS or MKL), so on a CPU "auto" widens them to fp32:
+# weights are converted once at load (twice the memory) and every activation
+# computes in fp32. GPUs keep the file's dtype. docs/design.md has the numbers.
+COMPUTE_ROUTES = ("auto", "native", "fp32")
+_WIDENED = {mx.float16: mx.float32, mx.bfloat16: mx.float32}
+
+
+def compute_dtype_map(route: str) -> dict[mx.Dtype, mx.Dtype]:
+    """The dtype substitutions a compute route applies to a program."""
+    if route not in COMPUTE_ROUTES:
+        raise PteError(f"unknown compute route {route!r}: use one of {', '.join(COMPUTE_ROUTES)}")
+    if route == "auto":
+        route = "fp32" if mx.default_device().type == mx.DeviceType.cpu else "native"
+    return dict(_WIDENED) if route == "fp32" else {}
+
+
 # Numpy views for raw buffers; bf16 has no numpy type and is read as uint16.
 _NUMPY_VIEW = {
     mx.uint8: np.uint8, mx.int8: np.int8, mx.int16: np.int16,

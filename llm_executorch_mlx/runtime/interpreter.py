@@ -41,9 +41,10 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None):
         self.graph = graph
         self.cache = cache
+        self.dtype_map = dtype_map or {}  # the compute route's substitutions
         self.num_constants = graph.numConstantTensors
         self.num_tensors = (
             graph.numConstantTensors + graph.numInputTensors + graph.numOutputTensors
@@ -137,12 +138,14 @@ class BuildContext:
         return lambda f: [f[i] for i in idx]
 
     def dtype(self, scalar_type: int) -> mx.Dtype:
+        """The MLX dtype a node computes in, after the compute route."""
         try:
-            return mlx_dtype(scalar_type)
+            dtype = mlx_dtype(scalar_type)
         except PteError:
             raise PteError(
                 f"{self.current_node}: unsupported dtype {scalar_type_name(scalar_type)}"
             ) from None
+        return self.dtype_map.get(dtype, dtype)
 
     def host_int(self, tid) -> Callable[[list], int]:
         """A getter for element 0 of an integer tensor, read on the host.
@@ -263,15 +266,17 @@ class GraphExecutor:
         graph: the decoded program.
         constants: an array per constant slot, in Tid order.
         cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
+        dtype_map: dtype substitutions of the compute route (constants must
+            already be converted).
     """
 
-    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None):
+    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache)
+        ctx = BuildContext(graph, cache, dtype_map)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):
@@ -327,7 +332,7 @@ class GraphExecutor:
             if meta is None:  # a scalar value slot
                 f[slot] = int(x)
                 continue
-            arr, host = to_mlx(x, meta, k)
+            arr, host = to_mlx(x, meta, k, self._ctx.dtype_map)
             f[slot] = arr
             if host_slot is not None:
                 f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
@@ -390,13 +395,14 @@ def _tensor_meta(graph, slot):
     return _meta_of(graph, slot.idx)
 
 
-def to_mlx(x, meta, position: int):
+def to_mlx(x, meta, position: int, dtype_map=None):
     """Convert a caller's input to the MLX array the program expects.
 
     Returns ``(array, host)``, ``host`` being a numpy copy when the input came
     from the host (so a position can be read without a device sync).
     """
     want = mlx_dtype(meta.scalarType)
+    want = (dtype_map or {}).get(want, want)
     host = None
     if isinstance(x, mx.array):
         arr = x

@@ -10,7 +10,14 @@ import numpy as np
 from ._schema import mlx_delegate as md
 from .cache import LayerGeometry, SequenceCache, parse_windows
 from .container import Plan, PteFile, TensorValue
-from .dtypes import array_from_buffer, kv_dtype_name, mlx_dtype, scalar_type_name
+from .dtypes import (
+    KV_DTYPES,
+    array_from_buffer,
+    compute_dtype_map,
+    kv_dtype_name,
+    mlx_dtype,
+    scalar_type_name,
+)
 from .errors import PteError
 from .graph import decode_graph, node_name
 from .interpreter import GraphExecutor
@@ -23,9 +30,17 @@ LLM_METADATA = (
 )
 
 
-def load_program(path: str | os.PathLike) -> "Program":
-    """Read and validate a .pte file; raise ``PteError`` saying what is wrong."""
-    return Program(PteFile(path))
+def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
+    """Read and validate a .pte file; raise ``PteError`` saying what is wrong.
+
+    Args:
+        path: the .pte file.
+        compute: how bf16/fp16 programs compute: "native" in the file's
+            dtype, "fp32" widened at load, or "auto" (fp32 on a CPU, native on
+            a GPU; see ``dtypes.COMPUTE_ROUTES``). fp32 programs are unaffected.
+    """
+    dtype_map = compute_dtype_map(compute)  # checked before the file is read
+    return Program(PteFile(path), dtype_map)
 
 
 class Method:
@@ -49,8 +64,9 @@ class Method:
 class Program:
     """A .pte program: its methods, metadata, and off-graph cache geometry."""
 
-    def __init__(self, pte: PteFile):
+    def __init__(self, pte: PteFile, dtype_map: dict | None = None):
         self.pte = pte
+        self._dtype_map = dtype_map or {}
         self.path = pte.path
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
@@ -86,7 +102,9 @@ class Program:
             )
         if cache is not None and uses_cache:
             self._check_cache(cache)
-        executor = GraphExecutor(graph, self._load_constants(name, graph), cache if uses_cache else None)
+        executor = GraphExecutor(
+            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map
+        )
         return Method(name, executor.execute, len(plan.inputs))
 
     def _plan(self, name: str) -> Plan:
@@ -143,7 +161,7 @@ class Program:
         return graph
 
     def _load_constants(self, name: str, graph: md.MLXGraphT) -> list[mx.array]:
-        """Weights as MLX arrays in their stored dtype, shared by every load."""
+        """Weights as MLX arrays in the compute route's dtype, shared by every load."""
         cached = self._constants.get(name)
         if cached is not None:
             return cached
@@ -168,7 +186,8 @@ class Program:
                 raise PteError(
                     f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"
                 )
-            constants.append(array_from_buffer(data[:nbytes], shape, dtype))
+            array = array_from_buffer(data[:nbytes], shape, dtype)
+            constants.append(array.astype(self._dtype_map.get(dtype, dtype)))
         mx.eval(constants)
         self._constants[name] = constants
         return constants
@@ -224,7 +243,7 @@ class Program:
         Args:
             capacity: most tokens the sequence may hold (default: max context).
             dtype: storage dtype "bf16" | "fp16" | "fp32" (default: the
-                model's activation dtype, else bf16).
+                dtype activations compute in, else bf16).
             initial_capacity: starting slots of flat pools (default 512).
             windows: a window pattern replacing the model's own.
         """
@@ -241,7 +260,7 @@ class Program:
         return SequenceCache(
             layers,
             capacity=capacity,
-            dtype=dtype or m.activation_dtype or "bf16",
+            dtype=dtype or self.compute_dtype or "bf16",
             initial_capacity=initial_capacity,
             max_write=max_write,
         )
@@ -257,8 +276,18 @@ class Program:
                 "with program.new_cache(...)"
             )
 
-    def weight_bytes(self) -> int:
-        """Bytes of every delegated method's constants, from metadata alone."""
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype activations compute in: the file's, or fp32 when the
+        compute route widened a half-precision program."""
+        act = self.metadata.activation_dtype
+        if act is not None and KV_DTYPES[act] in self._dtype_map:
+            return kv_dtype_name(self._dtype_map[KV_DTYPES[act]])
+        return act
+
+    def weight_bytes(self, as_stored: bool = False) -> int:
+        """Bytes of every delegated method's constants, from metadata alone:
+        as held in memory after the compute route, or ``as_stored`` in the file."""
         total = 0
         for name, plan in self.pte.plans.items():
             if not plan.delegates or plan.delegates[0].backend_id != MLX_BACKEND:
@@ -266,7 +295,10 @@ class Program:
             graph = self._graph(name)
             for meta in (graph.tensorMeta or [])[: graph.numConstantTensors]:
                 n = int(np.prod([d.value for d in meta.shape or []], dtype=np.int64))
-                total += n * mlx_dtype(meta.scalarType).size
+                dtype = mlx_dtype(meta.scalarType)
+                if not as_stored:
+                    dtype = self._dtype_map.get(dtype, dtype)
+                total += n * dtype.size
         return total
 
     @property

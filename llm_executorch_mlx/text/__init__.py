@@ -1,5 +1,7 @@
 """The text layer: tokenizers, streaming detokenization, chat templates, sampling, stop strings."""
 
+from .. import runtime  # noqa: F401  (binds a fast CPU BLAS before mlx.core loads)
+
 from .detokenize import StreamDecoder
 from .errors import TextError
 from .sampling import Sampler

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..runtime import load_program
+from ..runtime import blas, load_program
 from .conversation import encode_conversation
 from .detokenize import StreamDecoder
 from .errors import TextError
@@ -44,9 +44,9 @@ def _file_key(path: str):
     return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
-def get_program(path: str):
+def get_program(path: str, compute: str = "auto"):
     """The loaded program for ``path``, reused while the file is unchanged."""
-    key = _file_key(path)
+    key = _file_key(path) + (compute,)
     if key not in _programs:
         for old in [k for k in _programs if k[0] == key[0]]:
             # the file changed: free the old program and all that refers to it
@@ -55,7 +55,7 @@ def get_program(path: str):
             _generated.pop(old, None)
             for cut_key in [c for c in _truncations if c[0] == old]:
                 del _truncations[cut_key]
-        _programs[key] = load_program(path)
+        _programs[key] = load_program(path, compute=compute)
     return key, _programs[key]
 
 
@@ -82,6 +82,7 @@ class TurnOptions:
     kv_initial_capacity: int | None = None
     kv_windows: str | None = None
     kv_overflow: str = "truncate"
+    compute_dtype: str = "auto"
 
 
 @dataclass
@@ -101,7 +102,7 @@ class Turn:
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
-        self.key, self.program = get_program(pte_path)
+        self.key, self.program = get_program(pte_path, opts.compute_dtype)
         self.tokenizer = get_tokenizer(tokenizer_path)
         self.template = resolve_template(opts.chat, self.tokenizer)
         self.opts = opts
@@ -115,7 +116,7 @@ class Turn:
             )
         self.policy = CachePolicy(
             capacity=capacity,
-            dtype=opts.kv_storage_dtype or meta.activation_dtype or "bf16",
+            dtype=opts.kv_storage_dtype or self.program.compute_dtype or "bf16",
             initial_capacity=opts.kv_initial_capacity,
             windows=opts.kv_windows,
         )
@@ -285,6 +286,9 @@ class Turn:
             "kv_windows": [g.window for g in cache.layers],
             "kv_bytes_in_use": cache.bytes_in_use(),
             "kv_bytes_allocated": cache.nbytes,
+            "device": mx.default_device().type.name,
+            "compute_dtype": self.program.compute_dtype,
+            "blas": blas.load_fast_blas().library,
             "mlx_active_bytes": mx.get_active_memory(),
             "mlx_peak_bytes": mx.get_peak_memory(),
         }
