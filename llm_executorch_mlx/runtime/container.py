@@ -137,6 +137,11 @@ class PteFile:
             ) from None
         return self.segment(index)
 
+    def named_data_span(self, key: str) -> tuple[int, int]:
+        """Where named data ``key`` lies in the file: ``(start, end)`` byte offsets."""
+        self.named_data(key)  # the one error for a missing key
+        return self._segments[self._named[key]]
+
     @property
     def named_data_keys(self) -> list[str]:
         return list(self._named)
