@@ -50,6 +50,7 @@ def pack(out: pathlib.Path, max_ctx_len: int, chunk: int) -> None:
     config = LlamaConfig(**LLAMA_32_1B)
     with no_init_weights():
         model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.tie_weights()  # skipped initialisation leaves lm_head untied
     with torch.no_grad():
         for i, (_, p) in enumerate(model.named_parameters()):
             p.fill_((1 + (i % 128) / 128) * 2.0 ** (i // 128 - 8))  # distinct in bf16
@@ -110,6 +111,9 @@ def unpack(out: pathlib.Path, seed: int) -> None:
             raise SystemExit(f"{name}: the .pte holds {end - start} bytes, the shape needs {raw.size}")
         file[start : start + raw.size] = raw
         weights[name] = w
+        if name == "model.embed_tokens.weight" and "lm_head.weight" in spans:
+            start, end = spans["lm_head.weight"]  # exported untied: the same matrix
+            file[start : start + raw.size] = raw
     file.flush()
     del file
     mx.save_safetensors(str(out / "hf" / "model.safetensors"), weights, metadata={"format": "mlx"})

@@ -223,8 +223,6 @@ class SequenceCache:
                 f"cache layer {layer} out of range: this cache has {len(self.layers)} layers"
             )
         g = self.layers[layer]
-        if isinstance(position, mx.array):
-            return self._fixed_step(layer, g, position, k, v)
         T = k.shape[2]
         end = position + T
         if position < 0 or position > self.length:
@@ -259,57 +257,6 @@ class SequenceCache:
         if g.is_ring and g.window < S:
             return K, V, self._band_mask(T, S, g.window)
         return K, V, "causal"
-
-    # -- fixed-shape decode steps, for mx.compile ------------------------------
-    #
-    # A compiled decode step cannot slice the history by a host position (the
-    # shapes would change every token), so it writes its one token with
-    # slice_update at a device position and attends over the whole pool under
-    # a mask of the live cells. The host prepares the pools (growth, checks)
-    # before the call and commits the length after it.
-
-    def prepare_fixed_step(self, position: int) -> None:
-        """Check and make room for one token at ``position`` (host side)."""
-        if position != self.length:
-            raise PteError(f"a fixed-shape step must continue the sequence at {self.length}, not {position}")
-        if position + 1 > self.capacity:
-            raise CacheFullError(
-                f"KV cache full: writing 1 token at position {position} exceeds "
-                f"capacity {self.capacity}; rewind, clear, or build a larger cache"
-            )
-        for layer, g in enumerate(self.layers):
-            if not g.is_ring:
-                self._grow(layer, position + 1)
-
-    def commit_fixed_step(self, pools: list[mx.array]) -> None:
-        """Adopt the pools a fixed-shape step returned; the token is now held."""
-        n = len(self.layers)
-        self._k, self._v = list(pools[:n]), list(pools[n:])
-        self.length += 1
-        self._written_end = max(self._written_end, self.length)
-
-    def use_pools(self, pools: list[mx.array]) -> None:
-        """Point the layers at ``pools`` (the traced inputs of a compiled step)."""
-        n = len(self.layers)
-        self._k, self._v = list(pools[:n]), list(pools[n:])
-
-    def _fixed_step(self, layer, g, position: mx.array, k, v):
-        if k.shape[2] != 1:
-            raise PteError("a fixed-shape cache step writes exactly one token")
-        kp, vp = self._k[layer], self._v[layer]
-        slots = kp.shape[2]
-        slot = position % slots if g.is_ring else position
-        start = slot.reshape(1).astype(mx.int32)
-        kp = mx.slice_update(kp, k.astype(self._mx_dtype), start, axes=(2,))
-        vp = mx.slice_update(vp, v.astype(self._mx_dtype), start, axes=(2,))
-        self._k[layer], self._v[layer] = kp, vp
-        cells = mx.arange(slots, dtype=mx.int32)
-        if g.is_ring:
-            age = (position - cells) % slots  # how far back each cell's token is
-            live = (age < g.window) & (age <= position)
-        else:
-            live = cells <= position
-        return kp, vp, live[None, None, None, :]
 
     def _flat_step(self, layer, position, end, k, v):
         self._grow(layer, end)

@@ -59,7 +59,6 @@ class BuildContext:
         self.host_slots: dict[int, int] = {}  # input tid -> frame slot of its host copy
         self.chains: dict[int, list[tuple[str, Run]]] = {}
         self.in_init_chain = False
-        self.host_reads_device = False
         self.current_node = "?"
         self._writes: list[tuple[str, object]] = []  # every node built, in order
         self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
@@ -162,8 +161,6 @@ class BuildContext:
                 self.extra.append(None)
                 self.host_slots[i] = slot
             return lambda f: f[slot]
-
-        self.host_reads_device = True  # a sync per step; no compiled steps
 
         def read(f):
             return int(f[i].reshape(-1)[0].item())
@@ -313,8 +310,6 @@ class GraphExecutor:
             template[tid] = mx.zeros(shape, dtype=ctx.dtype(meta.scalarType))
         template[ctx.num_tensors + ctx.num_values :] = ctx.extra
         self._template = template
-        self._compiled = None
-        self.compiled_steps_run = 0
         self._host_slots = [(i, ctx.host_slots.get(i)) for i in self.input_slots]
         if init is not None:
             run_guarded(init, template, "init chain")
@@ -324,83 +319,12 @@ class GraphExecutor:
     def constants(self) -> list[mx.array]:
         return self._template[: self._ctx.num_constants]
 
-    def enable_compiled_steps(self) -> bool:
-        """Run one-token steps as one ``mx.compile``d function (see ``_fixed_step``).
-
-        Possible when the program's only host reads are cache positions taken
-        from its inputs, it has no mutable buffers, and every input and output
-        is a tensor. Returns whether it is on.
-        """
-        ctx = self._ctx
-        eligible = (
-            ctx.cache is not None and ctx.host_slots and not ctx.host_reads_device
-            and not self._mutable and all(m is not None for m in self.input_meta)
-            and all(m is not None for m in self.output_meta)
-        )
-        if eligible and self._compiled is None:
-            self._compiled = mx.compile(self._traced_step)
-        return bool(eligible)
-
-    def _traced_step(self, *arrays):
-        """The main chain as a pure function: (inputs, pools) -> (outputs, pools).
-
-        The cache positions are device scalars here, so the cache takes its
-        fixed-shape path and nothing depends on host values.
-        """
-        cache = self._ctx.cache
-        n = len(self.input_slots)
-        f = self._template.copy()
-        for (slot, host_slot), arr in zip(self._host_slots, arrays[:n]):
-            f[slot] = arr
-            if host_slot is not None:
-                f[host_slot] = arr.reshape(-1)[0]
-        cache.use_pools(list(arrays[n:]))
-        run_ops(self._main, f)
-        return [f[s] for s in self.output_slots] + cache.state
-
-    def _fixed_step(self, inputs: list):
-        """One token through the compiled function, when this call is one.
-
-        Returns the outputs, or None to run the chain as usual.
-        """
-        converted = [to_mlx(x, m, k, self._ctx.dtype_map) for k, (x, m) in enumerate(zip(inputs, self.input_meta))]
-        if converted[0][0].size != 1:
-            return None
-        positions = {
-            int(host.reshape(-1)[0]) if host is not None else int(arr.reshape(-1)[0].item())
-            for (arr, host), (_, host_slot) in zip(converted, self._host_slots)
-            if host_slot is not None
-        }
-        cache = self._ctx.cache
-        if len(positions) != 1:
-            return None
-        position, = positions
-        if position != cache.length:  # a rewrite of held cells: the general path
-            return None
-        cache.prepare_fixed_step(position)
-        pools = cache.state
-        try:
-            results = self._compiled(*[arr for arr, _ in converted], *pools)
-        except BaseException as e:
-            cache.use_pools(pools)  # tracing pointed the layers at placeholders
-            if isinstance(e, Exception) and not isinstance(e, PteError):
-                raise PteError(f"compiled decode step failed: {e}") from None
-            raise
-        n_out = len(self.output_slots)
-        cache.commit_fixed_step(results[n_out:])
-        self.compiled_steps_run += 1
-        return results[:n_out]
-
     def execute(self, inputs: list) -> list:
         """Run the main chain; tensors come back as lazy ``mx.array``s."""
         if len(inputs) != len(self.input_slots):
             raise PteError(
                 f"the program takes {len(self.input_slots)} inputs, got {len(inputs)}"
             )
-        if self._compiled is not None:
-            outs = self._fixed_step(inputs)
-            if outs is not None:
-                return outs
         f = self._template.copy()
         for k, ((slot, host_slot), meta, x) in enumerate(
             zip(self._host_slots, self.input_meta, inputs)

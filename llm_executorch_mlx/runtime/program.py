@@ -46,16 +46,10 @@ def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
 class Method:
     """A loaded method; ``execute(inputs)`` returns its outputs as a list."""
 
-    def __init__(self, name: str, run, n_inputs: int, executor: GraphExecutor | None = None):
+    def __init__(self, name: str, run, n_inputs: int):
         self.name = name
         self._run = run
         self.n_inputs = n_inputs
-        self._executor = executor
-
-    @property
-    def compiled_steps_run(self) -> int:
-        """How many calls took the compiled one-token path (see ``load_method``)."""
-        return self._executor.compiled_steps_run if self._executor else 0
 
     def execute(self, inputs: list | tuple = ()) -> list:
         """Run once. Inputs may be numpy arrays, mx arrays, torch tensors or
@@ -88,17 +82,12 @@ class Program:
 
     # -- methods --------------------------------------------------------------
 
-    def load_method(
-        self, name: str, cache: SequenceCache | None = None, compiled_steps: bool | None = None
-    ) -> Method:
+    def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:
         """Prepare a method to run; delegated methods decode their program now.
 
         Args:
             name: the method name (see ``method_names``).
             cache: the off-graph cache, required when the program has one.
-            compiled_steps: run one-token steps as one ``mx.compile``d,
-                fixed-shape function (fewer kernel launches; attends over the
-                whole cache pool under a mask). Default: on a GPU only.
         """
         plan = self._plan(name)
         if not plan.delegates and not plan.kernel_calls:
@@ -116,11 +105,7 @@ class Program:
         executor = GraphExecutor(
             graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map
         )
-        if compiled_steps is None:
-            compiled_steps = mx.default_device().type == mx.DeviceType.gpu
-        if compiled_steps and uses_cache:
-            executor.enable_compiled_steps()
-        return Method(name, executor.execute, len(plan.inputs), executor)
+        return Method(name, executor.execute, len(plan.inputs))
 
     def _plan(self, name: str) -> Plan:
         try:
