@@ -35,6 +35,8 @@ def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto"):
         pos = np.array([len(tokens) - 1], dtype=np.int64)
         rows.append(np.array(forward.execute([np.array([[nxt]]), pos])[0].astype(mx.float32))[0])
     assert cache.length == len(tokens)
+    # every layer's query and key RoPE ran as one mx.fast.rope (fusion.py)
+    assert forward.op_names.count("RopeFused") == 2 * program.metadata.n_caches
     return tokens, np.concatenate(rows)[: len(tokens)]
 
 

@@ -21,6 +21,7 @@ import numpy as np
 from ._schema import mlx_delegate as md
 from .dtypes import mlx_dtype, scalar_type_name
 from .errors import PteError
+from .fusion import GROUP, try_fuse
 from .graph import node_name
 
 Run = Callable[[list], None]
@@ -41,8 +42,9 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=()):
         self.graph = graph
+        self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
         self.num_constants = graph.numConstantTensors
@@ -153,7 +155,10 @@ class BuildContext:
         When the tensor is a program input, the caller's host copy is used and
         the device is not touched; otherwise this evaluates the tensor (a sync).
         """
-        i = self._host_source(self.t(tid))
+        return self.host_int_of(self._host_source(self.t(tid)))
+
+    def host_int_of(self, i: int) -> Callable[[list], int]:
+        """``host_int`` for tensor slot ``i`` (already traced to its source)."""
         if i in self.input_tids:
             slot = self.host_slots.get(i)
             if slot is None:
@@ -189,7 +194,10 @@ class BuildContext:
         """Follow ``i`` back through nodes that keep element [0, ..., 0] in
         place (reshapes, transposes, casts, index-0 takes and slices) to the
         program input it came from; return ``i`` itself when it did not."""
-        step = len(self._writes)
+        return self._host_source_at(i, len(self._writes))
+
+    def _host_source_at(self, i: int, step: int) -> int:
+        """``_host_source`` as of write number ``step``."""
         while i not in self.input_tids:
             step, (name, node) = self._writer_before(i, step)
             if step is None or not _keeps_first_element(name, node):
@@ -213,7 +221,18 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     from .ops import BUILDERS  # the op table imports this module
 
     ops = []
-    for instr in ctx.graph.instructionChains[index].instructions or []:
+    instructions = ctx.graph.instructionChains[index].instructions or []
+    i = 0
+    while i < len(instructions):
+        fused = try_fuse(ctx, instructions, i)
+        if fused is not None:
+            ops.append(fused)
+            for instr in instructions[i : i + len(GROUP)]:
+                ctx.record_write(node_name(instr), instr.op)
+            i += len(GROUP)
+            continue
+        instr = instructions[i]
+        i += 1
         name = node_name(instr)
         builder = BUILDERS.get(name)
         if builder is None:
@@ -276,7 +295,7 @@ class GraphExecutor:
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache, dtype_map)
+        ctx = BuildContext(graph, cache, dtype_map, constants)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):

@@ -46,10 +46,11 @@ def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
 class Method:
     """A loaded method; ``execute(inputs)`` returns its outputs as a list."""
 
-    def __init__(self, name: str, run, n_inputs: int):
+    def __init__(self, name: str, run, n_inputs: int, op_names: tuple[str, ...] = ()):
         self.name = name
         self._run = run
         self.n_inputs = n_inputs
+        self.op_names = op_names  # the ops one call runs, after load-time fusion
 
     def execute(self, inputs: list | tuple = ()) -> list:
         """Run once. Inputs may be numpy arrays, mx arrays, torch tensors or
@@ -105,7 +106,7 @@ class Program:
         executor = GraphExecutor(
             graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map
         )
-        return Method(name, executor.execute, len(plan.inputs))
+        return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names))
 
     def _plan(self, name: str) -> Plan:
         try:

@@ -1,0 +1,179 @@
+"""Rewrite Hugging Face's rotate-half RoPE into ``mx.fast.rope`` at load.
+
+Models exported from transformers (``export_llm_hf``) spell rotary embeddings
+out as seven nodes per query or key tensor::
+
+    a = x * cos;  x1 = x[..., :h];  x2 = x[..., h:];  r = concat(-x2, x1)
+    y = a + r * sin
+
+with ``cos``/``sin`` computed once per call from the position input:
+``cos(concat(m, m)) * scale``, ``m = positions * inv_freq``. That is five
+kernels per tensor where MLX (and mlx-lm) use one, which matters wherever
+decoding is bound by kernel launches (GPUs) or by per-op overhead. A group is
+rewritten only when the whole chain is proven: the slices halve the head
+dimension, the tables trace back to ``inv_freq`` (a constant) times a
+program input (the positions, read on the host like the cache's), both
+scales are the same constant, and no later node reads the group's
+intermediates. Then ``y = fast.rope(x, offset=positions[0], freqs=1/inv_freq)
+* scale``; positions must be consecutive, which the off-graph cache already
+requires of every forward call.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ._schema import mlx_delegate as md
+from .errors import PteError
+from .graph import node_name
+
+GROUP = ("MultiplyNode", "SliceNode", "SliceNode", "NegNode", "ConcatenateNode", "MultiplyNode", "AddNode")
+_VIEWS = ("ExpandDimsNode", "AsTypeNode", "ReshapeNode")  # keep values, change layout or dtype
+_UNBOUNDED = 1 << 62  # a slice "to the end" is exported as INT64_MAX
+
+
+def try_fuse(ctx, instructions: list, i: int):
+    """The fused ``(name, run)`` for a group starting at ``instructions[i]``, or
+    None. Called by ``build_chain`` when it reaches ``i``, so the build
+    context's write record holds exactly the nodes before the group."""
+    names = tuple(node_name(instr) for instr in instructions[i : i + len(GROUP)])
+    if names != GROUP:
+        return None
+    try:
+        return _fuse(ctx, instructions, i)
+    except (AttributeError, TypeError, IndexError):
+        return None  # a malformed node: its own builder will say what is wrong
+
+
+def _fuse(ctx, instructions: list, i: int):
+    ops = [instructions[i + k].op for k in range(len(GROUP))]
+    mul_cos, lo, hi, neg, cat, mul_sin, add = ops
+    x = lo.x.idx
+    axis = _literal(lo.axis)
+    if not (
+        hi.x.idx == x and axis is not None and _literal(hi.axis) == axis
+        and neg.x.idx == hi.out.idx and [t.idx for t in cat.tensors] == [neg.out.idx, lo.out.idx]
+        and mul_sin.a.idx == cat.out.idx and {add.a.idx, add.b.idx} == {mul_cos.out.idx, mul_sin.out.idx}
+        and x in (mul_cos.a.idx, mul_cos.b.idx)
+    ):
+        return None
+    half = _slice_bounds(lo, hi)
+    if half is None:
+        return None
+    dims = 2 * half
+    cos = mul_cos.b.idx if mul_cos.a.idx == x else mul_cos.a.idx
+    sin = mul_sin.b.idx
+    step = len(ctx._writes)
+    cos_table = _table(ctx, cos, step, "CosNode")
+    sin_table = _table(ctx, sin, step, "SinNode")
+    if cos_table is None or sin_table is None or cos_table[:2] != sin_table[:2]:
+        return None
+    positions, inv_freq, cos_scale = cos_table
+    if cos_scale != sin_table[2] or inv_freq.size != half:
+        return None
+    internal = {mul_cos.out.idx, lo.out.idx, hi.out.idx, neg.out.idx, cat.out.idx, mul_sin.out.idx} - {add.out.idx}
+    kept = {
+        s.idx for s in (ctx.graph.outputMap or []) + (ctx.graph.mutableBufferMap or [])
+        if s.slotType == md.SlotType.TensorSlot
+    }
+    if internal & kept or _read_before_written(instructions[i + len(GROUP):], internal):
+        return None
+    position = ctx.host_int_of(positions)
+    freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
+    mx.eval(freqs)
+    out, scale = add.out.idx, cos_scale
+    rope = mx.fast.rope
+
+    def run(f):
+        X = f[x]
+        # A valid program can only broadcast x * cos this way with x's last
+        # axis the rotated one, of 2 * half entries; say so if it is not.
+        if X.shape[-1] != dims or axis not in (-1, X.ndim - 1):
+            raise PteError(f"rotary embedding over shape {X.shape} does not rotate {dims} dims of the last axis")
+        y = rope(X, dims, traditional=False, base=None, scale=1.0, offset=position(f), freqs=freqs)
+        f[out] = y if scale == 1.0 else y * scale
+
+    return "RopeFused", run
+
+
+def _literal(iov) -> int | None:
+    """The value of a static ``IntOrVid`` (or a plain int), None when dynamic."""
+    if isinstance(iov, int):
+        return iov
+    return None if iov is None or iov.isVid else iov.literal
+
+
+def _slice_bounds(lo, hi) -> int | None:
+    """``h`` when ``lo`` is ``[:h]`` and ``hi`` is ``[h:]`` with static bounds."""
+    fields = (lo.start, lo.stop, hi.start, hi.stop)
+    if any(v is None or v.isVid for v in fields) or lo.step != 1 or hi.step != 1:
+        return None
+    if lo.start.literal != 0 or hi.stop.literal < _UNBOUNDED or lo.stop.literal != hi.start.literal:
+        return None
+    return lo.stop.literal
+
+
+def _through_views(ctx, tid: int, step: int):
+    """Follow ``tid`` back through layout/dtype nodes to the node that made it."""
+    while True:
+        step, (name, node) = ctx._writer_before(tid, step)
+        if step is None or name not in _VIEWS:
+            return tid, step, name, node
+        tid = node.x.idx
+
+
+def _constant(ctx, tid: int):
+    return ctx.constants[tid] if tid < ctx.num_constants else None
+
+
+def _table(ctx, tid: int, step: int, trig: str):
+    """``(positions_tid, inv_freq, scale)`` when ``tid`` is ``trig(concat(m, m)) * scale``
+    with ``m = positions * inv_freq``, else None."""
+    tid, step, name, node = _through_views(ctx, tid, step)
+    scale = 1.0
+    if name == "MultiplyNode":
+        factor = _constant(ctx, node.b.idx)
+        if factor is None or factor.size != 1:
+            return None
+        scale = float(factor.reshape(-1)[0].item())
+        tid, step, name, node = _through_views(ctx, node.a.idx, step)
+    if name != trig:
+        return None
+    tid, step, name, node = _through_views(ctx, node.x.idx, step)
+    if name != "ConcatenateNode" or len(node.tensors) != 2 or node.tensors[0].idx != node.tensors[1].idx:
+        return None
+    tid, step, name, node = _through_views(ctx, node.tensors[0].idx, step)
+    if name != "MultiplyNode":
+        return None
+    for const, other in ((node.b.idx, node.a.idx), (node.a.idx, node.b.idx)):
+        inv_freq = _constant(ctx, const)
+        if inv_freq is not None:
+            source = ctx._host_source_at(other, step)
+            if source in ctx.input_tids:
+                return source, inv_freq, scale
+    return None
+
+
+def _read_before_written(rest: list, slots: set[int]) -> bool:
+    """Whether a later node reads one of ``slots`` before overwriting it."""
+    pending = set(slots)
+    for instr in rest:
+        if not pending:
+            return False
+        if node_name(instr) in ("IfNode", "ScanNode"):
+            return True  # sub-chains may read anything: stay unfused
+        reads, writes = _tensor_fields(instr.op)
+        if pending & reads:
+            return True
+        pending -= writes
+    return False
+
+
+def _tensor_fields(op) -> tuple[set[int], set[int]]:
+    reads, writes = set(), set()
+    for field, value in vars(op).items():
+        items = value if isinstance(value, list) else [value]
+        tids = {v.idx for v in items if type(v).__name__ == "TidT"}
+        (writes if field in ("out", "outs", "outputs") else reads).update(tids)
+    return reads, writes
+

@@ -1,0 +1,81 @@
+"""The load-time rewrite of Hugging Face's rotate-half RoPE into mx.fast.rope.
+
+A hand-built program spells RoPE the way transformers' exports do; fused or
+not, it must compute the rotate-half formula (numpy reference), and it is
+fused only when nothing else reads the group's intermediates. The exported
+models' parity tests (test_parity.py) cover the same rewrite end to end.
+"""
+
+import numpy as np
+import pytest
+
+from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from opgraph import OpGraph
+
+H, T, D = 3, 5, 8
+BASE = 10000.0
+
+
+def reference(x, positions, inv_freq, scale):
+    angles = positions[:, None] * inv_freq[None, :]
+    emb = np.concatenate([angles, angles], axis=-1)
+    cos, sin = np.cos(emb) * scale, np.sin(emb) * scale
+    rotated = np.concatenate([-x[..., D // 2 :], x[..., : D // 2]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def rope_program(x, positions, inv_freq, scale, read_intermediate=False):
+    g = OpGraph()
+    xs, pos = g.input(x), g.input(positions)
+    inv, sc = g.constant(inv_freq), g.constant(np.array(scale, np.float32))
+    p1, p2, pf, m, e, c, s, c4, s4 = (g.temp() for _ in range(9))
+    g.node(md.ExpandDimsNodeT, x=pos, out=p1, axis=0)
+    g.node(md.ExpandDimsNodeT, x=p1, out=p2, axis=2)
+    g.node(md.AsTypeNodeT, x=p2, out=pf, scalarType=6)
+    g.node(md.MultiplyNodeT, a=pf, b=inv, out=m)
+    g.node(md.ConcatenateNodeT, tensors=[m, m], out=e, axis=-1)
+    g.node(md.CosNodeT, x=e, out=c)
+    g.node(md.MultiplyNodeT, a=c, b=sc, out=c)
+    g.node(md.SinNodeT, x=e, out=s)
+    g.node(md.MultiplyNodeT, a=s, b=sc, out=s)
+    g.node(md.ExpandDimsNodeT, x=c, out=c4, axis=1)
+    g.node(md.ExpandDimsNodeT, x=s, out=s4, axis=1)
+    a, x1, x2, r, b, y = (g.temp() for _ in range(6))
+    g.node(md.MultiplyNodeT, a=xs, b=c4, out=a)
+    g.node(md.SliceNodeT, x=xs, out=x1, axis=g.iov(3), start=g.iov(0), stop=g.iov(D // 2), step=1)
+    g.node(md.SliceNodeT, x=xs, out=x2, axis=g.iov(3), start=g.iov(D // 2), stop=g.iov(2**63 - 1), step=1)
+    g.node(md.NegNodeT, x=x2, out=x2)
+    g.node(md.ConcatenateNodeT, tensors=[x2, x1], out=r, axis=-1)
+    g.node(md.MultiplyNodeT, a=r, b=s4, out=b)
+    g.node(md.AddNodeT, a=a, b=b, out=y)
+    g.output(y)
+    if read_intermediate:  # a later node still needs x's first half
+        g.output(x1)
+    return g
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+def test_rotate_half_rope_is_fused_and_exact(scale):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, H, T, D)).astype(np.float32)
+    positions = np.arange(11, 11 + T, dtype=np.int64)
+    inv_freq = (1.0 / BASE ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    g = rope_program(x, positions, inv_freq, scale)
+    ex = g.executor()
+    assert ex.node_names.count("RopeFused") == 1
+    assert "NegNode" not in ex.node_names
+    (y,) = [np.array(o) for o in ex.execute([x, positions])]
+    np.testing.assert_allclose(y, reference(x, positions, inv_freq, scale), atol=1e-5)
+
+
+def test_group_whose_intermediate_is_read_later_stays_unfused():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, H, T, D)).astype(np.float32)
+    positions = np.arange(T, dtype=np.int64)
+    inv_freq = (1.0 / BASE ** (np.arange(0, D, 2) / D)).astype(np.float32)
+    g = rope_program(x, positions, inv_freq, 1.0, read_intermediate=True)
+    ex = g.executor()
+    assert "RopeFused" not in ex.node_names
+    y, x1 = [np.array(o) for o in ex.execute([x, positions])]
+    np.testing.assert_allclose(y, reference(x, positions, inv_freq, 1.0), atol=1e-5)
+    np.testing.assert_array_equal(x1, x[..., : D // 2])
