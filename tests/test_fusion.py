@@ -79,3 +79,34 @@ def test_group_whose_intermediate_is_read_later_stays_unfused():
     y, x1 = [np.array(o) for o in ex.execute([x, positions])]
     np.testing.assert_allclose(y, reference(x, positions, inv_freq, 1.0), atol=1e-5)
     np.testing.assert_array_equal(x1, x[..., : D // 2])
+
+
+def swiglu_program(gate, up, silu_read_later=False):
+    g = OpGraph()
+    gs, us = g.input(gate), g.input(up)
+    s, other, y = g.temp(), g.temp(), g.temp()
+    g.node(md.SiluNodeT, x=gs, out=s)
+    g.node(md.NegNodeT, x=us, out=other)  # unrelated work between the two
+    g.node(md.MultiplyNodeT, a=s, b=us, out=y)
+    g.output(y)
+    g.output(other)
+    if silu_read_later:
+        g.output(s)
+    return g
+
+
+def silu(x):
+    return x / (1 + np.exp(-x))
+
+
+@pytest.mark.parametrize("silu_read_later", [False, True])
+def test_silu_times_up_runs_as_one_swiglu_only_when_nothing_else_reads_the_silu(silu_read_later):
+    rng = np.random.default_rng(2)
+    gate, up = (rng.standard_normal((1, 4, 24)).astype(np.float32) for _ in range(2))
+    ex = swiglu_program(gate, up, silu_read_later).executor()
+    assert ("SwiGLUFused" in ex.node_names) is not silu_read_later
+    outs = [np.array(o) for o in ex.execute([gate, up])]
+    np.testing.assert_allclose(outs[0], silu(gate) * up, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(outs[1], -up)
+    if silu_read_later:
+        np.testing.assert_allclose(outs[2], silu(gate), rtol=1e-5, atol=1e-6)

@@ -1,4 +1,6 @@
-"""Rewrite Hugging Face's rotate-half RoPE into ``mx.fast.rope`` at load.
+"""Load-time rewrites of exported patterns into fewer MLX kernels.
+
+**RoPE.** Hugging Face's rotate-half RoPE becomes ``mx.fast.rope``.
 
 Models exported from transformers (``export_llm_hf``) spell rotary embeddings
 out as seven nodes per query or key tensor::
@@ -17,6 +19,13 @@ scales are the same constant, and no later node reads the group's
 intermediates. Then ``y = fast.rope(x, offset=positions[0], freqs=1/inv_freq)
 * scale``; positions must be consecutive, which the off-graph cache already
 requires of every forward call.
+
+**SwiGLU.** ``silu(gate)`` then, a few nodes later, ``silu_out * up``: two
+kernels for the silu (sigmoid, multiply) and one for the product. When the
+multiply is the only reader of the silu's output, the multiply computes
+``gate * sigmoid(gate) * up`` in one compiled kernel from the gate stashed at
+the silu node (whose own lazy output is then never evaluated), as mlx-lm
+does.
 """
 
 from __future__ import annotations
@@ -177,3 +186,51 @@ def _tensor_fields(op) -> tuple[set[int], set[int]]:
         (writes if field in ("out", "outs", "outputs") else reads).update(tids)
     return reads, writes
 
+
+
+def _swiglu_kernel(gate, up):
+    return gate * mx.sigmoid(gate) * up
+
+
+_swiglu = mx.compile(_swiglu_kernel, shapeless=True)
+
+
+def plan_swiglu(ctx, instructions: list, i: int):
+    """For a ``SiluNode`` at ``i`` whose output only a later ``MultiplyNode``
+    reads: ``(silu_run, j, multiply_run)``, the multiply being ``instructions[j]``;
+    else None."""
+    if node_name(instructions[i]) != "SiluNode":
+        return None
+    silu = instructions[i].op
+    try:
+        gate_in, silu_out = silu.x.idx, silu.out.idx
+    except AttributeError:
+        return None  # malformed: the builder reports it
+    for j in range(i + 1, len(instructions)):
+        if node_name(instructions[j]) in ("IfNode", "ScanNode"):
+            return None
+        reads, writes = _tensor_fields(instructions[j].op)
+        if silu_out in reads:
+            break
+        if silu_out in writes:
+            return None
+    else:
+        return None
+    mul = instructions[j].op
+    if node_name(instructions[j]) != "MultiplyNode" or {mul.a.idx, mul.b.idx} == {silu_out}:
+        return None
+    up = mul.b.idx if mul.a.idx == silu_out else mul.a.idx
+    rest = instructions[j + 1 :]
+    kept = {s.idx for s in (ctx.graph.outputMap or []) if s.slotType == md.SlotType.TensorSlot}
+    if mul.out.idx != silu_out and (silu_out in kept or _read_before_written(rest, {silu_out})):
+        return None
+    stash, out = ctx.scratch_slot(), mul.out.idx
+
+    def silu_run(f):
+        gate = f[stash] = f[gate_in]
+        f[silu_out] = gate * mx.sigmoid(gate)  # lazy; nothing evaluates it
+
+    def multiply_run(f):
+        f[out] = _swiglu(f[stash], f[up])
+
+    return silu_run, j, multiply_run

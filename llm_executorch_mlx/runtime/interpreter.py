@@ -21,7 +21,7 @@ import numpy as np
 from ._schema import mlx_delegate as md
 from .dtypes import mlx_dtype, scalar_type_name
 from .errors import PteError
-from .fusion import GROUP, try_fuse
+from .fusion import GROUP, plan_swiglu, try_fuse
 from .graph import node_name
 
 Run = Callable[[list], None]
@@ -103,6 +103,12 @@ class BuildContext:
                 f"(the program has {self.num_values} value slots)"
             )
         return self.num_tensors + vid.idx
+
+    def scratch_slot(self) -> int:
+        """A fresh frame slot for a value one op hands to a later one."""
+        slot = self.frame_size
+        self.extra.append(None)
+        return slot
 
     def literal(self, value) -> int:
         """Frame index of a slot holding a constant (ints, floats, arrays...)."""
@@ -222,6 +228,7 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
 
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
+    deferred: dict[int, Run] = {}  # instruction index -> its fused replacement
     i = 0
     while i < len(instructions):
         fused = try_fuse(ctx, instructions, i)
@@ -232,6 +239,18 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
             i += len(GROUP)
             continue
         instr = instructions[i]
+        swiglu = plan_swiglu(ctx, instructions, i)
+        if swiglu is not None:
+            silu_run, j, deferred[j] = swiglu
+            ops.append(("SiluNode", silu_run))
+            ctx.record_write("SiluNode", instr.op)
+            i += 1
+            continue
+        if i in deferred:
+            ops.append(("SwiGLUFused", deferred.pop(i)))
+            ctx.record_write(node_name(instr), instr.op)
+            i += 1
+            continue
         i += 1
         name = node_name(instr)
         builder = BUILDERS.get(name)
