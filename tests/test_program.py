@@ -53,6 +53,31 @@ def test_forward_accepts_numpy_mlx_and_torch_inputs_alike(llama):
     assert results[0].shape == (1, 3, 256)
 
 
+def _resident_bytes_of(path) -> int:
+    """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        first = line.split(maxsplit=1)[0]
+        if "-" in first and ":" not in first:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and first == "Rss:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+def test_weights_are_held_once_not_also_as_mapped_file_pages(llama):
+    """Constants are copied into MLX arrays; the file's pages are then dropped
+    from the mapping, so RSS does not count the weights twice."""
+    import pathlib
+
+    path = pathlib.Path(llama[1]).resolve()
+    program = load_program(path)
+    cache = program.new_cache(capacity=64)
+    program.load_method("forward", cache=cache)
+    assert program.weight_bytes() > 100_000
+    assert _resident_bytes_of(path) < program.weight_bytes() // 10
+
+
 def test_offgraph_forward_without_a_cache_says_how_to_build_one(llama):
     program = load_program(llama[1])
     with pytest.raises(PteError, match=r"new_cache\(capacity="):

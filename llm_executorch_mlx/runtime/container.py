@@ -207,6 +207,16 @@ class PteFile:
             specs[spec.Key().decode()] = spec.ValueAsNumpy().tobytes() if spec.ValueLength() else b""
         return DelegateInfo(backend_id, payload, specs)
 
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's memory (they stay in the
+        page cache and fault back in if read again).
+
+        Weights are copied into MLX arrays once; without this their file pages
+        would stay resident in the mapping too, counting twice in RSS.
+        """
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         """Unmap the file; arrays already made from it stay valid."""
         self.buffer.release()

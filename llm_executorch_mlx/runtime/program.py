@@ -190,6 +190,7 @@ class Program:
             array = array_from_buffer(data[:nbytes], shape, dtype)
             constants.append(array.astype(self._dtype_map.get(dtype, dtype)))
         mx.eval(constants)
+        self.pte.release_pages()  # the weights now live in MLX's copies only
         self._constants[name] = constants
         return constants
 
