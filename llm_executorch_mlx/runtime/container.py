@@ -207,15 +207,19 @@ class PteFile:
             specs[spec.Key().decode()] = spec.ValueAsNumpy().tobytes() if spec.ValueLength() else b""
         return DelegateInfo(backend_id, payload, specs)
 
-    def release_pages(self) -> None:
-        """Drop the file's pages from this process's memory (they stay in the
-        page cache and fault back in if read again).
+    def release_pages(self, start: int = 0, end: int | None = None) -> None:
+        """Drop the pages under bytes ``[start, end)`` from this process's
+        memory (they stay in the page cache and fault back in if read again).
 
         Weights are copied into MLX arrays once; without this their file pages
         would stay resident in the mapping too, counting twice in RSS.
         """
-        if hasattr(mmap, "MADV_DONTNEED"):
-            self._map.madvise(mmap.MADV_DONTNEED)
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        end = self.size if end is None else end
+        first = start - start % mmap.PAGESIZE  # madvise takes page-aligned starts
+        if end > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def close(self) -> None:
         """Unmap the file; arrays already made from it stay valid."""

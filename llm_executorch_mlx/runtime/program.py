@@ -188,9 +188,10 @@ class Program:
                     f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"
                 )
             array = array_from_buffer(data[:nbytes], shape, dtype)
-            constants.append(array.astype(self._dtype_map.get(dtype, dtype)))
-        mx.eval(constants)
-        self.pte.release_pages()  # the weights now live in MLX's copies only
+            array = array.astype(self._dtype_map.get(dtype, dtype))
+            mx.eval(array)  # one tensor at a time: no second full copy at load
+            self.pte.release_pages(*self.pte.named_data_span(key))  # now held by MLX only
+            constants.append(array)
         self._constants[name] = constants
         return constants
 
