@@ -30,6 +30,9 @@ LLM_METADATA = (
 )
 
 
+_FAULT_AROUND = 1 << 20  # > Linux's fault-around window (64 KiB by default)
+
+
 def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
     """Read and validate a .pte file; raise ``PteError`` saying what is wrong.
 
@@ -190,8 +193,12 @@ class Program:
             array = array_from_buffer(data[:nbytes], shape, dtype)
             array = array.astype(self._dtype_map.get(dtype, dtype))
             mx.eval(array)  # one tensor at a time: no second full copy at load
-            self.pte.release_pages(*self.pte.named_data_span(key))  # now held by MLX only
+            # Now held by MLX only. Reads map pages around the one touched, so
+            # also drop a window before this tensor, and all pages at the end.
+            start, end = self.pte.named_data_span(key)
+            self.pte.release_pages(max(0, start - _FAULT_AROUND), end)
             constants.append(array)
+        self.pte.release_pages()
         self._constants[name] = constants
         return constants
 
