@@ -1,0 +1,57 @@
+"""The small model ``bench_startup.py`` prompts, built in a child process.
+
+Reuses ``bench_decode.py``'s tiny random Llama (2 layers, hidden 64, vocab
+2048, exported to fp32 with max context 1024 and prefill chunk 128, cached
+under the workdir) and the tests' small BPE tokenizer (``tests/models.py``
+``make_tokenizer``: 200 ids, a Llama 3 chat template). Prints one JSON object,
+``{"pte": ..., "tokenizer": ...}``, to stdout; progress goes to stderr.
+
+    python benchmarks/startup_fixture.py --workdir benchmarks/.work
+
+``bench_startup.py`` runs this as a subprocess, so torch, transformers and
+executorch never load in the process that times the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description="Build (or reuse) bench_startup.py's small model.")
+    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    # stdout carries the answer only: everything the builders print goes to stderr
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    sys.path.insert(0, str(HERE))
+    import bench_memory  # its decode_artifacts copes with bench_decode's changing shape
+
+    _, ptes = bench_memory.decode_artifacts([
+        "--shape", "tiny", "--seed", str(args.seed), "--dtypes", "fp32", "--workdir", str(args.workdir),
+    ])
+
+    tok_dir = args.workdir / "startup-tokenizer"
+    tokenizer = tok_dir / "tokenizer.json"
+    if not tokenizer.exists():
+        sys.path.insert(0, str(REPO / "tests"))
+        from models import make_tokenizer
+
+        make_tokenizer(tok_dir)
+    json.dump({"pte": str(ptes["fp32"].resolve()), "tokenizer": str(tokenizer.resolve())}, out)
+    out.write("\n")
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
