@@ -72,7 +72,7 @@ def _fuse(ctx, instructions: list, i: int):
     dims = 2 * half
     cos = mul_cos.b.idx if mul_cos.a.idx == x else mul_cos.a.idx
     sin = mul_sin.b.idx
-    step = len(ctx._writes)
+    step = ctx.writes_so_far
     cos_table = _table(ctx, cos, step, "CosNode")
     sin_table = _table(ctx, sin, step, "SinNode")
     if cos_table is None or sin_table is None or cos_table[:2] != sin_table[:2]:
@@ -125,7 +125,7 @@ def _slice_bounds(lo, hi) -> int | None:
 def _through_views(ctx, tid: int, step: int):
     """Follow ``tid`` back through layout/dtype nodes to the node that made it."""
     while True:
-        step, (name, node) = ctx._writer_before(tid, step)
+        step, (name, node) = ctx.writer_before(tid, step)
         if step is None or name not in _VIEWS:
             return tid, step, name, node
         tid = node.x.idx
@@ -157,7 +157,7 @@ def _table(ctx, tid: int, step: int, trig: str):
     for const, other in ((node.b.idx, node.a.idx), (node.a.idx, node.b.idx)):
         inv_freq = _constant(ctx, const)
         if inv_freq is not None:
-            source = ctx._host_source_at(other, step)
+            source = ctx.host_source_at(other, step)
             if source in ctx.input_tids:
                 return source, inv_freq, scale
     return None

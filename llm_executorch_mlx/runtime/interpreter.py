@@ -178,6 +178,11 @@ class BuildContext:
 
         return read
 
+    @property
+    def writes_so_far(self) -> int:
+        """How many nodes have been built: the ``step`` of the next one."""
+        return len(self._writes)
+
     def record_write(self, name: str, node) -> None:
         """Remember which node wrote each slot, in order (for ``_host_source``)."""
         self._writes.append((name, node))
@@ -189,7 +194,7 @@ class BuildContext:
         for t in written:
             self._writers.setdefault(t.idx, []).append(step)
 
-    def _writer_before(self, i: int, step: int):
+    def writer_before(self, i: int, step: int):
         """The last node that wrote slot ``i`` before write number ``step``."""
         for s in reversed(self._writers.get(i, [])):
             if s < step:
@@ -200,12 +205,12 @@ class BuildContext:
         """Follow ``i`` back through nodes that keep element [0, ..., 0] in
         place (reshapes, transposes, casts, index-0 takes and slices) to the
         program input it came from; return ``i`` itself when it did not."""
-        return self._host_source_at(i, len(self._writes))
+        return self.host_source_at(i, len(self._writes))
 
-    def _host_source_at(self, i: int, step: int) -> int:
+    def host_source_at(self, i: int, step: int) -> int:
         """``_host_source`` as of write number ``step``."""
         while i not in self.input_tids:
-            step, (name, node) = self._writer_before(i, step)
+            step, (name, node) = self.writer_before(i, step)
             if step is None or not _keeps_first_element(name, node):
                 return i
             i = node.x.idx
