@@ -68,6 +68,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # for bench_decode
 
+import bench_decode  # noqa: E402  (shapes, artifacts, machine info)
+
 MODEL_NAME = "chat-bench"
 SPECIALS = ["<unk>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 ROLES = ["system", "user", "assistant"]
@@ -89,21 +91,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Per-turn tokens sent to forward and time to first token over a chat: "
                     "llm-executorch-mlx vs full re-prefill vs mlx-lm with a reused prompt cache.",
     )
-    p.add_argument("--shape", choices=["smollm-135m", "tiny"], default="smollm-135m",  # bench_decode.SHAPES
-                   help="random model shape to build (default: smollm-135m)")
-    p.add_argument("--seed", type=int, default=0, help="weight and text seed (default: 0)")
-    p.add_argument("--model-dir", type=pathlib.Path,
-                   help="reuse this Hugging Face model dir instead of building one")
+    bench_decode.add_model_arguments(p, max_ctx_len=2048)
     p.add_argument("--pte", type=pathlib.Path,
                    help="reuse this .pte exported from --model-dir (its dtype must be --dtype)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help=".pte dtype (default: bf16)")
     p.add_argument("--compute", choices=["auto", "native", "fp32"], default="auto",
                    help="ours' compute_dtype option (default: auto, the plugin's: fp32 on a CPU); "
                         "mlx-lm is cast to the dtype ours then computes in")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
-                   help="where built models and exports are cached (default: benchmarks/.work)")
-    p.add_argument("--max-ctx-len", type=int, default=2048, help="export max context (default: 2048)")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="export prefill chunk (default: 128)")
     p.add_argument("--turns", type=int, default=8, help="user turns (default: 8)")
     p.add_argument("--user-tokens", type=int, default=150, help="words (= tokens) per user message (default: 150)")
     p.add_argument("--reply-tokens", type=int, default=64, help="greedy tokens per reply (default: 64)")
@@ -128,7 +122,6 @@ def prepare_pte(args) -> tuple[pathlib.Path, pathlib.Path]:
     shape and seed, a ``--model-dir``'s exports by its path, each export by
     dtype, context and chunk), so the two scripts share what they build.
     """
-    import bench_decode
 
     model_dir = args.model_dir
     if model_dir is not None:
@@ -526,7 +519,6 @@ def log(message: str) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import bench_decode
 
     blas = bench_decode.bind_blas_and_import_mlx("auto")  # the runtime's BLAS, before mlx.core loads
     if note := bench_decode.blas_note(blas):

@@ -83,17 +83,28 @@ ENGINES = ("ours", "ours-native", "mlx-lm", "xnnpack")
 SETTLE_S = 0.3
 
 
+def add_model_arguments(p: argparse.ArgumentParser, max_ctx_len: int = 1024) -> None:
+    """The options every model-based benchmark shares: which random model to
+    build (or reuse) and how to export it."""
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm-135m",
+                   help="random model shape to build (default: smollm-135m)")
+    p.add_argument("--seed", type=int, default=0, help="weight and input seed (default: 0)")
+    p.add_argument("--model-dir", type=pathlib.Path,
+                   help="reuse this Hugging Face model dir instead of building one")
+    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
+                   help="where built models and exports are cached (default: benchmarks/.work)")
+    p.add_argument("--max-ctx-len", type=int, default=max_ctx_len,
+                   help=f"export max context (default: {max_ctx_len})")
+    p.add_argument("--prefill-chunk", type=int, default=128, help="export prefill chunk (default: 128)")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked; ``dtypes`` and ``engines`` become lists."""
     p = argparse.ArgumentParser(
         description="Prefill/decode tokens/s of llm-executorch-mlx vs mlx-lm and ExecuTorch's "
                     "XNNPACK path on one random Llama.",
     )
-    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm-135m",
-                   help="random model shape to build (default: smollm-135m)")
-    p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default: 0)")
-    p.add_argument("--model-dir", type=pathlib.Path,
-                   help="reuse this Hugging Face model dir instead of building one")
+    add_model_arguments(p)
     p.add_argument("--pte", type=pathlib.Path, action="append", default=[],
                    help="reuse this .pte exported from --model-dir (repeatable; its dtype "
                         "is read from the file); requested dtypes without one are exported")
@@ -107,10 +118,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="BLAS for MLX's CPU matmuls: auto (the runtime's choice: "
                         f"{BLAS_ENV}, else MKL, else OpenBLAS/BLIS), reference (MLX's own, slow), "
                         f"or a library path; sets {BLAS_ENV} for the run (default: auto)")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
-                   help="where built models and exports are cached (default: benchmarks/.work)")
-    p.add_argument("--max-ctx-len", type=int, default=1024, help="export max context (default: 1024)")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="export prefill chunk (default: 128)")
     p.add_argument("--prompt-len", type=int, default=512, help="random prompt ids (default: 512)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per engine (default: 3)")

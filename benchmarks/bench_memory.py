@@ -63,21 +63,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="MLX and process memory of llm-executorch-mlx vs mlx-lm on one model "
                     "(fresh process per measurement).",
     )
-    p.add_argument("--shape", choices=sorted(bench_decode.SHAPES), default="smollm-135m",
-                   help="random model shape to build (default: smollm-135m)")
-    p.add_argument("--seed", type=int, default=0, help="weight and prompt seed (default: 0)")
-    p.add_argument("--model-dir", type=pathlib.Path,
-                   help="reuse this Hugging Face model dir instead of building one")
+    bench_decode.add_model_arguments(p)
     p.add_argument("--pte", type=pathlib.Path, action="append", default=[],
                    help="reuse this .pte exported from --model-dir (repeatable; dtype read from the file)")
     p.add_argument("--dtypes", default="fp32,bf16",
                    help="comma-separated dtypes among fp32,bf16,fp16 (default: fp32,bf16)")
     p.add_argument("--engines", default="ours,mlx-lm",
                    help="comma-separated engines among ours,mlx-lm (default: both)")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
-                   help="where built models and exports are cached (default: benchmarks/.work)")
-    p.add_argument("--max-ctx-len", type=int, default=1024, help="export max context (default: 1024)")
-    p.add_argument("--prefill-chunk", type=int, default=128, help="export prefill chunk (default: 128)")
     p.add_argument("--compute", help="ours: load_program's compute route (auto, native, fp32; "
                    "default: the library's, which on a CPU widens bf16/fp16 programs to fp32)")
     p.add_argument("--kv-dtype", help="ours: KV storage dtype (default: the model's activation dtype, "
