@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from ._schema import mlx_delegate as md
 from .errors import PteError
-from .graph import node_name
+from .graph import node_name, tensor_fields
 
 GROUP = ("MultiplyNode", "SliceNode", "SliceNode", "NegNode", "ConcatenateNode", "MultiplyNode", "AddNode")
 _VIEWS = ("ExpandDimsNode", "AsTypeNode", "ReshapeNode")  # keep values, change layout or dtype
@@ -171,21 +171,11 @@ def _read_before_written(rest: list, slots: set[int]) -> bool:
             return False
         if node_name(instr) in ("IfNode", "ScanNode"):
             return True  # sub-chains may read anything: stay unfused
-        reads, writes = _tensor_fields(instr.op)
+        reads, writes = tensor_fields(instr.op)
         if pending & reads:
             return True
         pending -= writes
     return False
-
-
-def _tensor_fields(op) -> tuple[set[int], set[int]]:
-    reads, writes = set(), set()
-    for field, value in vars(op).items():
-        items = value if isinstance(value, list) else [value]
-        tids = {v.idx for v in items if type(v).__name__ == "TidT"}
-        (writes if field in ("out", "outs", "outputs") else reads).update(tids)
-    return reads, writes
-
 
 
 def _swiglu_kernel(gate, up):
@@ -209,7 +199,7 @@ def plan_swiglu(ctx, instructions: list, i: int):
     for j in range(i + 1, len(instructions)):
         if node_name(instructions[j]) in ("IfNode", "ScanNode"):
             return None
-        reads, writes = _tensor_fields(instructions[j].op)
+        reads, writes = tensor_fields(instructions[j].op)
         if silu_out in reads:
             break
         if silu_out in writes:

@@ -59,3 +59,13 @@ def encode_graph(graph: md.MLXGraphT) -> bytes:
 
 def node_name(instr: md.InstructionT) -> str:
     return NODE_NAMES.get(instr.opType, f"unknown node type {instr.opType}")
+
+
+def tensor_fields(op) -> tuple[set[int], set[int]]:
+    """The tensor slots a node reads and the ones it writes."""
+    reads, writes = set(), set()
+    for field, value in vars(op).items():
+        items = value if isinstance(value, list) else [value]
+        tids = {v.idx for v in items if type(v).__name__ == "TidT"}
+        (writes if field in ("out", "outs", "outputs") else reads).update(tids)
+    return reads, writes

@@ -21,6 +21,7 @@ from .dtypes import (
 from .errors import PteError
 from .graph import decode_graph, node_name
 from .interpreter import GraphExecutor
+from .layout import for_blas, matmul_weights
 from .metadata import ForwardSignature, ModelMetadata, read_metadata
 
 MLX_BACKEND = "MLXBackend"
@@ -174,6 +175,9 @@ class Program:
             if ns.slot.slotType == md.SlotType.TensorSlot:
                 names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
         metas = graph.tensorMeta or []
+        # On the CPU, linear weights take the layout BLAS streams fastest.
+        on_cpu = mx.default_device().type == mx.DeviceType.cpu
+        blas_weights = matmul_weights(graph) if on_cpu else set()
         constants = []
         for tid in range(graph.numConstantTensors):
             key = names.get(tid)
@@ -192,6 +196,8 @@ class Program:
                 )
             array = array_from_buffer(data[:nbytes], shape, dtype)
             array = array.astype(self._dtype_map.get(dtype, dtype))
+            if tid in blas_weights:
+                array = for_blas(array)
             mx.eval(array)  # one tensor at a time: no second full copy at load
             # Now held by MLX only. Reads map pages around the one touched, so
             # also drop a window before this tensor, and all pages at the end.
