@@ -45,12 +45,17 @@ COMPUTE_ROUTES = ("auto", "native", "fp32")
 _WIDENED = {mx.float16: mx.float32, mx.bfloat16: mx.float32}
 
 
+def on_cpu() -> bool:
+    """Whether MLX computes on the CPU (the default device at load)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
 def compute_dtype_map(route: str) -> dict[mx.Dtype, mx.Dtype]:
     """The dtype substitutions a compute route applies to a program."""
     if route not in COMPUTE_ROUTES:
         raise PteError(f"unknown compute route {route!r}: use one of {', '.join(COMPUTE_ROUTES)}")
     if route == "auto":
-        route = "fp32" if mx.default_device().type == mx.DeviceType.cpu else "native"
+        route = "fp32" if on_cpu() else "native"
     return dict(_WIDENED) if route == "fp32" else {}
 
 

@@ -25,14 +25,16 @@ kernels for the silu (sigmoid, multiply) and one for the product. When the
 multiply is the only reader of the silu's output, the multiply computes
 ``gate * sigmoid(gate) * up`` in one compiled kernel from the gate stashed at
 the silu node (whose own lazy output is then never evaluated), as mlx-lm
-does.
+does; on the CPU, with ``fastmath.swiglu``'s exp.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from . import fastmath
 from ._schema import mlx_delegate as md
+from .dtypes import on_cpu
 from .errors import PteError
 from .graph import node_name, tensor_fields
 
@@ -215,12 +217,13 @@ def plan_swiglu(ctx, instructions: list, i: int):
     if mul.out.idx != silu_out and (silu_out in kept or _read_before_written(rest, {silu_out})):
         return None
     stash, out = ctx.scratch_slot(), mul.out.idx
+    swiglu = fastmath.swiglu if on_cpu() else _swiglu
 
     def silu_run(f):
         gate = f[stash] = f[gate_in]
         f[silu_out] = gate * mx.sigmoid(gate)  # lazy; nothing evaluates it
 
     def multiply_run(f):
-        f[out] = _swiglu(f[stash], f[up])
+        f[out] = swiglu(f[stash], f[up])
 
     return silu_run, j, multiply_run

@@ -16,6 +16,7 @@ from .dtypes import (
     compute_dtype_map,
     kv_dtype_name,
     mlx_dtype,
+    on_cpu,
     scalar_type_name,
 )
 from .errors import PteError
@@ -176,8 +177,7 @@ class Program:
                 names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
         metas = graph.tensorMeta or []
         # On the CPU, linear weights take the layout BLAS streams fastest.
-        on_cpu = mx.default_device().type == mx.DeviceType.cpu
-        blas_weights = matmul_weights(graph) if on_cpu else set()
+        blas_weights = matmul_weights(graph) if on_cpu() else set()
         constants = []
         for tid in range(graph.numConstantTensors):
             key = names.get(tid)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..dtypes import on_cpu
 from ..errors import PteError
+from ..fastmath import attention
 from . import op
 
 
@@ -26,7 +28,7 @@ def build_update_and_attend(n, ctx):
     position = ctx.host_int(n.position)
     layer, scale, cache = n.layerId, float(n.scale), ctx.cache
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
-    sdpa = mx.fast.scaled_dot_product_attention
+    sdpa = attention if on_cpu() else mx.fast.scaled_dot_product_attention
 
     def run(f):
         Q = f[q]

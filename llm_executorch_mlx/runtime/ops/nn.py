@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..dtypes import on_cpu
 from ..errors import PteError
+from ..fastmath import attention
 from . import op
 
 
@@ -74,7 +76,7 @@ def build_rope(n, ctx):
 def build_sdpa(n, ctx):
     q, k, v, out = ctx.t(n.q), ctx.t(n.k), ctx.t(n.v), ctx.out(n.out)
     mask, scale = ctx.t_opt(n.mask), float(n.scale)
-    sdpa = mx.fast.scaled_dot_product_attention
+    sdpa = attention if on_cpu() else mx.fast.scaled_dot_product_attention
     if mask is None:
         mode = "causal" if n.causal else None
 
