@@ -22,7 +22,6 @@ from ._schema import mlx_delegate as md
 from .dtypes import mlx_dtype, scalar_type_name
 from .errors import PteError
 from .fusion import GROUP, plan_swiglu, try_fuse
-from .grouped_linear import plan_runs
 from .graph import node_name
 
 Run = Callable[[list], None]
@@ -43,9 +42,8 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), linear_groups=()):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=()):
         self.graph = graph
-        self.linear_groups = list(linear_groups)  # grouped_linear.py; constants already concatenated
         self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
@@ -236,15 +234,8 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
     deferred: dict[int, Run] = {}  # instruction index -> its fused replacement
-    grouped = plan_runs(ctx, ctx.linear_groups, index)
     i = 0
     while i < len(instructions):
-        if i in grouped:
-            if grouped[i] is not None:
-                ops.append(grouped[i])
-            ctx.record_write(node_name(instructions[i]), instructions[i].op)
-            i += 1
-            continue
         fused = try_fuse(ctx, instructions, i)
         if fused is not None:
             ops.append(fused)
@@ -320,19 +311,15 @@ class GraphExecutor:
         cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
         dtype_map: dtype substitutions of the compute route (constants must
             already be converted).
-        linear_groups: ``grouped_linear.find_groups(graph)``, when
-            ``constants`` hold each group's weights concatenated.
     """
 
-    def __init__(
-        self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None, linear_groups=()
-    ):
+    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache, dtype_map, constants, linear_groups)
+        ctx = BuildContext(graph, cache, dtype_map, constants)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):

@@ -21,7 +21,6 @@ from .dtypes import (
 )
 from .errors import PteError
 from .graph import decode_graph, node_name
-from .grouped_linear import LinearGroup, concatenate, find_groups
 from .interpreter import GraphExecutor
 from .layout import for_blas, matmul_weights
 from .metadata import ForwardSignature, ModelMetadata, read_metadata
@@ -78,7 +77,6 @@ class Program:
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
         self._constants: dict[str, list[mx.array]] = {}
-        self._groups: dict[str, list[LinearGroup]] = {}
         raw = {}
         for name, plan in pte.plans.items():
             if not plan.delegates and not plan.kernel_calls:
@@ -111,8 +109,7 @@ class Program:
         if cache is not None and uses_cache:
             self._check_cache(cache)
         executor = GraphExecutor(
-            graph, self._load_constants(name, graph), cache if uses_cache else None,
-            self._dtype_map, self._linear_groups(name, graph),
+            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map
         )
         return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names))
 
@@ -180,13 +177,8 @@ class Program:
                 names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
         metas = graph.tensorMeta or []
         # On the CPU, linear weights take the layout BLAS streams fastest.
-        cpu = on_cpu()
-        blas_weights = matmul_weights(graph) if cpu else set()
-        # Weights of linear layers sharing an input are held concatenated, in
-        # the group's first slot (grouped_linear.py).
-        group_of = {w: g for g in self._linear_groups(name, graph) for w in g.weights}
-        pieces: dict[int, mx.array] = {}
-        constants: list[mx.array | None] = []
+        blas_weights = matmul_weights(graph) if on_cpu() else set()
+        constants = []
         for tid in range(graph.numConstantTensors):
             key = names.get(tid)
             if key is None or tid >= len(metas) or metas[tid] is None:
@@ -204,21 +196,9 @@ class Program:
                 )
             array = array_from_buffer(data[:nbytes], shape, dtype)
             array = array.astype(self._dtype_map.get(dtype, dtype))
-            mx.eval(array)  # one tensor at a time: no second full copy at load
-            group = group_of.get(tid)
-            if group is not None:  # held back until the group is complete
-                pieces[tid], array = array, None
-                if all(w in pieces for w in group.weights):
-                    joined = concatenate([pieces.pop(w) for w in group.weights])
-                    joined = for_blas(joined) if cpu else joined
-                    mx.eval(joined)
-                    if group.weights[0] == tid:
-                        array = joined
-                    else:
-                        constants[group.weights[0]] = joined
-            elif tid in blas_weights:
+            if tid in blas_weights:
                 array = for_blas(array)
-                mx.eval(array)
+            mx.eval(array)  # one tensor at a time: no second full copy at load
             # Now held by MLX only. Reads map pages around the one touched, so
             # also drop a window before this tensor, and all pages at the end.
             start, end = self.pte.named_data_span(key)
@@ -227,12 +207,6 @@ class Program:
         self.pte.release_pages()
         self._constants[name] = constants
         return constants
-
-    def _linear_groups(self, name: str, graph: md.MLXGraphT) -> list[LinearGroup]:
-        groups = self._groups.get(name)
-        if groups is None:  # a CPU-only rewrite (grouped_linear.py says why)
-            groups = self._groups[name] = find_groups(graph) if on_cpu() else []
-        return groups
 
     def _forward_signature(self) -> ForwardSignature:
         plan = self._plan("forward")
