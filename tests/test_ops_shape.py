@@ -419,3 +419,27 @@ def test_slice_update_bad_step_and_split_size_fail_at_build():
     with pytest.raises(PteError, match="SplitNode: split size must be positive"):
         split_graph(rand(3, 5), lambda v: ivs(0), 1, 1)
 
+
+
+def test_transpose_of_a_weight_is_made_once_and_shared_by_every_call():
+    w = rand(3, 5)
+    g = OpGraph()
+    wt = g.temp()
+    g.node(md.TransposeNodeT, x=g.constant(w), out=wt, perm=[1, 0])
+    g.output(wt)
+    ex = g.executor()
+    first, second = (ex.execute([])[0] for _ in range(2))
+    assert first is second  # the same evaluated view, no op per call
+    close(first, w.T)
+
+
+def test_transpose_of_a_constant_an_init_chain_writes_sees_the_written_value():
+    w = rand(3, 5)
+    g = OpGraph()
+    c, wt = g.constant(w), g.temp()
+    init = g.new_chain()
+    g.node(md.AddNodeT, chain=init, a=c, b=c, out=c)  # init doubles the constant
+    g.node(md.TransposeNodeT, x=c, out=wt, perm=[1, 0])
+    g.output(wt)
+    ex = g.executor(init_chain=init)
+    close(ex.execute([])[0], 2 * w.T)

@@ -22,7 +22,7 @@ from ._schema import mlx_delegate as md
 from .dtypes import mlx_dtype, scalar_type_name
 from .errors import PteError
 from .fusion import GROUP, plan_swiglu, try_fuse
-from .graph import node_name
+from .graph import node_name, tensor_fields
 
 Run = Callable[[list], None]
 
@@ -63,6 +63,7 @@ class BuildContext:
         self.in_init_chain = False
         self.current_node = "?"
         self._writes: list[tuple[str, object]] = []  # every node built, in order
+        self._constants_written: set[int] | None = None  # see fixed_constant
         self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
 
     # -- slots ------------------------------------------------------------
@@ -109,6 +110,21 @@ class BuildContext:
         slot = self.frame_size
         self.extra.append(None)
         return slot
+
+    def fixed_constant(self, i: int) -> mx.array | None:
+        """Constant slot ``i``'s array when no chain ever writes it (an init
+        chain may fill constants at load), else None."""
+        if i >= min(self.num_constants, len(self.constants)) or self.in_init_chain:
+            return None
+        if self._constants_written is None:
+            self._constants_written = {
+                slot
+                for chain in self.graph.instructionChains or []
+                for instr in chain.instructions or []
+                for slot in tensor_fields(instr.op)[1]
+                if slot < self.num_constants
+            }
+        return None if i in self._constants_written else self.constants[i]
 
     def literal(self, value) -> int:
         """Frame index of a slot holding a constant (ints, floats, arrays...)."""

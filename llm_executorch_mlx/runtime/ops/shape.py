@@ -89,7 +89,23 @@ def build_expand_dims(n, ctx):
 
 @op("TransposeNode")
 def build_transpose(n, ctx):
-    return _unary(n, ctx, mx.transpose, int_list(n.perm))
+    perm = int_list(n.perm)
+    weight = ctx.fixed_constant(ctx.t(n.x))
+    if weight is None:
+        return _unary(n, ctx, mx.transpose, perm)
+    # A weight's transpose (every linear layer has one) is a view made once
+    # here, not an op in every call's graph.
+    try:
+        view = mx.transpose(weight, perm)
+    except ValueError as e:
+        raise PteError(f"{ctx.current_node}: {e}") from None
+    mx.eval(view)
+    out = ctx.out(n.out)
+
+    def run(f):
+        f[out] = view
+
+    return run
 
 
 @op("ContiguousNode")
