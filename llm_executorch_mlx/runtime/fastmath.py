@@ -99,8 +99,11 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     rep = Hq // Hkv
-    q = (q * scale).reshape(B, Hkv, rep, T, D)
-    scores = (q @ mx.expand_dims(k, 2).swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, rep, T, S]
+    # The query heads sharing a kv head are rows of one product with it
+    # ([B, Hkv, rep*T, D] by [B, Hkv, D, S]): no broadcast copy of K or V,
+    # and one BLAS call per kv head.
+    q = (q * scale).reshape(B, Hkv, rep * T, D)
+    scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(B, Hkv, rep, T, S)
     if isinstance(mask, str):
         visible = mx.arange(S)[None, :] <= mx.arange(S - T, S)[:, None]
         scores = mx.where(visible, scores, -mx.inf)
@@ -110,8 +113,8 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
             scores = mx.where(mask, scores, -mx.inf)
         else:
             scores = scores + mask.astype(mx.float32)
-    weights = exp(scores - scores.max(axis=-1, keepdims=True))
-    out = (weights.astype(v.dtype) @ mx.expand_dims(v, 2)).astype(mx.float32)
+    weights = exp(scores - scores.max(axis=-1, keepdims=True)).reshape(B, Hkv, rep * T, S)
+    out = (weights.astype(v.dtype) @ v).astype(mx.float32)
     out = out / weights.sum(axis=-1, keepdims=True)
     return out.astype(v.dtype).reshape(B, Hq, T, D)
 

@@ -31,6 +31,7 @@ does; on the CPU, with ``fastmath.swiglu``'s exp.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from . import fastmath
 from ._schema import mlx_delegate as md
@@ -90,21 +91,74 @@ def _fuse(ctx, instructions: list, i: int):
     if internal & kept or _read_before_written(instructions[i + len(GROUP):], internal):
         return None
     position = ctx.host_int_of(positions)
-    freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
-    mx.eval(freqs)
     out, scale = add.out.idx, cos_scale
-    rope = mx.fast.rope
 
-    def run(f):
-        X = f[x]
+    def check(X):
         # A valid program can only broadcast x * cos this way with x's last
         # axis the rotated one, of 2 * half entries; say so if it is not.
         if X.shape[-1] != dims or axis not in (-1, X.ndim - 1):
             raise PteError(f"rotary embedding over shape {X.shape} does not rotate {dims} dims of the last axis")
+
+    if on_cpu():
+        tables = _RopeTables(inv_freq, scale)
+        # Layers whose tables are the same values share one per call.
+        tables.slot = ctx.shared_scratch_slot(("rope", positions, tables.inv_freq.tobytes(), scale))
+
+        def run(f):
+            X = f[x]
+            check(X)
+            cos_t, sin_t = tables.get(f, position(f), X.shape[-2])
+            f[out] = _rotate_half(X, cos_t, sin_t)
+
+        return "RopeFused", run
+
+    freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
+    mx.eval(freqs)
+    rope = mx.fast.rope
+
+    def run(f):
+        X = f[x]
+        check(X)
         y = rope(X, dims, traditional=False, base=None, scale=1.0, offset=position(f), freqs=freqs)
         f[out] = y if scale == 1.0 else y * scale
 
     return "RopeFused", run
+
+
+class _RopeTables:
+    """cos/sin rows for one call's positions, made once per call and shared
+    by every layer that reads the same tables (kept in a frame slot).
+
+    On the CPU, ``mx.fast.rope`` falls back to a dozen small ops with MLX's
+    slow ``cos``/``sin`` for every q and k of every layer (~8 ms of a 135M
+    decode step); the angles are the same for all of them. They are computed
+    like transformers does (fp32 ``positions * inv_freq``), with numpy's
+    ``cos``/``sin`` on the host, where the positions already are.
+    """
+
+    def __init__(self, inv_freq: mx.array, scale: float):
+        self.inv_freq = np.array(inv_freq.astype(mx.float32)).reshape(-1)
+        self.scale = scale
+        self.slot = None  # the frame slot holding this call's tables
+
+    def get(self, f, start: int, length: int):
+        cached = f[self.slot]
+        if cached is None or cached[0] != (start, length):
+            positions = np.arange(start, start + length, dtype=np.float32)
+            angles = np.outer(positions, self.inv_freq).astype(np.float64)
+            cos = mx.array((np.cos(angles) * self.scale).astype(np.float32))
+            sin = mx.array((np.sin(angles) * self.scale).astype(np.float32))
+            cached = f[self.slot] = ((start, length), cos, sin)
+        return cached[1], cached[2]
+
+
+@mx.compile
+def _rotate_half(x, cos, sin):
+    """``x * cos + rotate_half(x) * sin`` for half-width cos/sin tables."""
+    h = x.shape[-1] // 2
+    x1, x2 = x[..., :h], x[..., h:]
+    y = mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return y.astype(x.dtype)
 
 
 def _literal(iov) -> int | None:

@@ -64,6 +64,7 @@ class BuildContext:
         self.current_node = "?"
         self._writes: list[tuple[str, object]] = []  # every node built, in order
         self._constants_written: set[int] | None = None  # see fixed_constant
+        self._shared_slots: dict = {}
         self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
 
     # -- slots ------------------------------------------------------------
@@ -125,6 +126,14 @@ class BuildContext:
                 if slot < self.num_constants
             }
         return None if i in self._constants_written else self.constants[i]
+
+    def shared_scratch_slot(self, key) -> int:
+        """One scratch slot per ``key``: ops that build the same per-call
+        value (RoPE tables) share it; it starts empty in every call."""
+        slot = self._shared_slots.get(key)
+        if slot is None:
+            slot = self._shared_slots[key] = self.scratch_slot()
+        return slot
 
     def literal(self, value) -> int:
         """Frame index of a slot holding a constant (ints, floats, arrays...)."""
