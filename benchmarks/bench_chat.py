@@ -69,6 +69,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))  # for bench_decode
 
 import bench_decode  # noqa: E402  (shapes, artifacts, machine info)
+from bench_decode import common_prefix  # noqa: E402
 
 MODEL_NAME = "chat-bench"
 SPECIALS = ["<unk>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -230,16 +231,6 @@ class TurnRun:
     tokens: list[int] = field(default_factory=list)  # mlx-lm: its own new tokens
     text: str = ""  # ours: the reply as llm records it
     stats: dict = field(default_factory=dict)  # ours: the plugin's response_json
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading ids two lists share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Ours:

@@ -518,7 +518,7 @@ class Xnnpack:
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two generations share."""
+    """How many leading ids two token lists share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

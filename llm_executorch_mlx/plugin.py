@@ -125,12 +125,11 @@ class PteModel(llm.Model):
 def _advise_on_blas_once() -> None:
     """Tell a CPU user once (per llm user dir and message) that MLX runs on
     its slow reference BLAS, and how to fix it (runtime/blas.py)."""
-    import mlx.core as mx
-
     from .runtime import blas
+    from .runtime.dtypes import on_cpu
 
     advice = blas.load_fast_blas().advice
-    if advice is None or mx.default_device().type != mx.DeviceType.cpu:
+    if advice is None or not on_cpu():
         return
     marker = llm.user_dir() / "executorch-mlx-blas-advice.txt"
     try:
