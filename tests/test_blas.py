@@ -1,18 +1,24 @@
 """MLX's CPU matmuls reach an optimized BLAS without LD_PRELOAD.
 
 Each case runs in a fresh interpreter: the BLAS is bound when mlx.core first
-loads, which this test process did long ago.
+loads, which this test process did long ago. MKL_VERBOSE=1 makes MKL log
+every call it receives, which shows what MLX's calls turned into.
 """
 
 import json
 import os
+import pathlib
 import platform
 import subprocess
 import sys
 
-# The `cpu` and `test` extras install MKL's wheel on x86-64 Linux; elsewhere
-# the runtime leaves MLX's own BLAS alone (Accelerate on macOS).
-MKL_EXPECTED = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+import pytest
+
+# The `cpu` and `test` extras install MKL's and scipy-openblas32's wheels on
+# x86-64 Linux; elsewhere the runtime leaves MLX's own BLAS alone (Accelerate
+# on macOS).
+WHEELS_EXPECTED = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+ROUTE_SOURCE = pathlib.Path(__file__).parents[1] / "llm_executorch_mlx" / "runtime" / "gemv_route.py"
 
 PROBE = """
 import json
@@ -23,13 +29,14 @@ import mlx.core as mx
 a = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
 b = np.random.default_rng(1).standard_normal((48, 40)).astype(np.float32)
 product = np.array(mx.array(a) @ mx.array(b))
+row = np.array(mx.array(a[:1]) @ mx.array(b))
 status = blas.load_fast_blas()
 print("PROBE " + json.dumps({
     "library": status.library,
     "reason": status.reason,
     "advice": status.advice,
     "global_sgemm": blas.global_sgemm_library(),
-    "max_err": float(np.abs(product - a @ b).max()),
+    "max_err": max(float(np.abs(product - a @ b).max()), float(np.abs(row - a[:1] @ b).max())),
 }))
 """
 
@@ -44,16 +51,91 @@ def probe(**env):
     return json.loads(line[len("PROBE "):]), result.stdout
 
 
-def test_mkl_from_the_cpu_extra_serves_mlx_matmuls():
+def test_openblas_behind_the_one_row_route_is_the_default():
     facts, stdout = probe(MKL_VERBOSE="1")
-    if not MKL_EXPECTED:
+    if not WHEELS_EXPECTED:
         assert facts["library"] is None and facts["advice"] is None
         return
-    assert facts["library"] and "libmkl_rt" in facts["library"]
-    assert facts["global_sgemm"] == facts["library"]  # what libmlx binds at load
-    assert "SGEMM(" in stdout  # MKL's own log of the call MLX made
+    assert "openblas" in facts["library"]  # the system's or scipy-openblas32's
+    assert "one-row products through its sgemv" in facts["reason"]
+    assert pathlib.Path(facts["global_sgemm"]).name.startswith("gemv_route-")  # what libmlx binds
+    assert "SGEMM(" not in stdout and "SGEMV(" not in stdout  # MKL is not used
     assert facts["max_err"] < 1e-4
     assert facts["advice"] is None
+
+
+def test_without_a_c_compiler_mkl_serves_mlx_matmuls():
+    facts, stdout = probe(MKL_VERBOSE="1", PATH="/nonexistent", CC="")
+    if not WHEELS_EXPECTED:
+        assert facts["library"] is None
+        return
+    assert "libmkl_rt" in facts["library"] and "no C compiler" in facts["reason"]
+    assert facts["global_sgemm"] == facts["library"]
+    assert "SGEMM(" in stdout  # MKL's own log of the calls MLX made
+    assert facts["max_err"] < 1e-4
+
+
+def test_a_failed_route_build_falls_back_to_binding_directly(tmp_path):
+    facts, _ = probe(CC="/bin/false", XDG_CACHE_HOME=str(tmp_path))
+    if not WHEELS_EXPECTED:
+        return
+    assert "building the one-row route failed" in facts["reason"]
+    assert facts["global_sgemm"] == facts["library"] and "libmkl_rt" in facts["library"]
+    assert facts["max_err"] < 1e-4
+    assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
+
+
+# Binds the route to MKL, whose log names each call it receives, and runs
+# every form of one-row product MLX may send (both operand layouts, a strided
+# row or column, a transposed operand, addmm's alpha and beta) and one that is
+# not: results against numpy, calls from MKL's log.
+ROUTE_PROBE = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("gemv_route", sys.argv[1])
+route = importlib.util.module_from_spec(spec); spec.loader.exec_module(route)
+shim, how = route.build()
+route.bind(shim, sys.argv[2], "")
+import numpy as np
+import mlx.core as mx
+rng = np.random.default_rng(0)
+def r(*shape): return rng.standard_normal(shape).astype(np.float32)
+W, Wt, X, V, U, c, x = r(40, 48), r(48, 40), r(48, 5), r(48, 7), r(3, 48), r(1, 40), r(1, 48)
+cases = [
+    (lambda: mx.array(x) @ mx.array(W).T, x @ W.T),
+    (lambda: mx.array(x) @ mx.array(Wt), x @ Wt),
+    (lambda: mx.array(X)[:, 2:3].T @ mx.array(W).T, X[:, 2:3].T @ W.T),
+    (lambda: mx.array(W) @ mx.array(V)[:, 3:4], W @ V[:, 3:4]),
+    (lambda: mx.array(W) @ mx.array(U)[1:2].T, W @ U[1:2].T),
+    (lambda: mx.array(Wt).T @ mx.array(V)[:, 3:4], Wt.T @ V[:, 3:4]),
+    (lambda: mx.addmm(mx.array(c), mx.array(x), mx.array(W).T, alpha=0.5, beta=2.0), 2.0 * c + 0.5 * x @ W.T),
+    (lambda: mx.array(X).T @ mx.array(V), X.T @ V),
+]
+errors = []
+for f, expected in cases:
+    print("CASE", flush=True)
+    errors.append(float(np.abs(np.array(f()) - expected).max()))
+print("PROBE " + json.dumps(errors))
+"""
+
+
+def test_the_route_sends_one_row_products_to_sgemv_and_the_rest_to_sgemm():
+    if not WHEELS_EXPECTED:
+        pytest.fail("this check needs MKL's wheel (x86-64 Linux) to log the calls")
+    import importlib.metadata
+
+    mkl = next(str(f.locate()) for f in importlib.metadata.files("mkl") if f.name.startswith("libmkl_rt.so"))
+    result = subprocess.run(
+        [sys.executable, "-c", ROUTE_PROBE, str(ROUTE_SOURCE), mkl], capture_output=True, text=True,
+        timeout=120, env={**os.environ, "MKL_VERBOSE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    errors = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("PROBE "))[6:])
+    assert max(errors) < 1e-4
+    calls = [
+        [line.split()[1].split("(")[0] for line in case.splitlines() if "GEMM(" in line or "GEMV(" in line]
+        for case in result.stdout.split("CASE")[1:]
+    ]
+    assert calls == [["SGEMV"]] * 7 + [["SGEMM"]]
 
 
 def test_reference_keeps_the_wheels_blas():
