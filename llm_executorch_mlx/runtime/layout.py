@@ -6,17 +6,19 @@ product to BLAS as one SGEMM; at decode it has one row, so BLAS runs a
 matrix-vector product, which streams the weight once and is as fast as its
 longest contiguous run. Storing ``W`` row-major makes the ``in`` dimension
 contiguous; storing it column-major (``W^T`` contiguous) makes ``out``
-contiguous. MKL's one-row SGEMM on the 135M Llama's shapes (GB/s of weight
-read, 2-core EPYC, row-major / column-major)::
+contiguous. GB/s of weight read on the 135M Llama's shapes (2-core EPYC,
+row-major / column-major), for MKL's one-row SGEMM and for OpenBLAS's SGEMV,
+which ``gemv_route.c`` sends one-row products to::
 
-    q, o   576 x 576      6.4 /  8.0
-    k, v   192 x 576      5.8 /  4.1
-    gate   1536 x 576     6.8 / 12.6
-    down   576 x 1536    10.9 /  6.7
-    head   49152 x 576    6.6 / 13.6
+                          MKL          OpenBLAS 0.3.21
+    q, o   576 x 576      6.4 /  8.0   10.0-11.4 /  9.6-12.1
+    k, v   192 x 576      5.8 /  4.1    9.1-10.2 /  5.8-6.5
+    gate   1536 x 576     6.8 / 12.6   14.2-15.8 / 16.8-17.6
+    down   576 x 1536    10.9 /  6.7   17.4-21.3 / 13.4-13.5
+    head   49152 x 576    6.6 / 13.6   14.9-15.4 / 20.6-22.9
 
-so a weight with ``out >= in`` is stored column-major and the others stay as
-they are. Many-row products (prefill) run at the same speed either way. Only
+so for both a weight with ``out >= in`` is stored column-major and the
+others stay as they are. Many-row products (prefill) run at the same speed either way. Only
 the strides change: every reader sees the same logical tensor, so nothing
 else in the program needs to know.
 """
