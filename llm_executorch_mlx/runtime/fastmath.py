@@ -39,7 +39,7 @@ _CEPHES = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1
 def _reduce(x):
     """``(t, r)``: ``t``'s low mantissa bits hold ``k = round(x / ln 2)``, and
     ``r = x - k ln 2``, so ``exp(x) = 2**k * exp(r)`` with ``|r| <= ln 2 / 2``.
-    ``x`` must be clamped already (see ``_clamped``)."""
+    ``x`` must be clamped to [-87, 88] already."""
     t = x * _LOG2E + _ROUNDER
     k = t - _ROUNDER
     return t, x - k * _LN2_HI - k * _LN2_LO
@@ -60,10 +60,15 @@ def _two_to_the(t_bits):
     return mx.view((t_bits - _ROUNDER_BITS + 127) << 23, mx.float32)
 
 
+# The clamps are not inside a compiled kernel: MLX's generated max/min/select
+# loops branch on NaN and run scalar (~4 ns an element); its own clip takes
+# ~0.9 ns, its maximum ~0.5.
 def _clamped(x):
-    # Not inside a compiled kernel: MLX's generated max/min/select loops
-    # branch on NaN and run scalar (~4 ns an element), its own clip ~0.9 ns.
     return mx.clip(x, -87.0, 88.0)
+
+
+def _clamped_below(x):
+    return mx.maximum(x, -87.0)
 
 
 # Compiled for fixed shapes: MLX's shapeless CPU kernels ran these twice as
@@ -86,11 +91,24 @@ def _bucket(n: int) -> int:
 
 def exp(x: mx.array) -> mx.array:
     """float32 ``exp(x)`` for softmax-like inputs (see the module docstring)."""
+    return _exp(x, _clamped)
+
+
+def _exp_of_nonpositive(x: mx.array) -> mx.array:
+    """``exp`` of scores minus their row max (<= 0, -inf or NaN), which
+    need clamping from below only."""
+    return _exp(x, _clamped_below)
+
+
+def _exp(x, clamp):
     flat = x.astype(mx.float32).reshape(-1)
     n = flat.size
-    padded = mx.pad(flat, (0, _bucket(n) - n))
-    t, r = _reduce_c(_clamped(padded))
-    return _exp_c(mx.view(t, mx.int32), r)[:n].reshape(x.shape)
+    size = _bucket(n)
+    if size > n:  # a prefill chunk's scores often fill a bucket: no copy then
+        flat = mx.pad(flat, (0, size - n))
+    t, r = _reduce_c(clamp(flat))
+    e = _exp_c(mx.view(t, mx.int32), r)
+    return (e[:n] if size > n else e).reshape(x.shape)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
@@ -126,15 +144,16 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     q = (q * scale).reshape(B, Hkv, rep * T, D)
     scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(B, Hkv, rep, T, S)
     if isinstance(mask, str):
-        visible = mx.arange(S)[None, :] <= mx.arange(S - T, S)[:, None]
-        scores = mx.where(visible, scores, -mx.inf)
-    elif mask is not None:
+        mask = mx.arange(S)[None, :] <= mx.arange(S - T, S)[:, None]
+    if mask is not None:
         mask = _grouped(mask, Hkv, rep)
         if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, -mx.inf)
-        else:
-            scores = scores + mask.astype(mx.float32)
-    weights = exp(scores - scores.max(axis=-1, keepdims=True)).reshape(B, Hkv, rep * T, S)
+            # Added as 0/-inf rather than selected with where: an add that
+            # broadcasts the mask runs ~3x faster than MLX's where.
+            mask = mx.where(mask, 0.0, -mx.inf)
+        scores = scores + mask.astype(mx.float32)
+    weights = _exp_of_nonpositive(scores - scores.max(axis=-1, keepdims=True))
+    weights = weights.reshape(B, Hkv, rep * T, S)
     out = (weights.astype(v.dtype) @ v).astype(mx.float32)
     out = out / weights.sum(axis=-1, keepdims=True)
     return out.astype(v.dtype).reshape(B, Hq, T, D)

@@ -274,8 +274,7 @@ def plan_swiglu(ctx, instructions: list, i: int):
     swiglu = fastmath.swiglu if on_cpu() else _swiglu
 
     def silu_run(f):
-        gate = f[stash] = f[gate_in]
-        f[silu_out] = gate * mx.sigmoid(gate)  # lazy; nothing evaluates it
+        f[stash] = f[gate_in]  # silu_out is never read: the multiply computes both
 
     def multiply_run(f):
         f[out] = swiglu(f[stash], f[up])
