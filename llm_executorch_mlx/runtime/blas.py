@@ -61,7 +61,8 @@ SYSTEM_LIBRARIES = (
 
 HINT = (
     "MLX is using its slow reference BLAS on this CPU (about 4x slower "
-    "prompts and 3x slower fp32 decoding). Fix: pip install mkl (x86-64), or "
+    "prompts and 3x slower fp32 decoding). Fix: install a C compiler (cc) so "
+    "the runtime can route MLX to scipy-openblas32, pip install mkl (x86-64), or "
     "apt-get install libopenblas0-pthread (Debian/Ubuntu); it is picked up "
     f"automatically, or name a BLAS library with {ENV_VAR}=/path/libblas.so."
 )
