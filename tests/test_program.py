@@ -53,6 +53,26 @@ def test_forward_accepts_numpy_mlx_and_torch_inputs_alike(llama):
     assert results[0].shape == (1, 3, 256)
 
 
+def test_last_position_only_computes_the_lm_head_for_the_last_position(llama):
+    """What generation asks for: the logits row it reads, equal to that row of
+    the full output, and the same cache either way."""
+    _, pte = llama
+    program = load_program(pte)
+    ids = np.random.default_rng(0).integers(0, 256, (1, 12))
+    pos = np.arange(12, dtype=np.int64)
+    outputs, caches = [], []
+    for last_only in (False, True):
+        cache = program.new_cache(capacity=16)
+        forward = program.load_method("forward", cache=cache)
+        outputs.append(np.array(forward.execute([ids, pos], last_position_only=last_only)[0]))
+        caches.append([np.array(a) for a in cache.state])
+    full, last = outputs
+    assert full.shape == (1, 12, 256) and last.shape == (1, 1, 256)
+    np.testing.assert_allclose(last[0, 0], full[0, -1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*caches):
+        np.testing.assert_array_equal(a, b)
+
+
 def _resident_bytes_of(path) -> int:
     """Resident bytes of this process's mappings of ``path`` (/proc/self/smaps)."""
     total, inside = 0, False
@@ -199,6 +219,9 @@ def test_mlx_program_without_a_cache_runs_without_one(tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
     (y,) = program.load_method("forward").execute([x])
     np.testing.assert_allclose(np.array(y), x @ np.ones((4, 4), np.float32) + 1, rtol=1e-6)
+    # It does not end in an LM head: asking for the last position changes nothing.
+    (y_last,) = program.load_method("forward").execute([x], last_position_only=True)
+    np.testing.assert_array_equal(np.array(y_last), np.array(y))
 
 
 # -- import hygiene ------------------------------------------------------------

@@ -57,12 +57,18 @@ class Method:
         self.n_inputs = n_inputs
         self.op_names = op_names  # the ops one call runs, after load-time fusion
 
-    def execute(self, inputs: list | tuple = ()) -> list:
+    def execute(self, inputs: list | tuple = (), last_position_only: bool = False) -> list:
         """Run once. Inputs may be numpy arrays, mx arrays, torch tensors or
-        lists; tensor outputs are ``mx.array`` (lazy: evaluate or convert)."""
+        lists; tensor outputs are ``mx.array`` (lazy: evaluate or convert).
+
+        ``last_position_only=True``: only the last position of the first
+        output (the logits) will be read, so it may be computed and returned
+        for that position alone (``[B, 1, vocab]`` instead of ``[B, T,
+        vocab]``) when the program ends in its LM head.
+        """
         if len(inputs) != self.n_inputs:
             raise PteError(f"{self.name} takes {self.n_inputs} inputs, got {len(inputs)}")
-        return self._run(list(inputs))
+        return self._run(list(inputs), last_position_only)
 
     __call__ = execute
 

@@ -64,7 +64,7 @@ def step(forward, ids, positions) -> mx.array:
     inputs = [ids, positions]
     if forward.n_inputs == 3:
         inputs.append(np.array([ids.shape[1] - 1], dtype=np.int64))
-    return forward.execute(inputs)[0][0, -1]
+    return forward.execute(inputs, last_position_only=True)[0][0, -1]
 
 
 def generate_tokens(

@@ -12,18 +12,28 @@ from . import op
 
 @op("AddmmNode")
 def build_addmm(n, ctx):
+    return _addmm(n, ctx, lambda x: x)
+
+
+def build_addmm_last_row(n, ctx):
+    """``AddmmNode`` on the last row of ``mat1`` only (see
+    ``GraphExecutor``'s ``last_position_only``)."""
+    return _addmm(n, ctx, lambda x: x[..., -1:, :])
+
+
+def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
 
         def run(f):
-            f[out] = mx.matmul(f[a], f[b])
+            f[out] = mx.matmul(rows(f[a]), f[b])
 
         return run
     alpha, beta = float(n.alpha), float(n.beta)
 
     def run(f):
-        f[out] = mx.addmm(f[bias], f[a], f[b], alpha, beta)
+        f[out] = mx.addmm(f[bias], rows(f[a]), f[b], alpha, beta)
 
     return run
 
