@@ -18,7 +18,7 @@ interleaved (ours, [ours-native,] mlx-lm, xnnpack, ours, ...):
   in-graph KV cache run through ``executorch.runtime`` (see
   ``xnnpack_peer.py``), the same prefill chunk, argmax on the host.
 
-The runtime binds an optimized BLAS (MKL or OpenBLAS) into MLX when it is
+The runtime binds an optimized BLAS (OpenBLAS or MKL) into MLX when it is
 imported before ``mlx.core``; this script imports it first, so ours and mlx-lm
 use the same BLAS. ``--blas reference`` keeps MLX's slow reference BLAS.
 
@@ -116,7 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"xnnpack only for {'/'.join(xnnpack_peer.XNNPACK_DTYPES)})")
     p.add_argument("--blas", default="auto",
                    help="BLAS for MLX's CPU matmuls: auto (the runtime's choice: "
-                        f"{BLAS_ENV}, else MKL, else OpenBLAS/BLIS), reference (MLX's own, slow), "
+                        f"{BLAS_ENV}, else OpenBLAS behind its one-row route, else MKL, else OpenBLAS/BLIS), "
+                        "reference (MLX's own, slow), "
                         f"or a library path; sets {BLAS_ENV} for the run (default: auto)")
     p.add_argument("--prompt-len", type=int, default=512, help="random prompt ids (default: 512)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
