@@ -75,6 +75,34 @@ def test_without_a_c_compiler_mkl_serves_mlx_matmuls():
     assert facts["max_err"] < 1e-4
 
 
+def pip_openblas() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("scipy_openblas32")
+    location = pathlib.Path(next(iter(spec.submodule_search_locations)))
+    return str(next((location / "lib").glob("libscipy_openblas*.so*")))
+
+
+def test_a_named_library_goes_behind_the_route_prefixed_symbols_too():
+    if not WHEELS_EXPECTED:
+        pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
+    library = pip_openblas()  # its functions are scipy_cblas_*
+    facts, _ = probe(LLM_PTE_BLAS=library)
+    assert facts["library"] == library and "one-row products through its sgemv" in facts["reason"]
+    assert pathlib.Path(facts["global_sgemm"]).name.startswith("gemv_route-")
+    assert facts["max_err"] < 1e-4
+
+
+def test_a_named_prefixed_library_without_a_compiler_is_refused_with_advice():
+    if not WHEELS_EXPECTED:
+        pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
+    facts, _ = probe(LLM_PTE_BLAS=pip_openblas(), PATH="/nonexistent", CC="")
+    assert facts["library"] is None and facts["global_sgemm"] is None
+    assert "only through the one-row route (no C compiler" in facts["advice"]
+    assert "reference BLAS" in facts["advice"]
+    assert facts["max_err"] < 1e-4
+
+
 def test_a_failed_route_build_falls_back_to_binding_directly(tmp_path):
     facts, _ = probe(CC="/bin/false", XDG_CACHE_HOME=str(tmp_path))
     if not WHEELS_EXPECTED:

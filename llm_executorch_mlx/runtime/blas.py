@@ -16,7 +16,8 @@ faster than MKL, whose sgemm and sgemv both read 6-12 GB/s there.
 
 This must run before the first ``import mlx.core`` in the process;
 ``runtime/__init__.py`` calls it first thing. ``LLM_PTE_BLAS`` overrides the
-search: a library path, or ``reference`` to keep the wheel's own BLAS.
+search: a library path (put behind the route too, when it can be built), or
+``reference`` to keep the wheel's own BLAS.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ SYSTEM_OPENBLAS = (
     "/usr/lib64/libopenblas.so.0",
 )
 PIP_OPENBLAS = ("scipy_openblas32", "scipy_")
+SYMBOL_PREFIXES = ("", "scipy_")
 
 # Where distributions put an optimized BLAS to bind directly, best first. MKL comes from the
 # `mkl` wheel (the `cpu` extra installs it on x86-64 Linux); the system paths
@@ -104,27 +106,49 @@ def _decide() -> BlasStatus:
         return BlasStatus(bound, "already loaded (LD_PRELOAD or the host program)")
     if "mlx.core" in sys.modules:
         return BlasStatus(None, "mlx.core was imported before the runtime; its BLAS is already bound")
-    route_note = ""
-    if not choice:
-        routed, route_note = _route_openblas()
-        if routed is not None:
-            return routed
-    candidates = [choice] if choice else _candidates()
-    for path in candidates:
+    if choice:
+        return _bind_chosen(choice)
+    routed, route_note = _route(_openblas_libraries(), "found")
+    if routed is not None:
+        return routed
+    for path in _candidates():
         try:
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        except OSError as exc:
-            if choice:
-                reason = f"{ENV_VAR}={choice} could not be opened: {exc}"
-                return BlasStatus(None, reason, f"{reason}; MLX uses its slow reference BLAS")
+        except OSError:
             continue
-        return BlasStatus(path, f"{ENV_VAR}" if choice else f"found{route_note}")
+        return BlasStatus(path, f"found{route_note}")
     return BlasStatus(None, f"no optimized BLAS found{route_note}", HINT)
 
 
-def _route_openblas() -> tuple[BlasStatus | None, str]:
-    """Bind OpenBLAS behind the one-row route; else None and a note on why not."""
-    libraries = _openblas_libraries()
+def _bind_chosen(path: str) -> BlasStatus:
+    """``LLM_PTE_BLAS=path``: behind the one-row route when it can be built,
+    else bound directly (which a library with prefixed symbols cannot be)."""
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as exc:
+        return _refused(f"{ENV_VAR}={path} could not be opened: {exc}")
+    prefix = next((p for p in SYMBOL_PREFIXES if hasattr(library, p + "cblas_sgemm")), None)
+    if prefix is None:
+        return _refused(f"{ENV_VAR}={path} has no cblas_sgemm")
+    routed, route_note = _route([(path, prefix)], ENV_VAR)
+    if routed is not None:
+        return routed
+    if prefix:
+        return _refused(
+            f"{ENV_VAR}={path} names its functions {prefix}cblas_*, which MLX can "
+            f"reach only through the one-row route{route_note}"
+        )
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return BlasStatus(path, f"{ENV_VAR}{route_note}")
+
+
+def _refused(reason: str) -> BlasStatus:
+    return BlasStatus(None, reason, f"{reason}; MLX uses its slow reference BLAS")
+
+
+def _route(libraries: list[tuple[str, str]], how_found: str) -> tuple[BlasStatus | None, str]:
+    """Bind the first of ``libraries`` (path, symbol prefix) that opens behind
+    the one-row route; else None and a note on why not."""
     if not libraries:
         return None, ""
     shim, how = gemv_route.build()
@@ -135,8 +159,8 @@ def _route_openblas() -> tuple[BlasStatus | None, str]:
             gemv_route.bind(shim, path, prefix)
         except (OSError, AttributeError):
             continue
-        return BlasStatus(path, f"found; one-row products through its sgemv ({how} route)"), ""
-    return None, " (no OpenBLAS could be opened for the one-row route)"
+        return BlasStatus(path, f"{how_found}; one-row products through its sgemv ({how} route)"), ""
+    return None, " (no library could be opened for the one-row route)"
 
 
 def _openblas_libraries() -> list[tuple[str, str]]:
