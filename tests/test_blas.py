@@ -14,10 +14,11 @@ import sys
 
 import pytest
 
-# The `cpu` and `test` extras install MKL's and scipy-openblas32's wheels on
-# x86-64 Linux; elsewhere the runtime leaves MLX's own BLAS alone (Accelerate
-# on macOS).
-WHEELS_EXPECTED = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+# The `cpu` and `test` extras install scipy-openblas32's wheel on Linux and
+# MKL's on x86-64 Linux; elsewhere the runtime leaves MLX's own BLAS alone
+# (Accelerate on macOS).
+OPENBLAS_WHEEL = sys.platform.startswith("linux")
+MKL_WHEEL = OPENBLAS_WHEEL and platform.machine() == "x86_64"
 ROUTE_SOURCE = pathlib.Path(__file__).parents[1] / "llm_executorch_mlx" / "runtime" / "gemv_route.py"
 
 PROBE = """
@@ -51,14 +52,14 @@ def probe(**env):
     return json.loads(line[len("PROBE "):]), result.stdout
 
 
-def test_openblas_behind_the_one_row_route_is_the_default():
-    facts, stdout = probe(MKL_VERBOSE="1")
-    if not WHEELS_EXPECTED:
+def test_openblas_behind_the_one_row_route_is_the_default(tmp_path):
+    facts, stdout = probe(MKL_VERBOSE="1", XDG_CACHE_HOME=str(tmp_path))  # built afresh
+    if not OPENBLAS_WHEEL:
         assert facts["library"] is None and facts["advice"] is None
         return
     assert "openblas" in facts["library"]  # the system's or scipy-openblas32's
-    assert "one-row products through its sgemv" in facts["reason"]
-    assert pathlib.Path(facts["global_sgemm"]).name.startswith("gemv_route-")  # what libmlx binds
+    assert facts["reason"] == "found; one-row products through its sgemv (built route)"
+    assert pathlib.Path(facts["global_sgemm"]).parent == tmp_path / "llm-executorch-mlx"  # what libmlx binds
     assert "SGEMM(" not in stdout and "SGEMV(" not in stdout  # MKL is not used
     assert facts["max_err"] < 1e-4
     assert facts["advice"] is None
@@ -66,8 +67,8 @@ def test_openblas_behind_the_one_row_route_is_the_default():
 
 def test_without_a_c_compiler_mkl_serves_mlx_matmuls():
     facts, stdout = probe(MKL_VERBOSE="1", PATH="/nonexistent", CC="")
-    if not WHEELS_EXPECTED:
-        assert facts["library"] is None
+    if not MKL_WHEEL:
+        assert facts["library"] is None or "no C compiler" in facts["reason"]
         return
     assert "libmkl_rt" in facts["library"] and "no C compiler" in facts["reason"]
     assert facts["global_sgemm"] == facts["library"]
@@ -84,7 +85,7 @@ def pip_openblas() -> str:
 
 
 def test_a_named_library_goes_behind_the_route_prefixed_symbols_too():
-    if not WHEELS_EXPECTED:
+    if not OPENBLAS_WHEEL:
         pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
     library = pip_openblas()  # its functions are scipy_cblas_*
     facts, _ = probe(LLM_PTE_BLAS=library)
@@ -94,7 +95,7 @@ def test_a_named_library_goes_behind_the_route_prefixed_symbols_too():
 
 
 def test_a_named_prefixed_library_without_a_compiler_is_refused_with_advice():
-    if not WHEELS_EXPECTED:
+    if not OPENBLAS_WHEEL:
         pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
     facts, _ = probe(LLM_PTE_BLAS=pip_openblas(), PATH="/nonexistent", CC="")
     assert facts["library"] is None and facts["global_sgemm"] is None
@@ -105,10 +106,11 @@ def test_a_named_prefixed_library_without_a_compiler_is_refused_with_advice():
 
 def test_a_failed_route_build_falls_back_to_binding_directly(tmp_path):
     facts, _ = probe(CC="/bin/false", XDG_CACHE_HOME=str(tmp_path))
-    if not WHEELS_EXPECTED:
+    if not OPENBLAS_WHEEL:
+        assert facts["library"] is None
         return
     assert "building the one-row route failed" in facts["reason"]
-    assert facts["global_sgemm"] == facts["library"] and "libmkl_rt" in facts["library"]
+    assert facts["global_sgemm"] == facts["library"]  # bound directly (MKL where its wheel is)
     assert facts["max_err"] < 1e-4
     assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
 
@@ -147,7 +149,7 @@ print("PROBE " + json.dumps(errors))
 
 
 def test_the_route_sends_one_row_products_to_sgemv_and_the_rest_to_sgemm():
-    if not WHEELS_EXPECTED:
+    if not MKL_WHEEL:
         pytest.fail("this check needs MKL's wheel (x86-64 Linux) to log the calls")
     import importlib.metadata
 
@@ -179,3 +181,58 @@ def test_unopenable_library_is_reported_not_fatal(tmp_path):
     assert facts["library"] is None
     assert str(missing) in facts["advice"] and "reference BLAS" in facts["advice"]
     assert facts["max_err"] < 1e-4
+
+
+# Calls the route's cblas_sgemm directly (no MLX), bound to scipy-openblas32
+# as on a fresh machine: one-row products both ways round, with every
+# transpose, padded leading dimensions (so a wrong stride reads the padding),
+# beta 0 over a C of NaNs (which must not leak) and beta 0.5; and a product
+# of several rows, forwarded to sgemm. Padding columns of C must stay as
+# they were.
+SHIM_PROBE = """
+import importlib.util, json, sys, ctypes
+import numpy as np
+spec = importlib.util.spec_from_file_location("gemv_route", sys.argv[1])
+route = importlib.util.module_from_spec(spec); spec.loader.exec_module(route)
+shim, _ = route.build()
+route.bind(shim, sys.argv[2], sys.argv[3])
+sgemm = ctypes.CDLL(str(shim)).cblas_sgemm
+sgemm.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                       ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+rng = np.random.default_rng(0)
+errors = {}
+for M, N, K in [(1, 40, 48), (40, 1, 48), (5, 7, 48)]:
+    for ta in (111, 112):
+        for tb in (111, 112):
+            for beta in (0.0, 0.5):
+                a_shape = (M, K) if ta == 111 else (K, M)
+                b_shape = (K, N) if tb == 111 else (N, K)
+                lda, ldb, ldc = a_shape[1] + 3, b_shape[1] + 5, N + 2  # padded rows
+                A = rng.standard_normal((a_shape[0], lda)).astype(np.float32)
+                B = rng.standard_normal((b_shape[0], ldb)).astype(np.float32)
+                C = np.full((M, ldc), np.nan if beta == 0 else 1.0, np.float32)
+                before = C.copy()
+                opA = A[:, : a_shape[1]].astype(np.float64)
+                opB = B[:, : b_shape[1]].astype(np.float64)
+                opA, opB = (opA if ta == 111 else opA.T), (opB if tb == 111 else opB.T)
+                want = 0.5 * opA @ opB + (beta * before[:, :N] if beta else 0)
+                sgemm(101, ta, tb, M, N, K, 0.5, A.ctypes.data, lda, B.ctypes.data, ldb, beta, C.ctypes.data, ldc)
+                err = float(np.abs(C[:, :N] - want).max())
+                untouched = bool(np.array_equal(C[:, N:], before[:, N:], equal_nan=True))
+                errors[f"M{M} N{N} ta{ta} tb{tb} beta{beta}"] = err if untouched else -1.0
+print("PROBE " + json.dumps(errors))
+"""
+
+
+def test_the_route_maps_every_cblas_argument_onto_sgemv_and_sgemm(tmp_path):
+    if not OPENBLAS_WHEEL:
+        pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
+    result = subprocess.run(
+        [sys.executable, "-c", SHIM_PROBE, str(ROUTE_SOURCE), pip_openblas(), "scipy_"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr
+    errors = json.loads(next(x for x in result.stdout.splitlines() if x.startswith("PROBE "))[6:])
+    assert len(errors) == 24
+    bad = {case: err for case, err in errors.items() if not 0 <= err < 1e-4}  # -1: padding written
+    assert not bad

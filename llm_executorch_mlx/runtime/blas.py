@@ -63,8 +63,8 @@ SYSTEM_LIBRARIES = (
 
 HINT = (
     "MLX is using its slow reference BLAS on this CPU (about 4x slower "
-    "prompts and 3x slower fp32 decoding). Fix: install a C compiler (cc) so "
-    "the runtime can route MLX to scipy-openblas32, pip install mkl (x86-64), or "
+    "prompts and 3x slower fp32 decoding). Fix: pip install scipy-openblas32 "
+    "with a C compiler (cc) on PATH, pip install mkl (x86-64), or "
     "apt-get install libopenblas0-pthread (Debian/Ubuntu); it is picked up "
     f"automatically, or name a BLAS library with {ENV_VAR}=/path/libblas.so."
 )
@@ -151,12 +151,17 @@ def _route(libraries: list[tuple[str, str]], how_found: str) -> tuple[BlasStatus
     the one-row route; else None and a note on why not."""
     if not libraries:
         return None, ""
-    shim, how = gemv_route.build()
+    try:
+        shim, how = gemv_route.build()
+    except Exception as exc:  # best effort at import time (no home, no access): never fatal
+        return None, f" (the one-row route could not be built: {type(exc).__name__}: {exc})"
     if shim is None:
         return None, f" ({how})"
     for path, prefix in libraries:
         try:
             gemv_route.bind(shim, path, prefix)
+        except gemv_route.RouteUnusable as exc:
+            return None, f" (the one-row route could not be opened: {exc})"
         except (OSError, AttributeError):
             continue
         return BlasStatus(path, f"{how_found}; one-row products through its sgemv ({how} route)"), ""

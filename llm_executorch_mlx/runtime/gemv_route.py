@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import os
 import pathlib
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -37,7 +38,8 @@ def build() -> tuple[pathlib.Path | None, str]:
     if cc is None:
         return None, "no C compiler to build the one-row route"
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + cc.encode()).hexdigest()[:16]
+    # The machine too: a home directory may be shared between architectures.
+    key = hashlib.sha256(source + cc.encode() + platform.machine().encode()).hexdigest()[:16]
     target = cache_dir() / f"gemv_route-{key}.so"
     if target.exists():
         return target, "cached"
@@ -57,14 +59,22 @@ def build() -> tuple[pathlib.Path | None, str]:
     return target, "built"
 
 
+class RouteUnusable(Exception):
+    """The compiled shim itself cannot be opened (e.g. a noexec cache)."""
+
+
 def bind(shim: pathlib.Path, library: str, prefix: str) -> None:
     """Open ``shim`` globally and hand it ``library``'s sgemm and sgemv.
 
     Raises OSError or AttributeError when ``library`` cannot be opened or
-    lacks the two functions; nothing is bound then.
+    lacks the two functions, RouteUnusable when the shim cannot be opened;
+    nothing is bound then.
     """
     blas = ctypes.CDLL(library)
     sgemm = ctypes.cast(getattr(blas, prefix + "cblas_sgemm"), ctypes.c_void_p)
     sgemv = ctypes.cast(getattr(blas, prefix + "cblas_sgemv"), ctypes.c_void_p)
-    route = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
+    try:
+        route = ctypes.CDLL(str(shim), mode=ctypes.RTLD_GLOBAL)
+    except OSError as exc:
+        raise RouteUnusable(str(exc)) from None
     route.llm_pte_gemv_route_bind(sgemm, sgemv)

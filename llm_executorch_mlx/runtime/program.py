@@ -104,7 +104,7 @@ class Program:
         plan = self._plan(name)
         if not plan.delegates and not plan.kernel_calls:
             outputs = self._constant_outputs(plan)
-            return Method(name, lambda inputs: list(outputs), len(plan.inputs))
+            return Method(name, lambda inputs, last_position_only: list(outputs), len(plan.inputs))
         graph = self._graph(name)
         uses_cache = _uses_offgraph_cache(graph)
         if uses_cache and cache is None:
