@@ -14,10 +14,11 @@ generated SSE loops: ~3 ns an element, clamp and padding included. Such a
 loop vectorises only while every input is a contiguous array of the output's
 shape and the chain has no max/min/select; MLX also cuts a fused chain after
 ~11 dependent ops, and a cut turns scalar constants into broadcast inputs,
-so the pieces below are kept shallow (a chain cut that way ran at 7 ns). ``2**k`` is built from bits: adding
-1.5 * 2**23 rounds ``x * log2(e)`` to the integer ``k``, held in the low
-mantissa bits, so no ``floor`` is needed; those bits, shifted into the
-exponent field, are ``2**k``.
+so the pieces below are kept shallow (a chain cut that way ran at 7 ns).
+
+``2**k`` is built from bits: adding 1.5 * 2**23 rounds ``x * log2(e)`` to
+the integer ``k``, held in the low mantissa bits, so no ``floor`` is needed;
+those bits, shifted into the exponent field, are ``2**k``.
 
 Inputs are clamped to [-87, 88], so ``exp(-inf)`` is 1.6e-38 rather than 0.
 That is harmless where it is used: a masked score, after the row max is

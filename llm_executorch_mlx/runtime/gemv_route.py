@@ -1,7 +1,7 @@
 """Build and bind ``gemv_route.c``: OpenBLAS for MLX, one-row products via sgemv.
 
-The shim is compiled once per source and compiler with the machine's C
-compiler (the one MLX's CPU backend already needs to fuse element-wise ops)
+The shim is compiled once per source, compiler and architecture with the
+machine's C compiler (the one MLX's CPU backend already needs to fuse element-wise ops)
 into the user's cache directory. Without a compiler ``build`` returns None
 and ``blas.py`` binds a library directly instead.
 """

@@ -18,7 +18,8 @@ def build_addmm(n, ctx):
 def build_addmm_last_row(n, ctx):
     """``AddmmNode`` on the last row of ``mat1`` only (see
     ``GraphExecutor``'s ``last_position_only``)."""
-    return _addmm(n, ctx, lambda x: x[..., -1:, :])
+    # A decode step has one row already: no slice node in its graph.
+    return _addmm(n, ctx, lambda x: x if x.shape[-2] == 1 else x[..., -1:, :])
 
 
 def _addmm(n, ctx, rows):
