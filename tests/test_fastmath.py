@@ -75,10 +75,11 @@ def test_attention_on_bfloat16_normalises_in_float32():
     )
 
 
-def test_swiglu_is_silu_of_gate_times_up():
+@pytest.mark.parametrize("shape", [(1, 1, 33), (2, 7, 33), (2, 64, 80)])  # one kernel; the exp path
+def test_swiglu_is_silu_of_gate_times_up(shape):
     rng = np.random.default_rng(4)
-    gate = rng.normal(0, 4, (2, 7, 33)).astype(np.float32)
-    up = rng.standard_normal((2, 7, 33)).astype(np.float32)
+    gate = rng.normal(0, 4, shape).astype(np.float32)
+    up = rng.standard_normal(shape).astype(np.float32)
     g = gate.astype(np.float64)
     want = g / (1 + np.exp(-g)) * up
     np.testing.assert_allclose(np.array(fastmath.swiglu(mx.array(gate), mx.array(up))), want, rtol=1e-5, atol=1e-6)

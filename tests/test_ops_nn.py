@@ -43,8 +43,9 @@ def test_addmm(alpha, beta):
     close_f(got, torch.addmm(T(bias), T(a), T(b), alpha=alpha, beta=beta))
 
 
-def test_addmm_without_bias_is_a_matmul():
-    a, b = rand(2, 3, 4), rand(4, 5)
+@pytest.mark.parametrize("rows", [(2, 3), (1, 3), (3,)])  # [1, T, K] runs as one batched node
+def test_addmm_without_bias_is_a_matmul(rows):
+    a, b = rand(*rows, 4), rand(4, 5)
     got = run_one(md.AddmmNodeT, [a, b], lambda xs, v: dict(mat1=xs[0], mat2=xs[1], alpha=3.0))
     close_f(got, T(a) @ T(b))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from ..dtypes import on_cpu
@@ -26,9 +28,10 @@ def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
+        batched = _BatchedWeight()
 
         def run(f):
-            f[out] = mx.matmul(rows(f[a]), f[b])
+            f[out] = batched.matmul(rows(f[a]), f[b])
 
         return run
     alpha, beta = float(n.alpha), float(n.beta)
@@ -39,15 +42,55 @@ def _addmm(n, ctx, rows):
     return run
 
 
+class _BatchedWeight:
+    """``x @ w`` for ``x`` of shape ``[1, T, K]`` and a 2-D ``w``, as one node.
+
+    MLX spells a 3-D by 2-D product as flatten, matmul, unflatten: three
+    nodes, each with a few microseconds of scheduling in every decode step.
+    Against ``w`` viewed as ``[1, K, N]`` it is a single batched matmul with
+    the same one BLAS call. The view of the last ``w`` seen (a linear layer's
+    weight is the same array in every call) is kept, so it is made once.
+    """
+
+    def __init__(self):
+        self._seen = None  # (w, w viewed as [1, K, N])
+
+    def matmul(self, x, w):
+        if x.ndim != 3 or w.ndim != 2 or x.shape[0] != 1:
+            return mx.matmul(x, w)
+        if self._seen is None or self._seen[0] is not w:
+            self._seen = (w, mx.expand_dims(w, 0))
+        return mx.matmul(x, self._seen[1])
+
+
 @op("RMSNormNode")
 def build_rms_norm(n, ctx):
     x, w, out, eps = ctx.t(n.x), ctx.t_opt(n.weight), ctx.out(n.out), float(n.eps)
-    rms_norm = mx.fast.rms_norm
+    rms_norm = _cpu_rms_norm(eps) if on_cpu() else mx.fast.rms_norm
 
     def run(f):
         f[out] = rms_norm(f[x], None if w is None else f[w], eps)
 
     return run
+
+
+@functools.cache
+def _cpu_rms_norm(eps: float):
+    """``mx.fast.rms_norm`` for the CPU, where MLX runs its fallback as ten
+    nodes (a broadcast before every product). Compiled, the ops after the
+    reduction fuse into one: three nodes. Same arithmetic as the fallback."""
+
+    def normalise(x):
+        y = x.astype(mx.float32)
+        return (y * mx.rsqrt(mx.mean(mx.square(y), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+    plain = mx.compile(normalise)
+    weighted = mx.compile(lambda x, weight: normalise(x) * weight)
+
+    def rms_norm(x, weight, _eps):
+        return plain(x) if weight is None else weighted(x, weight)
+
+    return rms_norm
 
 
 @op("LayerNormNode")
