@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import math
 
+import mlx.core as mx
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from opgraph import OpGraph
-from test_ops_shape import Values, close, rand, run_graph, stray_tid
+from test_ops_shape import Values, close, executor_with_values, rand, run_graph, stray_tid
 
 from llm_executorch_mlx.runtime._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
+from llm_executorch_mlx.runtime.ops.nn import _cpu_rms_norm
 
 T = torch.from_numpy
 
@@ -50,12 +52,34 @@ def test_addmm_without_bias_is_a_matmul(rows):
     close_f(got, T(a) @ T(b))
 
 
+def test_addmm_without_bias_follows_a_changing_weight_across_calls():
+    # [1, T, K] inputs run against a kept [1, K, N] view of the last weight.
+    g = OpGraph()
+    a, b, out = g.input(rand(1, 3, 4)), g.input(rand(4, 5)), g.temp()
+    g.node(md.AddmmNodeT, out=out, mat1=a, mat2=b)
+    g.output(out)
+    ex = executor_with_values(g, [])
+    for a_, b_ in [(rand(1, 3, 4), rand(4, 5)) for _ in range(3)]:
+        close_f(np.array(ex.execute([a_, b_])[0]), T(a_) @ T(b_))
+
+
+@pytest.mark.parametrize("rows", [(2, 3), (1, 1)])  # MLX's fallback; compiled for few rows
 @pytest.mark.parametrize("weighted", [True, False])
-def test_rms_norm(weighted):
-    x, w = rand(2, 3, 16), rand(16)
+def test_rms_norm(weighted, rows):
+    x, w = rand(*rows, 16), rand(16)
     got = run_one(md.RMSNormNodeT, [x], lambda xs, v: dict(
         x=xs[0], weight=xs[1] if weighted else None, eps=1e-5), constants=[w] if weighted else [])
     close_f(got, F.rms_norm(T(x), (16,), T(w) if weighted else None, eps=1e-5))
+
+
+def test_rms_norm_of_bfloat16_rows_with_a_float32_weight_follows_mlx_promotion():
+    # The few-row compiled norm is for fp32; MLX normalises bf16 rows, then
+    # promotes to the weight's fp32 (compute_dtype native keeps such pairs).
+    x, w = mx.array(rand(1, 1, 16)).astype(mx.bfloat16), mx.array(rand(16))
+    got = _cpu_rms_norm(1e-5)(x, w, 1e-5)
+    want = mx.fast.rms_norm(x, w, 1e-5)
+    assert got.dtype == want.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(got), np.array(want))
 
 
 @pytest.mark.parametrize("weight, bias", [(True, True), (True, False), (False, False)])

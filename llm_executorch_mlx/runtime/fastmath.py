@@ -116,15 +116,20 @@ def _exp(x, clamp):
 # own sigmoid (~20 ns an element) beats the ~10 small kernels below (a few
 # microseconds of scheduling each, on the host and on the CPU stream).
 _FEW = 4096
-_swiglu_mlx = mx.compile(lambda gate, up: gate * mx.sigmoid(gate) * up)
+
+
+@mx.compile
+def _swiglu_mlx(gate, up):
+    g = gate.astype(mx.float32)
+    return (g * mx.sigmoid(g) * up.astype(mx.float32)).astype(gate.dtype)
 
 
 def swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``silu(gate) * up`` in ``gate``'s dtype (a step's activations take few
-    shapes, so no padding)."""
+    """``silu(gate) * up`` in ``gate``'s dtype, computed in float32 (a step's
+    activations take few shapes, so no padding)."""
+    if gate.size <= _FEW:
+        return _swiglu_mlx(gate, up)
     g, u = gate.astype(mx.float32), up.astype(mx.float32)
-    if g.size <= _FEW:
-        return _swiglu_mlx(g, u).astype(gate.dtype)
     t, r = _reduce_c(_clamped(-g))
     # Two kernels, not one: fused, the chain is too deep for one generated
     # loop and MLX splits it into a strided, scalar one.
@@ -158,7 +163,11 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     # ([B, Hkv, rep*T, D] by [B, Hkv, D, S]): no broadcast copy of K or V,
     # and one BLAS call per kv head.
     q = (q * scale).reshape(B, Hkv, rep * T, D)
-    scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32).reshape(B, Hkv, rep, T, S)
+    scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32)
+    if scores.size <= _FEW_SCORES and (mask is None or (isinstance(mask, str) and T == 1)):
+        weights = mx.softmax(scores, axis=-1)  # a decode step: nothing to mask
+        return (weights.astype(v.dtype) @ v).reshape(B, Hq, T, D)
+    scores = scores.reshape(B, Hkv, rep, T, S)
     if isinstance(mask, str):
         mask = mx.arange(S)[None, :] <= mx.arange(S - T, S)[:, None]
     if mask is not None:

@@ -25,7 +25,8 @@ kernels for the silu (sigmoid, multiply) and one for the product. When the
 multiply is the only reader of the silu's output, the multiply computes
 ``gate * sigmoid(gate) * up`` in one compiled kernel from the gate stashed at
 the silu node (whose own lazy output is then never evaluated), as mlx-lm
-does; on the CPU, with ``fastmath.swiglu``'s exp.
+does; on the CPU, with ``fastmath.swiglu`` (its exp, or for a decode step's
+few elements one kernel with MLX's sigmoid).
 """
 
 from __future__ import annotations

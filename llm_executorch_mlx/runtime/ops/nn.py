@@ -43,13 +43,15 @@ def _addmm(n, ctx, rows):
 
 
 class _BatchedWeight:
-    """``x @ w`` for ``x`` of shape ``[1, T, K]`` and a 2-D ``w``, as one node.
+    """``x @ w`` for ``x`` of shape ``[1, T, K]`` and a 2-D ``w``, as one node
+    (on any device).
 
     MLX spells a 3-D by 2-D product as flatten, matmul, unflatten: three
-    nodes, each with a few microseconds of scheduling in every decode step.
-    Against ``w`` viewed as ``[1, K, N]`` it is a single batched matmul with
-    the same one BLAS call. The view of the last ``w`` seen (a linear layer's
-    weight is the same array in every call) is kept, so it is made once.
+    nodes, each with a few microseconds of scheduling in every CPU decode
+    step. Against ``w`` viewed as ``[1, K, N]`` it is a single batched matmul
+    with the same one BLAS call. The view of the last ``w`` seen (a linear
+    layer's weight is the same array in every call) is kept, so it is made
+    once; another ``w`` just gets its own view.
     """
 
     def __init__(self):
@@ -58,9 +60,10 @@ class _BatchedWeight:
     def matmul(self, x, w):
         if x.ndim != 3 or w.ndim != 2 or x.shape[0] != 1:
             return mx.matmul(x, w)
-        if self._seen is None or self._seen[0] is not w:
-            self._seen = (w, mx.expand_dims(w, 0))
-        return mx.matmul(x, self._seen[1])
+        seen = self._seen
+        if seen is None or seen[0] is not w:
+            seen = self._seen = (w, mx.expand_dims(w, 0))
+        return mx.matmul(x, seen[1])
 
 
 @op("RMSNormNode")
@@ -74,20 +77,29 @@ def build_rms_norm(n, ctx):
     return run
 
 
+_FEW_ROWS = 4  # a decode step's RMSNorm input has one
+
+
 @functools.cache
 def _cpu_rms_norm(eps: float):
-    """``mx.fast.rms_norm`` for the CPU, where MLX runs its fallback as ten
-    nodes (a broadcast before every product). Compiled, the ops after the
-    reduction fuse into one: three nodes. Same arithmetic as the fallback."""
+    """``mx.fast.rms_norm`` (same signature) for the CPU, where MLX runs its
+    fallback as ten nodes, a broadcast before every product. For a few fp32
+    rows (decode) a compiled version is three: the ops after the reduction
+    fuse into one. Only there: other dtypes keep MLX's own promotion rules
+    and checks, and a compiled function is traced once per input shape, so
+    prefill chunks of every length keep the fallback."""
 
     def normalise(x):
-        y = x.astype(mx.float32)
-        return (y * mx.rsqrt(mx.mean(mx.square(y), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+        return x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
 
     plain = mx.compile(normalise)
     weighted = mx.compile(lambda x, weight: normalise(x) * weight)
 
-    def rms_norm(x, weight, _eps):
+    def rms_norm(x, weight, eps):
+        rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
+        fits = weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])
+        if x.dtype != mx.float32 or not fits or not 0 < rows <= _FEW_ROWS:
+            return mx.fast.rms_norm(x, weight, eps)
         return plain(x) if weight is None else weighted(x, weight)
 
     return rms_norm
