@@ -96,9 +96,9 @@ def _cpu_rms_norm(eps: float):
     weighted = mx.compile(lambda x, weight: normalise(x) * weight)
 
     def rms_norm(x, weight, eps):
-        rows = x.size // max(x.shape[-1], 1) if x.ndim else 0
+        few_rows = x.ndim > 0 and 0 < x.size <= _FEW_ROWS * x.shape[-1]
         fits = weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])
-        if x.dtype != mx.float32 or not fits or not 0 < rows <= _FEW_ROWS:
+        if x.dtype != mx.float32 or not fits or not few_rows:
             return mx.fast.rms_norm(x, weight, eps)
         return plain(x) if weight is None else weighted(x, weight)
 
