@@ -55,10 +55,11 @@ def rope_program(x, positions, inv_freq, scale, read_intermediate=False):
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.7])
-def test_rotate_half_rope_is_fused_and_exact(scale):
+@pytest.mark.parametrize("length", [T, 1])  # a decode step's one position: a rotation matrix
+def test_rotate_half_rope_is_fused_and_exact(scale, length):
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, H, T, D)).astype(np.float32)
-    positions = np.arange(11, 11 + T, dtype=np.int64)
+    x = rng.standard_normal((1, H, length, D)).astype(np.float32)
+    positions = np.arange(11, 11 + length, dtype=np.int64)
     inv_freq = (1.0 / BASE ** (np.arange(0, D, 2) / D)).astype(np.float32)
     g = rope_program(x, positions, inv_freq, scale)
     ex = g.executor()

@@ -28,6 +28,8 @@ subtracted, adds less than 1e-38 of the row's sum, and ``silu`` divides by
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 _LOG2E = 1.4426950408889634
@@ -162,7 +164,7 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     # The query heads sharing a kv head are rows of one product with it
     # ([B, Hkv, rep*T, D] by [B, Hkv, D, S]): no broadcast copy of K or V,
     # and one BLAS call per kv head.
-    q = (q * scale).reshape(B, Hkv, rep * T, D)
+    q = (_scaled(scale)(q) if q.size <= _FEW else q * scale).reshape(B, Hkv, rep * T, D)
     scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32)
     if isinstance(mask, str):  # one query row (a decode step) sees every key
         mask = None if T == 1 else mx.arange(S)[None, :] <= mx.arange(S - T, S)[:, None]
@@ -181,6 +183,14 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     out = (weights.astype(v.dtype) @ v).astype(mx.float32)
     out = out / weights.sum(axis=-1, keepdims=True)
     return out.astype(v.dtype).reshape(B, Hq, T, D)
+
+
+@functools.cache
+def _scaled(scale: float):
+    """``q * scale`` as one node (MLX spells a product with a Python float as
+    a broadcast of the scalar, then the multiply); traced once per shape, so
+    used for a decode step's few queries."""
+    return mx.compile(lambda q: q * scale)
 
 
 def _grouped(mask: mx.array, Hkv: int, rep: int) -> mx.array:

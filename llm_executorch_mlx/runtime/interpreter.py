@@ -255,6 +255,7 @@ class BuildContext:
 
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     from .ops import BUILDERS  # the op table imports this module
+    from .pairs import try_fuse_pair  # so does this, through the op table
 
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
@@ -267,6 +268,13 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
             for instr in instructions[i : i + len(GROUP)]:
                 ctx.record_write(node_name(instr), instr.op)
             i += len(GROUP)
+            continue
+        pair = None if i + 1 in deferred else try_fuse_pair(ctx, instructions, i)
+        if pair is not None:
+            ops.append(pair)
+            for instr in instructions[i : i + 2]:
+                ctx.record_write(node_name(instr), instr.op)
+            i += 2
             continue
         instr = instructions[i]
         swiglu = plan_swiglu(ctx, instructions, i)
