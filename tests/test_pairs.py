@@ -1,5 +1,5 @@
-"""Two adjacent nodes run as one (runtime/pairs.py): head split and merge
-views, and a product added to the residual stream.
+"""Two adjacent view nodes run as one (runtime/pairs.py): splitting heads
+(reshape, transpose) and merging them (transpose, reshape).
 
 Each program is checked against numpy, fused or not; fusion must not change
 a value, and must not happen when a later node (or the caller) still reads
@@ -15,7 +15,7 @@ from opgraph import OpGraph
 H, D = 3, 4
 
 
-def head_split(x, shape, perm, also_return_reshape=False):
+def head_split(x, shape, perm, also_return_reshape=False, read_reshape_later=False):
     g = OpGraph()
     xs, r, y = g.input(x), g.temp(), g.temp()
     g.node(md.ReshapeNodeT, x=xs, out=r, shape=[g.iov(s) for s in shape])
@@ -23,6 +23,10 @@ def head_split(x, shape, perm, also_return_reshape=False):
     g.output(y)
     if also_return_reshape:
         g.output(r)
+    if read_reshape_later:
+        neg = g.temp()
+        g.node(md.NegNodeT, x=r, out=neg)
+        g.output(neg)
     return g.executor()
 
 
@@ -46,6 +50,32 @@ def test_head_split_whose_reshape_is_returned_stays_two_nodes():
     np.testing.assert_array_equal(y, x.reshape(1, 2, H, D).transpose(0, 2, 1, 3))
 
 
+def test_head_split_whose_reshape_a_later_node_reads_stays_two_nodes():
+    x = np.arange(H * D, dtype=np.float32).reshape(1, 1, H * D)
+    ex = head_split(x, [1, 1, H, D], [0, 2, 1, 3], read_reshape_later=True)
+    assert ex.node_names[:2] == ["ReshapeNode", "TransposeNode"]
+    y, neg = (np.array(o) for o in ex.execute([x]))
+    np.testing.assert_array_equal(y, x.reshape(1, 1, H, D).transpose(0, 2, 1, 3))
+    np.testing.assert_array_equal(neg, -x.reshape(1, 1, H, D))
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_head_split_with_the_length_a_runtime_value(T):
+    """Exports carry the sequence length as a value (``sym_size``), not a literal."""
+    x = np.random.default_rng(5).standard_normal((1, T, H * D)).astype(np.float32)
+    g = OpGraph()
+    xs, r, y = g.input(x, dynamic_dims=(1,)), g.temp(), g.temp()
+    length = g.value()
+    g.node(md.SymSizeNodeT, a=xs, dim=1, out=length)
+    g.node(md.ReshapeNodeT, x=xs, out=r, shape=[g.iov(1), g.iov(length), g.iov(H), g.iov(D)])
+    g.node(md.TransposeNodeT, x=r, out=y, perm=[0, 2, 1, 3])
+    g.output(y)
+    ex = g.executor()
+    assert "ReshapeTransposeFused" in ex.node_names
+    (out,) = ex.execute([x])
+    np.testing.assert_array_equal(np.array(out), x.reshape(1, T, H, D).transpose(0, 2, 1, 3))
+
+
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("perm", [[0, 2, 1, 3], [0, -2, 1, -1]])
 def test_head_merge_is_one_node_with_the_exported_values(T, perm):
@@ -59,54 +89,3 @@ def test_head_merge_is_one_node_with_the_exported_values(T, perm):
     assert ex.node_names == ["TransposeReshapeFused"]
     (out,) = ex.execute([x])
     np.testing.assert_array_equal(np.array(out), x.transpose(0, 2, 1, 3).reshape(1, T, H * D))
-
-
-def residual_program(x, w, residual, product_first=False, bias=None):
-    g = OpGraph()
-    xs, ws, rs = g.input(x), g.input(w), g.input(residual)
-    mm, y = g.temp(), g.temp()
-    fields = dict(mat1=xs, mat2=ws, out=mm, alpha=1.0, beta=1.0)
-    if bias is not None:
-        fields["bias"] = g.input(bias)
-    g.node(md.AddmmNodeT, **fields)
-    a, b = (mm, rs) if product_first else (rs, mm)
-    g.node(md.AddNodeT, a=a, b=b, out=y)
-    g.output(y)
-    return g.executor()
-
-
-@pytest.mark.parametrize("rows", [(1, 1), (1, 5), (3,)])
-@pytest.mark.parametrize("product_first", [False, True])
-def test_product_added_to_the_residual_is_one_addmm(rows, product_first):
-    rng = np.random.default_rng(2)
-    x = rng.standard_normal((*rows, 16)).astype(np.float32)
-    w = rng.standard_normal((16, 8)).astype(np.float32)
-    residual = rng.standard_normal((*rows, 8)).astype(np.float32)
-    ex = residual_program(x, w, residual, product_first)
-    assert ex.node_names == ["AddmmResidualFused"]
-    (y,) = ex.execute([x, w, residual])
-    want = x.astype(np.float64) @ w + residual
-    np.testing.assert_allclose(np.array(y), want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("residual_shape", [(8,), (2, 1, 8)])
-def test_residual_that_broadcasts_gets_the_broadcast_sum(residual_shape):
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((1, 4, 16)).astype(np.float32)
-    w = rng.standard_normal((16, 8)).astype(np.float32)
-    residual = rng.standard_normal(residual_shape).astype(np.float32)
-    (y,) = residual_program(x, w, residual).execute([x, w, residual])
-    want = x.astype(np.float64) @ w + residual
-    assert y.shape == want.shape
-    np.testing.assert_allclose(np.array(y), want, rtol=1e-5, atol=1e-5)
-
-
-def test_product_with_a_bias_keeps_its_own_add():
-    rng = np.random.default_rng(4)
-    x = rng.standard_normal((1, 2, 16)).astype(np.float32)
-    w = rng.standard_normal((16, 8)).astype(np.float32)
-    residual, bias = (rng.standard_normal(s).astype(np.float32) for s in ((1, 2, 8), (8,)))
-    ex = residual_program(x, w, residual, bias=bias)
-    assert ex.node_names == ["AddmmNode", "AddNode"]
-    (y,) = ex.execute([x, w, residual, bias])
-    np.testing.assert_allclose(np.array(y), x @ w + bias + residual, rtol=1e-5, atol=1e-5)

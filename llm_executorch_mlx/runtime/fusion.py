@@ -18,7 +18,9 @@ program input (the positions, read on the host like the cache's), both
 scales are the same constant, and no later node reads the group's
 intermediates. Then ``y = fast.rope(x, offset=positions[0], freqs=1/inv_freq)
 * scale``; positions must be consecutive, which the off-graph cache already
-requires of every forward call.
+requires of every forward call. On the CPU, where ``mx.fast.rope`` is a
+dozen small ops, the group is ``_rotate_half`` with tables made on the host,
+and for a decode step's single position one product with a rotation matrix.
 
 **SwiGLU.** ``silu(gate)`` then, a few nodes later, ``silu_out * up``: two
 kernels for the silu (sigmoid, multiply) and one for the product. When the
@@ -85,7 +87,7 @@ def _fuse(ctx, instructions: list, i: int):
     if cos_scale != sin_table[2] or inv_freq.size != half:
         return None
     internal = {mul_cos.out.idx, lo.out.idx, hi.out.idx, neg.out.idx, cat.out.idx, mul_sin.out.idx} - {add.out.idx}
-    if internal & kept_slots(ctx, mutable=True) or read_before_written(instructions[i + len(GROUP):], internal):
+    if internal & kept_slots(ctx) or read_before_written(instructions[i + len(GROUP):], internal):
         return None
     position = ctx.host_int_of(positions)
     out, scale = add.out.idx, cos_scale
@@ -164,7 +166,10 @@ class _RopeTables:
         position, ``start``), broadcast over the leading axes so the product
         is a single node: three times faster on the CPU than the five nodes
         of ``_rotate_half``. Each output is one of ``x``'s entries times cos
-        plus one times sin, the other products being exact zeros."""
+        plus one times sin, the other products being exact zeros (unless an
+        entry is inf or NaN: then its head's outputs are all NaN, where the
+        five nodes spoil two of them; attention's scores are lost either
+        way)."""
         made = f[self.rotation_slot]
         if made is None:
             made = f[self.rotation_slot] = {}
@@ -247,10 +252,9 @@ def _table(ctx, tid: int, step: int, trig: str):
     return None
 
 
-def kept_slots(ctx, mutable: bool = False) -> set[int]:
-    """Tensor slots the caller reads after a call: the outputs, and with
-    ``mutable`` the mutable buffers."""
-    maps = (ctx.graph.outputMap or []) + ((ctx.graph.mutableBufferMap or []) if mutable else [])
+def kept_slots(ctx) -> set[int]:
+    """Tensor slots read after a call: the outputs and the mutable buffers."""
+    maps = (ctx.graph.outputMap or []) + (ctx.graph.mutableBufferMap or [])
     return {s.idx for s in maps if s.slotType == md.SlotType.TensorSlot}
 
 

@@ -260,16 +260,21 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
     deferred: dict[int, Run] = {}  # instruction index -> its fused replacement
+    # Fusions drop intermediates that only later nodes of this chain could
+    # read; the init chain and sub-chains share the frame with other chains.
+    fusing = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
     i = 0
     while i < len(instructions):
-        fused = try_fuse(ctx, instructions, i)
+        fused = try_fuse(ctx, instructions, i) if fusing else None
         if fused is not None:
             ops.append(fused)
             for instr in instructions[i : i + len(GROUP)]:
                 ctx.record_write(node_name(instr), instr.op)
             i += len(GROUP)
             continue
-        pair = None if i + 1 in deferred else try_fuse_pair(ctx, instructions, i)
+        pair = None
+        if fusing and not {i, i + 1} & deferred.keys():
+            pair = try_fuse_pair(ctx, instructions, i)
         if pair is not None:
             ops.append(pair)
             for instr in instructions[i : i + 2]:
@@ -277,7 +282,7 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
             i += 2
             continue
         instr = instructions[i]
-        swiglu = plan_swiglu(ctx, instructions, i)
+        swiglu = plan_swiglu(ctx, instructions, i) if fusing else None
         if swiglu is not None:
             silu_run, j, deferred[j] = swiglu
             ops.append(("SiluNode", silu_run))

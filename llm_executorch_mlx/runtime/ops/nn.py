@@ -28,7 +28,7 @@ def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
-        batched = BatchedWeight()
+        batched = _BatchedWeight()
 
         def run(f):
             f[out] = batched.matmul(rows(f[a]), f[b])
@@ -42,7 +42,7 @@ def _addmm(n, ctx, rows):
     return run
 
 
-class BatchedWeight:
+class _BatchedWeight:
     """``x @ w`` for ``x`` of shape ``[1, T, K]`` and a 2-D ``w``, as one node
     (on any device).
 
@@ -58,24 +58,12 @@ class BatchedWeight:
         self._seen = None  # (w, w viewed as [1, K, N])
 
     def matmul(self, x, w):
-        return mx.matmul(x, self._batched(x, w))
-
-    def addmm(self, c, x, w):
-        """``c + x @ w`` (``pairs.py``): one node when ``c`` has the product's
-        shape and all three share a dtype, else MLX's broadcasting add."""
-        if c.dtype == x.dtype == w.dtype and w.ndim == 2 and x.ndim in (2, 3):
-            if c.shape == (*x.shape[:-1], w.shape[-1]):
-                return mx.addmm(c, x, self._batched(x, w))
-        return c + self.matmul(x, w)
-
-    def _batched(self, x, w):
-        """``w`` as the operand of one matmul node with ``x``."""
         if x.ndim != 3 or w.ndim != 2 or x.shape[0] != 1:
-            return w
+            return mx.matmul(x, w)
         seen = self._seen
         if seen is None or seen[0] is not w:
             seen = self._seen = (w, mx.expand_dims(w, 0))
-        return seen[1]
+        return mx.matmul(x, seen[1])
 
 
 @op("RMSNormNode")
