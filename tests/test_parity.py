@@ -145,22 +145,3 @@ def test_gemma3_ring_layers_wrap_in_decode(exported):
     assert program.metadata.windows == [16, 16, 0]
     cache = program.new_cache(capacity=128)
     assert [k.shape[2] for k in cache._k[:2]] == [16 + program.metadata.prefill_chunk - 1] * 2
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
-def test_joined_projections_match_transformers(exported, arch, monkeypatch):
-    """q|k|v and gate|up as one product each (what GPUs run, siblings.py)."""
-    import llm_executorch_mlx.runtime.program as program_module
-
-    monkeypatch.setattr(program_module, "joins_projections", lambda: True)
-    model_dir, pte = exported(arch)
-    program = load_program(pte)
-    forward = program.load_method("forward", cache=program.new_cache(capacity=128))
-    assert forward.op_names.count("AddmmJoined") == 5 * program.metadata.n_caches
-    tokens, ours = greedy(pte, prompt_for(), NEW_TOKENS, kv_dtype="fp32")
-    ref = reference_logits(model_dir, tokens[:-1])
-    ours = ours[:-1]
-    scale = np.abs(ref).max()
-    err = np.abs(ours - ref).max()
-    assert err <= 1e-4 * scale, f"max abs error {err} vs logit scale {scale}"
-    assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()

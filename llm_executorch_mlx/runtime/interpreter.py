@@ -13,7 +13,6 @@ here waits on the device except the nodes whose semantics need a host value
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import mlx.core as mx
@@ -60,7 +59,6 @@ class BuildContext:
             s.idx for s in (graph.inputMap or []) if s.slotType == md.SlotType.TensorSlot
         }
         self.host_slots: dict[int, int] = {}  # input tid -> frame slot of its host copy
-        self.joined: dict = {}  # main-chain AddmmNode index -> its sibling group (siblings.py)
         self.chains: dict[int, list[tuple[str, Run]]] = {}
         self.in_init_chain = False
         self.current_node = "?"
@@ -257,7 +255,6 @@ class BuildContext:
 
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     from .ops import BUILDERS  # the op table imports this module
-    from .ops.nn import build_joined_addmm
     from .pairs import try_fuse_pair  # so does this, through the op table
 
     ops = []
@@ -297,14 +294,11 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
             ctx.record_write(node_name(instr), instr.op)
             i += 1
             continue
-        index, i = i, i + 1
+        i += 1
         name = node_name(instr)
         builder = BUILDERS.get(name)
         if builder is None:
             raise PteError(f"{name} is not supported by this runtime")
-        if fusing and index in ctx.joined:
-            name = "AddmmJoined"
-            builder = functools.partial(build_joined_addmm, index=index, group=ctx.joined[index])
         outer, ctx.current_node = ctx.current_node, name
         try:
             ops.append((name, builder(instr.op, ctx)))
@@ -355,20 +349,15 @@ class GraphExecutor:
         cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
         dtype_map: dtype substitutions of the compute route (constants must
             already be converted).
-        joined: sibling groups whose weights ``siblings.join_weights`` joined
-            in ``constants``, by main-chain instruction index.
     """
 
-    def __init__(
-        self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None, joined=None
-    ):
+    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
         ctx = BuildContext(graph, cache, dtype_map, constants)
-        ctx.joined = joined or {}
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):

@@ -24,7 +24,6 @@ from .graph import decode_graph, node_name
 from .interpreter import GraphExecutor
 from .layout import for_blas, matmul_weights
 from .metadata import ForwardSignature, ModelMetadata, read_metadata
-from .siblings import join_weights
 
 MLX_BACKEND = "MLXBackend"
 LLM_METADATA = (
@@ -48,12 +47,6 @@ def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
     dtype_map = compute_dtype_map(compute)  # checked before the file is read
     return Program(PteFile(path), dtype_map)
 
-
-
-def joins_projections() -> bool:
-    """Whether sibling projections run as one product (``siblings.py``): on
-    GPUs, where a decode step is bound by kernel launches."""
-    return not on_cpu()
 
 class Method:
     """A loaded method; ``execute(inputs)`` returns its outputs as a list."""
@@ -90,7 +83,6 @@ class Program:
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
         self._constants: dict[str, list[mx.array]] = {}
-        self._joined: dict[str, dict] = {}  # method -> its sibling groups (siblings.py)
         raw = {}
         for name, plan in pte.plans.items():
             if not plan.delegates and not plan.kernel_calls:
@@ -122,9 +114,8 @@ class Program:
             )
         if cache is not None and uses_cache:
             self._check_cache(cache)
-        constants = self._load_constants(name, graph)
         executor = GraphExecutor(
-            graph, constants, cache if uses_cache else None, self._dtype_map, self._joined.get(name)
+            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map
         )
         return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names))
 
@@ -220,8 +211,6 @@ class Program:
             self.pte.release_pages(max(0, start - _FAULT_AROUND), end)
             constants.append(array)
         self.pte.release_pages()
-        if joins_projections():
-            self._joined[name] = join_weights(graph, constants)
         self._constants[name] = constants
         return constants
 

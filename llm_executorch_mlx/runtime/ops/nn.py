@@ -42,30 +42,6 @@ def _addmm(n, ctx, rows):
     return run
 
 
-def build_joined_addmm(n, ctx, index: int, group):
-    """An ``AddmmNode`` of a sibling group (``siblings.py``): the group's
-    first member computes the joined product, every member takes its
-    columns."""
-    a, out = ctx.t(n.mat1), ctx.out(n.out)
-    start, count = group.rows[index]
-    product = ctx.shared_scratch_slot(("joined product", id(group)))
-    if index != min(group.rows):
-
-        def run(f):
-            f[out] = f[product][..., start : start + count]
-
-        return run
-    weight = mx.transpose(group.weight)  # a view, made once
-    mx.eval(weight)
-    batched = _BatchedWeight()
-
-    def run(f):
-        y = f[product] = batched.matmul(f[a], weight)
-        f[out] = y[..., start : start + count]
-
-    return run
-
-
 class _BatchedWeight:
     """``x @ w`` for ``x`` of shape ``[1, T, K]`` and a 2-D ``w``, as one node
     (on any device).
