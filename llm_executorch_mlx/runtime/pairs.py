@@ -5,15 +5,14 @@ size: the host allocates its output and queues tasks to the CPU stream's
 thread, which may have to be woken, and frees buffers the host allocated. In
 a chain of ``[1, 576]`` adds that is 13-17 us a node, in a chain of views
 ~3 us. A 135M Llama's decode step is ~1400 nodes around 211 matrix-vector
-products, so the nodes themselves are a good part of the step. Two pairs
-that exported transformers repeat in every layer (splitting heads after the
-q, k and v projections, merging them after attention) become one node:
+products, so the nodes themselves are a good part of the step.
 
-``reshape`` then ``transpose`` (splitting heads,
-``[B, T, H*D] -> [B, H, T, D]``) and ``transpose`` then ``reshape`` (merging
-them back). When the transpose moves only axes of size 1, as it does for a
-decode step's single position, it keeps the elements in order, and the pair
-is one reshape of the pair's input. Otherwise both nodes run as exported.
+Exported transformers split heads after the q, k and v projections with a
+``reshape`` then a ``transpose`` (``[B, T, H*D] -> [B, H, T, D]``) and merge
+them after attention with a ``transpose`` then a ``reshape``. When the
+transpose moves only axes of size 1, as it does for a decode step's single
+position, it keeps the elements in order, and the pair is one reshape of
+the pair's input. Otherwise both nodes run as exported.
 
 A pair is fused only in the main chain, when nothing after it reads the
 first node's output and the caller does not receive it. (Not kept: the
@@ -27,8 +26,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .fusion import kept_slots, read_before_written
 from .errors import PteError
+from .fusion import kept_slots, read_before_written
 from .graph import node_name
 from .ops.shape import int_list
 
