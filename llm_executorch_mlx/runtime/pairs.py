@@ -24,6 +24,8 @@ at the residual's scale: 60x the error of the separate add at a residual of
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from .errors import PteError
@@ -56,9 +58,11 @@ def try_fuse_pair(ctx, instructions: list, i: int):
         return None  # a malformed node: its own builder will say what is wrong
 
 
-def _keeps_order(shape, perm) -> bool:
+@functools.lru_cache(maxsize=1024)
+def _keeps_order(shape: tuple, perm: tuple) -> bool:
     """Whether ``perm`` is a permutation of ``shape``'s axes that moves only
-    axes of size 1, so the transpose keeps the elements in row-major order."""
+    axes of size 1, so the transpose keeps the elements in row-major order.
+    (Cached: a program sees a few shapes, and this runs in every call.)"""
     ndim = len(shape)
     if sorted(p % ndim if -ndim <= p < ndim else -1 for p in perm) != list(range(ndim)):
         return False  # not a permutation: the exported nodes report it
@@ -66,17 +70,27 @@ def _keeps_order(shape, perm) -> bool:
     return moved == sorted(moved)
 
 
+@functools.lru_cache(maxsize=1024)
+def _split_heads_shape(size: int, wanted: tuple, perm: tuple) -> list[int] | None:
+    """The one reshape of ``size`` elements that equals reshaping them to
+    ``wanted`` then transposing by ``perm``, or None when there is none."""
+    shape = _resolved(size, wanted)
+    if shape is None or not _keeps_order(shape, perm):
+        return None
+    return [shape[p] for p in perm]
+
+
 def _reshape_transpose(ctx, reshape, transpose):
     x, out = ctx.t(reshape.x), ctx.out(transpose.out)
     ctx.out(reshape.out)
     shape_of = ctx.ints(reshape.shape)
-    perm = int_list(transpose.perm)
+    perm = tuple(int_list(transpose.perm))
 
     def run(f):
         X, wanted = f[x], shape_of(f)
-        shape = _resolved(X.size, wanted)
-        if shape is not None and _keeps_order(shape, perm):
-            f[out] = X.reshape([shape[p] for p in perm])
+        split = _split_heads_shape(X.size, tuple(wanted), perm)
+        if split is not None:
+            f[out] = X.reshape(split)
         else:
             f[out] = mx.transpose(mx.reshape(X, wanted), perm)
 
@@ -89,7 +103,7 @@ def _transpose_reshape(ctx, transpose, reshape):
     x, out = ctx.t(transpose.x), ctx.out(reshape.out)
     ctx.out(transpose.out)
     shape_of = ctx.ints(reshape.shape)
-    perm = int_list(transpose.perm)
+    perm = tuple(int_list(transpose.perm))
 
     def run(f):
         X = f[x]
@@ -101,7 +115,7 @@ def _transpose_reshape(ctx, transpose, reshape):
     return "TransposeReshapeFused", run
 
 
-def _resolved(size: int, shape: list[int]) -> list[int] | None:
+def _resolved(size: int, shape: tuple) -> tuple | None:
     """``shape`` with a ``-1`` worked out for ``size`` elements; None when it
     cannot be (MLX then reports the bad reshape itself)."""
     if shape.count(-1) > 1 or any(s < -1 for s in shape):
@@ -113,4 +127,4 @@ def _resolved(size: int, shape: list[int]) -> list[int] | None:
         known *= s if s != -1 else 1
     if known == 0 or size % known:
         return None
-    return [size // known if s == -1 else s for s in shape]
+    return tuple(size // known if s == -1 else s for s in shape)
