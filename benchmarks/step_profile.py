@@ -1,0 +1,151 @@
+"""Where a decode step's time goes in our runtime: host or device.
+
+Runs the plugin's decode loop (``generate_tokens``, look-ahead included) on
+one ``.pte`` and splits each step's wall time into what the host does and
+what is left:
+
+- build: our interpreter building the step's lazy MLX graph
+  (``forward.execute``);
+- submit: ``mx.async_eval`` handing that graph to MLX. On a GPU this encodes
+  every kernel (MLX CUDA records them into CUDA graphs on the calling thread);
+  on the CPU it queues the ops and blocks once ~100 are outstanding;
+- rest: everything else between two tokens: sampling's graph, reading the
+  token (``y.item()``, where the host waits for the device) and the loop.
+
+When build + submit is the whole step, the device is never what the host waits
+for: the step is bound by per-op host work, and only fewer ops (not faster
+kernels) make it faster. The generation loop is timed as it is, by wrapping
+``forward.execute`` and ``mx.async_eval`` (a few hundred nanoseconds of
+``perf_counter`` per call).
+
+    python benchmarks/step_profile.py --pte model.pte --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+import types
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pte", type=pathlib.Path, required=True, help="the .pte to decode with")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default: 512)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    p.add_argument("--reps", type=int, default=3, help="generations to time (default: 3)")
+    p.add_argument("--compute", default="auto", help="load_program's compute route (default: auto)")
+    p.add_argument("--json", type=pathlib.Path, help="also write the results here")
+    return p.parse_args(argv)
+
+
+class StepClock:
+    """Wraps ``forward.execute`` and the decode loop's ``mx.async_eval`` and
+    sums the host time each takes, decode steps only (one-token calls)."""
+
+    def __init__(self, forward, mx):
+        self.forward, self.mx = forward, mx
+        self.n_inputs = forward.n_inputs
+        self.build = self.submit = 0.0
+        self.steps = 0
+        self._decoding = False
+
+    def execute(self, inputs, last_position_only=False):
+        t0 = time.perf_counter()
+        out = self.forward.execute(inputs, last_position_only)
+        self._decoding = len(inputs[1]) == 1  # positions: one for a decode step
+        if self._decoding:
+            self.build += time.perf_counter() - t0
+            self.steps += 1
+        return out
+
+    def async_eval(self, *arrays):
+        t0 = time.perf_counter()
+        self.mx.async_eval(*arrays)
+        if self._decoding:
+            self.submit += time.perf_counter() - t0
+
+
+def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
+    import mlx.core as mx
+
+    from llm_executorch_mlx.text import generate
+    from llm_executorch_mlx.text.sampling import Sampler
+
+    cache = program.new_cache(capacity=program.metadata.max_context)
+    clock = StepClock(program.load_method("forward", cache=cache), mx)
+    sampler = Sampler(temperature=0.0)
+    timings = generate.Timings()
+    # The loop's own module sees the wrapped async_eval; everything else is mx.
+    generate.mx = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
+    generate.mx.async_eval = clock.async_eval
+    try:
+        steps = generate.generate_tokens(
+            clock, cache, prompt, 0, program.metadata.prefill_chunk,
+            lambda logits, history: sampler.sample(logits), new_tokens, timings,
+        )
+        tokens = [s.token for s in steps]
+        mx.synchronize()
+    finally:
+        generate.mx = mx
+    per_step = timings.decode_seconds / timings.decode_tokens
+    build = clock.build / clock.steps
+    submit = clock.submit / clock.steps
+    return {
+        "decode_tps": 1 / per_step,
+        "step_ms": 1e3 * per_step,
+        "build_ms": 1e3 * build,
+        "submit_ms": 1e3 * submit,
+        "rest_ms": 1e3 * (per_step - build - submit),
+        "ops": len(clock.forward.op_names),
+        "tokens": tokens,
+    }
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt(s: dict, pattern: str) -> str:
+    return f"{pattern.format(s['median'])} [{pattern.format(s['min'])}–{pattern.format(s['max'])}]"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from llm_executorch_mlx.runtime import load_program  # binds MLX's BLAS first
+
+    import mlx.core as mx
+    import numpy as np
+
+    program = load_program(args.pte, compute=args.compute)
+    vocab = program.metadata.vocab_size or 1000
+    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
+    profile_once(program, prompt, 8)  # warm-up: kernels compiled, shapes traced
+    runs = [profile_once(program, prompt, args.new_tokens) for _ in range(args.reps)]
+    keys = ("decode_tps", "step_ms", "build_ms", "submit_ms", "rest_ms")
+    summary = {k: spread([r[k] for r in runs]) for k in keys}
+    ops = runs[0]["ops"]
+    device = str(mx.default_device())
+    print(f"# Decode step profile: {args.pte.name} on {device}, {ops} interpreted ops a step\n")
+    print(f"{args.prompt_tokens}-token prompt, {args.new_tokens} greedy tokens, "
+          f"{args.reps} generations, median [min–max]\n")
+    print("| decode tok/s | step ms | build ms (host) | submit ms (host) | rest ms (sampling, waiting for the device) |")
+    print("|---|---|---|---|---|")
+    print("| " + " | ".join(
+        [fmt(summary["decode_tps"], "{:.1f}")] + [fmt(summary[k], "{:.2f}") for k in keys[1:]]
+    ) + " |")
+    same = all(r["tokens"] == runs[0]["tokens"] for r in runs)
+    print(f"\nAll generations produced the same tokens: {same}.")
+    if args.json:
+        args.json.write_text(json.dumps(
+            {"pte": str(args.pte), "device": device, "ops": ops, "runs": runs, "summary": summary},
+            indent=1,
+        ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
