@@ -106,6 +106,11 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
     }
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two generations part, None if equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -138,8 +143,13 @@ def main(argv=None) -> None:
     print("| " + " | ".join(
         [fmt(summary["decode_tps"], "{:.1f}")] + [fmt(summary[k], "{:.2f}") for k in keys[1:]]
     ) + " |")
-    same = all(r["tokens"] == runs[0]["tokens"] for r in runs)
-    print(f"\nAll generations produced the same tokens: {same}.")
+    first = runs[0]["tokens"]
+    parts = [first_difference(first, r["tokens"]) for r in runs[1:]]
+    if all(p is None for p in parts):
+        print("\nEvery generation produced the same greedy tokens.")
+    else:
+        where = ", ".join("same" if p is None else f"token {p}" for p in parts)
+        print(f"\nGreedy tokens differ between generations; vs the first, each later one parts at: {where}.")
     if args.json:
         args.json.write_text(json.dumps(
             {"pte": str(args.pte), "device": device, "ops": ops, "runs": runs, "summary": summary},

@@ -100,6 +100,20 @@ def test_flat_pool_grows_by_doubling_from_small_initial_capacity():
     run_side_by_side([0], [7, 8, 5], initial=0, capacity=20)  # 0 -> 1 -> ... clamped at 20
 
 
+def test_no_pool_is_a_multiple_of_256_slots_and_all_capacity_is_usable():
+    # MLX CUDA would send one-query attention over such a pool to cuDNN's
+    # nondeterministic decode kernel (cache.py). Flat pools at 256 -> 512 ->
+    # capacity 1024 and a 256-slot ring (window 200 + max_write 57 - 1), filled
+    # to the capacity, still match the reference.
+    steps = [57] * 5 + [1, 1] + [57] * 12 + [1] * (1024 - 57 * 17 - 2)
+    cache = run_side_by_side([0, 200], steps, capacity=1024, initial=256, max_write=57, atol=1e-4)
+    assert cache.length == 1024
+    slots = [pool.shape[2] for pool in cache.state]
+    assert slots == [1025, 257, 1025, 257]
+    with pytest.raises(CacheFullError):
+        Attention(cache).step(0, *random_step(np.random.default_rng(1), 1), 1024)
+
+
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_half_precision_storage_matches_reference(dtype):
     cache = run_side_by_side([0, 8], [5, 1, 1, 4, 1], dtype=dtype, max_write=5, atol=2e-2)

@@ -20,6 +20,19 @@ from .errors import CacheFullError, PteError
 
 DEFAULT_INITIAL_CAPACITY = 512
 
+# MLX's CUDA backend sends a one-query attention over a slice of a pool whose
+# slot count is a multiple of 256 to cuDNN's decode kernel. On an H200 that
+# kernel is not deterministic (identical greedy generations part after 7-116
+# tokens; mlx-lm's too) and no faster than MLX's own vector kernel, so such a
+# pool gets one spare slot and decoding stays on MLX's kernel. Prefill chunks
+# (several queries) still use cuDNN. docs/design.md has the measurements.
+_CUDNN_DECODE_POOL_MULTIPLE = 256
+
+
+def _allocated_slots(slots: int) -> int:
+    """Slots to allocate for a pool of ``slots`` usable cells (see above)."""
+    return slots + 1 if slots and slots % _CUDNN_DECODE_POOL_MULTIPLE == 0 else slots
+
 
 @dataclass(frozen=True)
 class LayerGeometry:
@@ -127,7 +140,7 @@ class SequenceCache:
         self._v: list[mx.array] = []
         for g, max_slots in zip(self.layers, self._max_slots):
             slots = max_slots if g.is_ring else min(self.initial_capacity, max_slots)
-            shape = (1, g.n_kv_heads, slots, g.head_dim)
+            shape = (1, g.n_kv_heads, _allocated_slots(slots), g.head_dim)
             self._k.append(mx.zeros(shape, dtype=self._mx_dtype))
             self._v.append(mx.zeros(shape, dtype=self._mx_dtype))
 
@@ -273,7 +286,7 @@ class SequenceCache:
         new_slots = max(slots, 1)
         while new_slots < needed:
             new_slots *= 2
-        new_slots = min(new_slots, self._max_slots[layer])
+        new_slots = _allocated_slots(min(new_slots, self._max_slots[layer]))
         _, H, _, D = kp.shape
         pad = mx.zeros((1, H, new_slots - slots, D), dtype=self._mx_dtype)
         self._k[layer] = mx.concatenate([kp, pad], axis=2)
