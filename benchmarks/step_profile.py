@@ -8,13 +8,15 @@ what is left:
   (``forward.execute``);
 - submit: ``mx.async_eval`` handing that graph to MLX. On a GPU this encodes
   every kernel (MLX CUDA records them into CUDA graphs on the calling thread);
-  on the CPU it queues the ops and blocks once ~100 are outstanding;
+  on the CPU it queues the ops. Either blocks while MLX has 10 tasks in
+  flight (a CPU task is 10 ops, a CUDA one ~100), so on a GPU that falls
+  behind, submit includes waiting too;
 - rest: everything else between two tokens: sampling's graph, reading the
   token (``y.item()``, where the host waits for the device) and the loop.
 
-When build + submit is the whole step, the device is never what the host waits
-for: the step is bound by per-op host work, and only fewer ops (not faster
-kernels) make it faster. The generation loop is timed as it is, by wrapping
+When build + submit is the whole step and submit takes as long as encoding
+on an idle device, the step is bound by per-op host work, and only fewer ops
+(not faster kernels) make it faster. The generation loop is timed as it is, by wrapping
 ``forward.execute`` and ``mx.async_eval`` (a few hundred nanoseconds of
 ``perf_counter`` per call).
 
@@ -36,31 +38,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pte", type=pathlib.Path, required=True, help="the .pte to decode with")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default: 512)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    p.add_argument("--new-tokens", type=int, default=128, help="tokens to generate, at least 3 (default: 128)")
     p.add_argument("--reps", type=int, default=3, help="generations to time (default: 3)")
     p.add_argument("--compute", default="auto", help="load_program's compute route (default: auto)")
     p.add_argument("--json", type=pathlib.Path, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.new_tokens < 3:
+        p.error("--new-tokens must be at least 3 (the first and last tokens are not timed steps)")
+    return args
 
 
 class StepClock:
     """Wraps ``forward.execute`` and the decode loop's ``mx.async_eval`` and
-    sums the host time each takes, decode steps only (one-token calls)."""
+    sums the host time each takes in decode steps (token ids come as a device
+    array only there; prefill chunks come from the host).
+
+    ``generate_tokens`` starts its decode clock after the first decode build,
+    so builds are averaged from the second on; every decode submit is inside
+    that clock."""
 
     def __init__(self, forward, mx):
         self.forward, self.mx = forward, mx
         self.n_inputs = forward.n_inputs
         self.build = self.submit = 0.0
-        self.steps = 0
+        self.builds = self.submits = 0
         self._decoding = False
 
     def execute(self, inputs, last_position_only=False):
         t0 = time.perf_counter()
         out = self.forward.execute(inputs, last_position_only)
-        self._decoding = len(inputs[1]) == 1  # positions: one for a decode step
+        self._decoding = isinstance(inputs[0], self.mx.array)
         if self._decoding:
-            self.build += time.perf_counter() - t0
-            self.steps += 1
+            if self.builds:  # the first decode build precedes the decode clock
+                self.build += time.perf_counter() - t0
+            self.builds += 1
         return out
 
     def async_eval(self, *arrays):
@@ -68,6 +79,7 @@ class StepClock:
         self.mx.async_eval(*arrays)
         if self._decoding:
             self.submit += time.perf_counter() - t0
+            self.submits += 1
 
 
 def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
@@ -76,7 +88,7 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
     from llm_executorch_mlx.text import generate
     from llm_executorch_mlx.text.sampling import Sampler
 
-    cache = program.new_cache(capacity=program.metadata.max_context)
+    cache = program.new_cache(capacity=program.metadata.max_context or len(prompt) + new_tokens)
     clock = StepClock(program.load_method("forward", cache=cache), mx)
     sampler = Sampler(temperature=0.0)
     timings = generate.Timings()
@@ -85,7 +97,7 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
     generate.mx.async_eval = clock.async_eval
     try:
         steps = generate.generate_tokens(
-            clock, cache, prompt, 0, program.metadata.prefill_chunk,
+            clock, cache, prompt, 0, cache.max_write or program.metadata.prefill_chunk or len(prompt),
             lambda logits, history: sampler.sample(logits), new_tokens, timings,
         )
         tokens = [s.token for s in steps]
@@ -93,8 +105,8 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
     finally:
         generate.mx = mx
     per_step = timings.decode_seconds / timings.decode_tokens
-    build = clock.build / clock.steps
-    submit = clock.submit / clock.steps
+    build = clock.build / (clock.builds - 1)
+    submit = clock.submit / clock.submits
     return {
         "decode_tps": 1 / per_step,
         "step_ms": 1e3 * per_step,

@@ -102,9 +102,9 @@ def test_flat_pool_grows_by_doubling_from_small_initial_capacity():
 
 def test_no_pool_is_a_multiple_of_256_slots_and_all_capacity_is_usable():
     # MLX CUDA would send one-query attention over such a pool to cuDNN's
-    # nondeterministic decode kernel (cache.py). Flat pools at 256 -> 512 ->
-    # capacity 1024 and a 256-slot ring (window 200 + max_write 57 - 1), filled
-    # to the capacity, still match the reference.
+    # nondeterministic decode kernel (cache.py). Flat pools that would be 256
+    # -> 512 -> 1024 (now 257 -> 514 -> 1025) and a 256-slot ring (window 200
+    # + max_write 57 - 1), filled to the capacity, still match the reference.
     steps = [57] * 5 + [1, 1] + [57] * 12 + [1] * (1024 - 57 * 17 - 2)
     cache = run_side_by_side([0, 200], steps, capacity=1024, initial=256, max_write=57, atol=1e-4)
     assert cache.length == 1024
@@ -112,6 +112,12 @@ def test_no_pool_is_a_multiple_of_256_slots_and_all_capacity_is_usable():
     assert slots == [1025, 257, 1025, 257]
     with pytest.raises(CacheFullError):
         Attention(cache).step(0, *random_step(np.random.default_rng(1), 1), 1024)
+
+
+def test_wrapped_one_query_read_of_256_rows_matches_reference():
+    # a 256-row window read across the ring's end is joined with a spare row
+    # and sliced back (cache.py, _joined): the values must not change
+    run_side_by_side([256], [64] * 5 + [1] * 40, capacity=512, max_write=64)
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

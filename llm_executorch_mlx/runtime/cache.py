@@ -20,12 +20,14 @@ from .errors import CacheFullError, PteError
 
 DEFAULT_INITIAL_CAPACITY = 512
 
-# MLX's CUDA backend sends a one-query attention over a slice of a pool whose
-# slot count is a multiple of 256 to cuDNN's decode kernel. On an H200 that
-# kernel is not deterministic (identical greedy generations part after 7-116
-# tokens; mlx-lm's too) and no faster than MLX's own vector kernel, so such a
-# pool gets one spare slot and decoding stays on MLX's kernel. Prefill chunks
-# (several queries) still use cuDNN. docs/design.md has the measurements.
+# MLX's CUDA backend sends a one-query attention to cuDNN's decode kernel when
+# the keys fill a buffer whose rows (as their strides tell) are a multiple of
+# 256: a slice of such a pool, or such an array. On an H200 that kernel is not
+# deterministic (identical greedy generations part after 7-116 tokens;
+# mlx-lm's too) and no faster than MLX's own vector kernel, so such a pool
+# gets one spare slot (and a wrapped ring read a spare row, ``_joined``) and
+# decoding stays on MLX's kernel. Prefill chunks (several queries) still use
+# cuDNN. docs/design.md has the measurements.
 _CUDNN_DECODE_POOL_MULTIPLE = 256
 
 
@@ -308,8 +310,8 @@ class SequenceCache:
         if len(runs) == 1:
             (start, n), = runs
             return kp[:, :, start : start + n, :], vp[:, :, start : start + n, :], S
-        K = mx.concatenate([kp[:, :, s : s + n, :] for s, n in runs], axis=2)
-        V = mx.concatenate([vp[:, :, s : s + n, :] for s, n in runs], axis=2)
+        K = _joined([kp[:, :, s : s + n, :] for s, n in runs], T)
+        V = _joined([vp[:, :, s : s + n, :] for s, n in runs], T)
         return K, V, S
 
     def _band_mask(self, T: int, S: int, window: int) -> mx.array:
@@ -325,6 +327,18 @@ class SequenceCache:
                 self._masks.clear()
             self._masks[key] = mask
         return mask
+
+
+def _joined(parts: list[mx.array], T: int) -> mx.array:
+    """A wrapped ring read, joined in logical order. For one query whose
+    history is a multiple of 256 rows it is joined with a spare row and
+    sliced back, so that the result, like the pools, does not fill a buffer
+    of such a size (see ``_allocated_slots``)."""
+    S = sum(p.shape[2] for p in parts)
+    if T == 1 and S % _CUDNN_DECODE_POOL_MULTIPLE == 0:
+        spare = mx.zeros_like(parts[-1][:, :, :1, :])
+        return mx.concatenate(parts + [spare], axis=2)[:, :, :S, :]
+    return mx.concatenate(parts, axis=2)
 
 
 def _ring_runs(start: int, n: int, size: int) -> list[tuple[int, int]]:
