@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .. import attention_kernel
 from ..dtypes import on_cpu
 from ..errors import PteError
 from ..fastmath import attention
@@ -28,7 +29,7 @@ def build_update_and_attend(n, ctx):
     position = ctx.host_int(n.position)
     layer, scale, cache = n.layerId, float(n.scale), ctx.cache
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
-    sdpa = attention if on_cpu() else mx.fast.scaled_dot_product_attention
+    sdpa = cpu_attention() if on_cpu() else mx.fast.scaled_dot_product_attention
 
     def run(f):
         Q = f[q]
@@ -39,3 +40,26 @@ def build_update_and_attend(n, ctx):
         f[out] = y if out_dtype is None else y.astype(out_dtype)
 
     return run
+
+
+# Query rows up to which the compiled kernel beats MLX's ops (a decode step
+# has one; a chunk's tail may have a few). Longer prefill chunks keep BLAS.
+KERNEL_MAX_QUERIES = 4
+
+
+def cpu_attention():
+    """Attention on the CPU: the compiled one-op kernel for a few fp32 queries
+    without a band mask when it is available (``attention_kernel.py``),
+    else ``fastmath.attention``'s MLX ops."""
+    kernel = attention_kernel.load()
+    if kernel is None:
+        return attention
+    few_query_attention = kernel.few_query_attention
+
+    def sdpa(Q, K, V, scale, mask):
+        # the cache's masks: None (one query), "causal", or a band array
+        if Q.shape[2] <= KERNEL_MAX_QUERIES and Q.dtype == mx.float32 and not isinstance(mask, mx.array):
+            return few_query_attention(Q, K, V, scale, mask is not None)
+        return attention(Q, K, V, scale=scale, mask=mask)
+
+    return sdpa

@@ -1,0 +1,141 @@
+"""Build and load ``attention_kernel.cpp``: a few queries' attention as one MLX op.
+
+MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
+can. The extension is compiled once per source, compiler, MLX, nanobind,
+Python and CPU into the user's cache directory, with nanobind's own sources
+(the ``cpu`` extra installs nanobind) and MLX's headers from its wheel, then
+checked against MLX's ops on a small case. Anything missing or wrong (no C++
+compiler, no nanobind, a nanobind whose ABI differs from the one MLX was
+built with, a failed build or check) leaves ``load()`` returning None, and
+attention keeps running as MLX ops. ``LLM_PTE_ATTENTION_KERNEL=0`` opts out.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+import mlx.core as mx
+
+from .gemv_route import cache_dir
+
+SOURCE = pathlib.Path(__file__).with_name("attention_kernel.cpp")
+ENV_VAR = "LLM_PTE_ATTENTION_KERNEL"
+MODULE = "attention_kernel"
+
+# Why the kernel is not in use, when it is not (for `llm pte info` and benchmarks).
+unavailable_reason: str | None = None
+
+
+def compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _vector_flags() -> list[str]:
+    """AVX2 and FMA where this x86 CPU has them (the exp and dot loops
+    vectorise 8 wide); other machines get the compiler's default target."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
+def _build(cxx: str, nanobind, target: pathlib.Path) -> None:
+    nb_root = pathlib.Path(nanobind.__file__).parent
+    mlx_root = pathlib.Path(mx.__file__).parent
+    command = [
+        cxx, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
+        *_vector_flags(), "-DNB_DOMAIN=mlx", "-DNDEBUG",
+        f"-I{nanobind.include_dir()}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}",
+        str(SOURCE), str(nb_root / "src" / "nb_combined.cpp"),
+        f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}",
+    ]
+    if sys.platform == "darwin":
+        command.append("-Wl,-undefined,dynamic_lookup")  # Python's symbols come from the interpreter
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed: concurrent builders never see a
+    # half-written library.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = pathlib.Path(tmp) / target.name
+        subprocess.run([*command, "-o", str(built)], check=True, capture_output=True, timeout=600)
+        os.replace(built, target)
+
+
+def _import(path: pathlib.Path):
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _agrees_with_mlx(module) -> bool:
+    """One grouped-query case, strided keys, against MLX's own ops."""
+    q = mx.random.normal((1, 4, 2, 16), key=mx.random.key(0))
+    pool = mx.random.normal((2, 1, 2, 9, 16), key=mx.random.key(1))
+    k, v = pool[0][:, :, :7], pool[1][:, :, :7]
+    ours = module.few_query_attention(q, k, v, 0.25, True)
+    mask = mx.arange(7)[None] <= mx.arange(5, 7)[:, None]
+    scores = mx.where(mask, (q * 0.25) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2), -mx.inf)
+    reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)
+    return bool(mx.allclose(ours, reference, atol=1e-5, rtol=1e-5))
+
+
+@functools.cache
+def load():
+    """The compiled extension module (built now if not cached), or None."""
+    global unavailable_reason
+    if os.environ.get(ENV_VAR, "1") == "0":
+        unavailable_reason = f"{ENV_VAR}=0"
+        return None
+    cxx = compiler()
+    try:
+        import nanobind
+    except ImportError:
+        nanobind = None
+    if cxx is None or nanobind is None:
+        unavailable_reason = "no C++ compiler" if cxx is None else "nanobind is not installed"
+        return None
+    import importlib.metadata as metadata
+
+    key = hashlib.sha256(b"\0".join(
+        part.encode() if isinstance(part, str) else part
+        for part in (SOURCE.read_bytes(), cxx, mx.__version__, metadata.version("nanobind"),
+                     sysconfig.get_config_var("EXT_SUFFIX") or "", platform.machine(),
+                     " ".join(_vector_flags()))
+    )).hexdigest()[:16]
+    target = cache_dir() / f"attention_kernel-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    try:
+        if not target.exists():
+            print("llm-executorch-mlx: building the CPU attention kernel (once, ~30 s)",
+                  file=sys.stderr, flush=True)
+            _build(cxx, nanobind, target)
+        module = _import(target)
+        if not _agrees_with_mlx(module):
+            unavailable_reason = "the built kernel disagrees with MLX"
+            return None
+    except (OSError, ImportError, subprocess.SubprocessError) as exc:
+        unavailable_reason = f"building or loading it failed ({type(exc).__name__})"
+        return None
+    except (TypeError, RuntimeError, ValueError) as exc:
+        # a nanobind ABI other than MLX's: its op does not accept mlx arrays
+        unavailable_reason = f"it does not work with this MLX ({type(exc).__name__})"
+        return None
+    return module

@@ -1,0 +1,117 @@
+"""The compiled CPU attention kernel (runtime/attention_kernel.cpp) against
+PyTorch's scaled_dot_product_attention, and the route that picks it."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from llm_executorch_mlx.runtime import attention_kernel
+from llm_executorch_mlx.runtime.ops.attention import KERNEL_MAX_QUERIES, cpu_attention
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    module = attention_kernel.load()
+    # The suite runs where the `test` extra put nanobind and a C++ compiler
+    # exists: the kernel must build there, or the CPU speed claims are void.
+    assert module is not None, attention_kernel.unavailable_reason
+    return module
+
+
+def torch_attention(q, k, v, scale, causal):
+    q, k, v = (torch.from_numpy(np.array(x)) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    mask = None
+    if causal:  # the T queries are the last T of the S positions
+        T, S = q.shape[2], k.shape[2]
+        mask = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).numpy()
+
+
+def pools(rng, B, H, S, D, slots):
+    """k and v as the cache hands them over: the first S of `slots` rows."""
+    k = mx.array(rng.standard_normal((B, H, slots, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, H, slots, D)).astype(np.float32))
+    return k[:, :, :S, :], v[:, :, :S, :]
+
+
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, T, S, D, causal",
+    [
+        (1, 9, 3, 1, 600, 64, False),  # a SmolLM-shaped decode step
+        (1, 32, 8, 1, 300, 128, False),
+        (1, 4, 2, 3, 17, 8, True),  # a chunk's tail of three queries
+        (2, 6, 6, 4, 9, 24, True),  # batch, no grouping, a D that is not 64 wide
+        (1, 2, 1, 1, 5, 12, False),  # D not a multiple of 8: the plain loops
+        (1, 4, 4, 2, 2, 16, True),  # as many queries as keys
+    ],
+)
+def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
+    rng = np.random.default_rng(S + D)
+    q = mx.array(rng.standard_normal((B, Hq, T, D)).astype(np.float32) * 2)
+    k, v = pools(rng, B, Hkv, S, D, S + 7)
+    out = kernel.few_query_attention(q, k, v, D**-0.5, causal)
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, D**-0.5, causal), atol=2e-6, rtol=1e-5)
+
+
+def test_keys_strided_in_their_last_axis(kernel):
+    # a transposed view: the kernel's general loops, not the vector ones
+    rng = np.random.default_rng(1)
+    q = mx.array(rng.standard_normal((1, 2, 1, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 16, 11)).astype(np.float32)).swapaxes(2, 3)
+    v = mx.array(rng.standard_normal((1, 2, 16, 11)).astype(np.float32)).swapaxes(2, 3)
+    out = kernel.few_query_attention(q, k, v, 0.3, False)
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.3, False), atol=2e-6, rtol=1e-5)
+
+
+def test_large_scores_do_not_overflow(kernel):
+    # scores of +-1e4 after scaling: the softmax must subtract the row max
+    q = mx.full((1, 1, 1, 8), 100.0)
+    k = mx.concatenate([mx.full((1, 1, 1, 8), 12.5), mx.full((1, 1, 1, 8), -12.5)], axis=2)
+    v = mx.array(np.arange(16, dtype=np.float32).reshape(1, 1, 2, 8))
+    out = kernel.few_query_attention(q, k, v, 1.0, False)
+    np.testing.assert_allclose(np.array(out)[0, 0, 0], np.arange(8, dtype=np.float32), atol=1e-6)
+
+
+def test_bad_inputs_are_refused_with_the_reason(kernel):
+    q = mx.zeros((1, 3, 1, 8))
+    k = v = mx.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        kernel.few_query_attention(q, k, v, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.few_query_attention(q.astype(mx.bfloat16), k, v, 1.0)
+
+
+def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel):
+    rng = np.random.default_rng(2)
+    sdpa = cpu_attention()
+    k, v = pools(rng, 1, 2, 40, 16, 64)
+    for T, mask in ((1, None), (KERNEL_MAX_QUERIES, "causal"), (KERNEL_MAX_QUERIES + 4, "causal")):
+        q = mx.array(rng.standard_normal((1, 4, T, 16)).astype(np.float32))
+        out = sdpa(q, k, v, scale=0.25, mask=mask)
+        np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.25, mask == "causal"),
+                                   atol=2e-6, rtol=1e-5)
+    # a ring's band mask (an array) goes to the MLX ops, which apply it
+    band = mx.array(np.tril(np.ones((2, 40), bool), 38) & ~np.tril(np.ones((2, 40), bool), 30))[None, None]
+    q = mx.array(rng.standard_normal((1, 4, 2, 16)).astype(np.float32))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(np.array(x)) for x in (q, mx.repeat(k, 2, axis=1), mx.repeat(v, 2, axis=1))),
+        attn_mask=torch.from_numpy(np.array(band)), scale=0.25,
+    ).numpy()
+    np.testing.assert_allclose(np.array(sdpa(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
+
+
+def test_opting_out_leaves_mlx_ops():
+    code = (
+        "from llm_executorch_mlx.runtime import attention_kernel as a; "
+        "print(a.load() is None, a.unavailable_reason)"
+    )
+    env = {**os.environ, attention_kernel.ENV_VAR: "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"True {attention_kernel.ENV_VAR}=0"
