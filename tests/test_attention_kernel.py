@@ -115,3 +115,17 @@ def test_opting_out_leaves_mlx_ops():
     env = {**os.environ, attention_kernel.ENV_VAR: "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == f"True {attention_kernel.ENV_VAR}=0"
+
+
+def test_a_failed_build_is_remembered_and_not_retried(tmp_path):
+    code = (
+        "from llm_executorch_mlx.runtime import attention_kernel as a; "
+        "print(a.load() is None, a.unavailable_reason)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "false"}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert "building the CPU attention kernel" in runs[0].stderr  # tried once
+    assert "building the CPU attention kernel" not in runs[1].stderr  # not again
+    assert all(r.stdout.startswith("True building it failed") for r in runs)
+    assert len(list(tmp_path.glob("llm-executorch-mlx/attention_kernel-*.failed"))) == 1

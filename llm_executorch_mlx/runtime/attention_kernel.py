@@ -122,11 +122,20 @@ def load():
                      " ".join(_vector_flags()))
     )).hexdigest()[:16]
     target = cache_dir() / f"attention_kernel-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    failed = target.with_name(f"attention_kernel-{key}.failed")
+    if failed.exists():  # tried on this machine already: not every command again
+        unavailable_reason = failed.read_text()
+        return None
     try:
         if not target.exists():
             print("llm-executorch-mlx: building the CPU attention kernel (once, ~30 s)",
                   file=sys.stderr, flush=True)
-            _build(cxx, nanobind, target)
+            try:
+                _build(cxx, nanobind, target)
+            except subprocess.CalledProcessError as exc:
+                unavailable_reason = f"building it failed: {exc.stderr.decode(errors='replace').strip()[-300:]}"
+                failed.write_text(unavailable_reason)
+                return None
         module = _import(target)
         if not _agrees_with_mlx(module):
             unavailable_reason = "the built kernel disagrees with MLX"
