@@ -1,8 +1,8 @@
 """Build and load ``attention_kernel.cpp``: a few queries' attention as one MLX op.
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
-can. The extension is compiled once per source, compiler, MLX, nanobind,
-Python and CPU into the user's cache directory, with nanobind's own sources
+can. The extension is compiled once per source, compiler, MLX (version and
+install), nanobind, Python and CPU into the user's cache directory, with nanobind's own sources
 (the ``cpu`` extra installs nanobind) and MLX's headers from its wheel, then
 checked against MLX's ops on a small case. Anything missing or wrong (no C++
 compiler, no nanobind, a nanobind whose ABI differs from the one MLX was
@@ -117,7 +117,9 @@ def load():
 
     key = hashlib.sha256(b"\0".join(
         part.encode() if isinstance(part, str) else part
-        for part in (SOURCE.read_bytes(), cxx, mx.__version__, metadata.version("nanobind"),
+        # MLX's directory too: the library links (and finds) that libmlx
+        for part in (SOURCE.read_bytes(), cxx, mx.__version__, str(pathlib.Path(mx.__file__).parent),
+                     metadata.version("nanobind"),
                      sysconfig.get_config_var("EXT_SUFFIX") or "", platform.machine(),
                      " ".join(_vector_flags()))
     )).hexdigest()[:16]
