@@ -436,7 +436,14 @@ class Ours:
         return self.program.new_cache(capacity=capacity)
 
     def info(self) -> dict:
+        from llm_executorch_mlx.runtime import attention_kernel
+        from llm_executorch_mlx.runtime.dtypes import on_cpu
+
+        kernel = "not used off the CPU"
+        if on_cpu():
+            kernel = "in use" if attention_kernel.load() else attention_kernel.unavailable_reason
         return {
+            "cpu_attention_kernel": kernel,
             "compute_route": self.route,
             "compute_dtype": self.compute_dtype,
             "stored_dtype": self.program.metadata.activation_dtype,

@@ -60,6 +60,15 @@ def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
     np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, D**-0.5, causal), atol=2e-6, rtol=1e-5)
 
 
+def test_queries_as_a_transposed_view(kernel):
+    # in the model q arrives as the head split's view, not contiguous
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((1, 3, 6, 32)).astype(np.float32)).swapaxes(1, 2)  # [1, 6, 3, 32]
+    k, v = pools(rng, 1, 2, 50, 32, 64)
+    out = kernel.few_query_attention(q, k, v, 0.2, True)
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.2, True), atol=2e-6, rtol=1e-5)
+
+
 def test_keys_strided_in_their_last_axis(kernel):
     # a transposed view: the kernel's general loops, not the vector ones
     rng = np.random.default_rng(1)
@@ -86,9 +95,19 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.few_query_attention(q, k, v, 1.0)
     with pytest.raises(ValueError, match="float32"):
         kernel.few_query_attention(q.astype(mx.bfloat16), k, v, 1.0)
+    with pytest.raises(ValueError, match="no keys"):
+        kernel.few_query_attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
 
 
-def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel):
+def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel, monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[2])
+        return real(*args, **kwargs)
+
+    real = kernel.few_query_attention
+    monkeypatch.setattr(kernel, "few_query_attention", spy)
     rng = np.random.default_rng(2)
     sdpa = cpu_attention()
     k, v = pools(rng, 1, 2, 40, 16, 64)
@@ -97,6 +116,7 @@ def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel):
         out = sdpa(q, k, v, scale=0.25, mask=mask)
         np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.25, mask == "causal"),
                                    atol=2e-6, rtol=1e-5)
+    assert calls == [1, KERNEL_MAX_QUERIES]  # the 8-query chunk went to the MLX ops
     # a ring's band mask (an array) goes to the MLX ops, which apply it
     band = mx.array(np.tril(np.ones((2, 40), bool), 38) & ~np.tril(np.ones((2, 40), bool), 30))[None, None]
     q = mx.array(rng.standard_normal((1, 4, 2, 16)).astype(np.float32))
@@ -105,6 +125,7 @@ def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel):
         attn_mask=torch.from_numpy(np.array(band)), scale=0.25,
     ).numpy()
     np.testing.assert_allclose(np.array(sdpa(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
+    assert calls == [1, KERNEL_MAX_QUERIES]  # and so did the band mask
 
 
 def test_opting_out_leaves_mlx_ops():
@@ -129,3 +150,33 @@ def test_a_failed_build_is_remembered_and_not_retried(tmp_path):
     assert "building the CPU attention kernel" not in runs[1].stderr  # not again
     assert all(r.stdout.startswith("True building it failed") for r in runs)
     assert len(list(tmp_path.glob("llm-executorch-mlx/attention_kernel-*.failed"))) == 1
+
+
+def test_a_failed_marker_does_not_hide_a_built_kernel(kernel, tmp_path):
+    # another process may have built it after this one failed
+    code = (
+        "import pathlib, shutil; from llm_executorch_mlx.runtime import attention_kernel as a; "
+        f"src = pathlib.Path({str(kernel.__file__)!r}); "
+        f"dst = pathlib.Path({str(tmp_path)!r}) / 'llm-executorch-mlx' / src.name; dst.parent.mkdir(exist_ok=True); "
+        "shutil.copy(src, dst); dst.with_name(dst.name.split('.')[0] + '.failed').write_text('old failure'); "
+        "print(a.load() is not None)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    assert "building" not in out.stderr
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kernel, monkeypatch, available):
+    # the op as a model runs it (test_cache's side-by-side with ExecuTorch's
+    # reference cache), routed through the kernel or, without it, MLX ops
+    from test_cache import run_side_by_side
+
+    calls = []
+    real = kernel.few_query_attention
+    monkeypatch.setattr(kernel, "few_query_attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    if not available:
+        monkeypatch.setattr(attention_kernel, "load", lambda: None)
+    run_side_by_side([0], [5, 1, 1, 3])
+    assert calls == ([1, 1, 3] if available else [])

@@ -3,10 +3,10 @@
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
 // them) with a BLAS call per kv head for each product and a scalar exp, which
 // for a decode step costs ~0.5 ms a layer on a 2-core x86 machine, ten times
-// the work. This primitive does the whole thing in one pass per kv head: the
-// query rows that share it are scored against each key as it streams by, the
-// softmax uses a polynomial exp the compiler vectorises, and the values are
-// accumulated the same way. fp32 only; any strides (the cache hands over
+// the work. This primitive does the whole thing as one op: per query row it
+// scores the keys of its kv head four at a time, takes a polynomial exp the
+// compiler vectorises, and accumulates the values in registers (the rows
+// sharing a kv head each read it; it stays in cache between them). fp32 only; any strides (the cache hands over
 // slices of its pools). attention_kernel.py builds it as an MLX extension
 // (nanobind, in MLX's type domain) once per machine and checks it against
 // MLX before use.
@@ -183,6 +183,10 @@ class FewQueryAttention : public mx::Primitive {
 
   const char* name() const override { return "FewQueryAttention"; }
 
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FewQueryAttention&>(other);
     return scale_ == o.scale_ && causal_ == o.causal_;
@@ -203,11 +207,14 @@ mx::array few_query_attention(const mx::array& q, const mx::array& k, const mx::
   } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
              k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
     err << "incompatible shapes q " << q.shape() << ", k " << k.shape() << ", v " << v.shape();
+  } else if (k.shape(2) == 0) {
+    err << "no keys to attend to";
   } else if (causal && q.shape(2) > k.shape(2)) {
     err << "causal attention with more queries than keys";
   }
+  auto stream = mx::to_stream(s, mx::Device::cpu);  // the CPU unless asked otherwise
+  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
   if (!err.str().empty()) throw std::invalid_argument("few_query_attention: " + err.str());
-  auto stream = mx::to_stream(s);
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<FewQueryAttention>(stream, scale, causal), {q, k, v});
 }

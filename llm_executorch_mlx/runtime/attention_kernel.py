@@ -33,7 +33,7 @@ SOURCE = pathlib.Path(__file__).with_name("attention_kernel.cpp")
 ENV_VAR = "LLM_PTE_ATTENTION_KERNEL"
 MODULE = "attention_kernel"
 
-# Why the kernel is not in use, when it is not (for `llm pte info` and benchmarks).
+# Why the kernel is not in use, when it is not (benchmarks record it).
 unavailable_reason: str | None = None
 
 
@@ -56,7 +56,8 @@ def _vector_flags() -> list[str]:
     return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
 
 
-def _build(cxx: str, nanobind, target: pathlib.Path) -> None:
+def _command(cxx: str, nanobind) -> list[str]:
+    """The compile command, less its output path."""
     nb_root = pathlib.Path(nanobind.__file__).parent
     mlx_root = pathlib.Path(mx.__file__).parent
     command = [
@@ -69,12 +70,17 @@ def _build(cxx: str, nanobind, target: pathlib.Path) -> None:
     ]
     if sys.platform == "darwin":
         command.append("-Wl,-undefined,dynamic_lookup")  # Python's symbols come from the interpreter
-    target.parent.mkdir(parents=True, exist_ok=True)
+    return command
+
+
+def _build(command: list[str], target: pathlib.Path) -> None:
     # Built beside the target and renamed: concurrent builders never see a
     # half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = pathlib.Path(tmp) / target.name
-        subprocess.run([*command, "-o", str(built)], check=True, capture_output=True, timeout=600)
+        print("llm-executorch-mlx: building the CPU attention kernel (once, ~30 s)",
+              file=sys.stderr, flush=True)
+        subprocess.run([*command, "-o", str(built)], check=True, capture_output=True, timeout=300)
         os.replace(built, target)
 
 
@@ -91,11 +97,12 @@ def _agrees_with_mlx(module) -> bool:
     q = mx.random.normal((1, 4, 2, 16), key=mx.random.key(0))
     pool = mx.random.normal((2, 1, 2, 9, 16), key=mx.random.key(1))
     k, v = pool[0][:, :, :7], pool[1][:, :, :7]
-    ours = module.few_query_attention(q, k, v, 0.25, True)
+    ours = module.few_query_attention(q, k, v, 0.25, True, stream=mx.cpu)
     mask = mx.arange(7)[None] <= mx.arange(5, 7)[:, None]
-    scores = mx.where(mask, (q * 0.25) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2), -mx.inf)
-    reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)
-    return bool(mx.allclose(ours, reference, atol=1e-5, rtol=1e-5))
+    with mx.stream(mx.cpu):
+        scores = mx.where(mask, (q * 0.25) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2), -mx.inf)
+        reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)
+        return bool(mx.allclose(ours, reference, atol=1e-5, rtol=1e-5))
 
 
 @functools.cache
@@ -115,38 +122,38 @@ def load():
         return None
     import importlib.metadata as metadata
 
+    command = _command(cxx, nanobind)
+    # The command names MLX's directory (the library links that libmlx), the
+    # include paths and flags; the versions cover what the paths do not.
     key = hashlib.sha256(b"\0".join(
         part.encode() if isinstance(part, str) else part
-        # MLX's directory too: the library links (and finds) that libmlx
-        for part in (SOURCE.read_bytes(), cxx, mx.__version__, str(pathlib.Path(mx.__file__).parent),
-                     metadata.version("nanobind"),
-                     sysconfig.get_config_var("EXT_SUFFIX") or "", platform.machine(),
-                     " ".join(_vector_flags()))
+        for part in (SOURCE.read_bytes(), *command, mx.__version__, metadata.version("nanobind"),
+                     platform.machine())
     )).hexdigest()[:16]
     target = cache_dir() / f"attention_kernel-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
     failed = target.with_name(f"attention_kernel-{key}.failed")
-    if failed.exists():  # tried on this machine already: not every command again
-        unavailable_reason = failed.read_text()
+    if not target.exists() and failed.exists():  # a compile error: not retried every command
+        unavailable_reason = f"{failed.read_text()} (remove {failed} to retry)"
         return None
     try:
         if not target.exists():
-            print("llm-executorch-mlx: building the CPU attention kernel (once, ~30 s)",
-                  file=sys.stderr, flush=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                _build(cxx, nanobind, target)
+                _build(command, target)
             except subprocess.CalledProcessError as exc:
                 unavailable_reason = f"building it failed: {exc.stderr.decode(errors='replace').strip()[-300:]}"
-                failed.write_text(unavailable_reason)
+                if exc.returncode > 0 and "No space left" not in unavailable_reason:
+                    failed.write_text(unavailable_reason)  # a compile error, not a passing condition
                 return None
         module = _import(target)
         if not _agrees_with_mlx(module):
             unavailable_reason = "the built kernel disagrees with MLX"
             return None
     except (OSError, ImportError, subprocess.SubprocessError) as exc:
-        unavailable_reason = f"building or loading it failed ({type(exc).__name__})"
+        unavailable_reason = f"building or loading it failed ({type(exc).__name__}: {exc})"
         return None
     except (TypeError, RuntimeError, ValueError) as exc:
         # a nanobind ABI other than MLX's: its op does not accept mlx arrays
-        unavailable_reason = f"it does not work with this MLX ({type(exc).__name__})"
+        unavailable_reason = f"it does not work with this MLX ({type(exc).__name__}: {exc})"
         return None
     return module

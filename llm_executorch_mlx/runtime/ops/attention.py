@@ -59,7 +59,7 @@ def cpu_attention():
     def sdpa(Q, K, V, scale, mask):
         # the cache's masks: None (one query), "causal", or a band array
         if Q.shape[2] <= KERNEL_MAX_QUERIES and Q.dtype == mx.float32 and not isinstance(mask, mx.array):
-            return few_query_attention(Q, K, V, scale, mask is not None)
+            return few_query_attention(Q, K, V, scale, mask is not None, stream=mx.cpu)
         return attention(Q, K, V, scale=scale, mask=mask)
 
     return sdpa
