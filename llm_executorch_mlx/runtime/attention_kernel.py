@@ -2,9 +2,9 @@
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. The extension is compiled once per source, compiler, MLX (version and
-install), nanobind, Python and CPU into the user's cache directory, with nanobind's own sources
-(the ``cpu`` extra installs nanobind) and MLX's headers from its wheel, then
-checked against MLX's ops on a small case. Anything missing or wrong (no C++
+install), nanobind, Python and CPU into the user's cache directory, with
+nanobind's own sources (the ``cpu`` extra installs nanobind) and MLX's
+headers from its wheel, then checked against MLX's ops on a small case. Anything missing or wrong (no C++
 compiler, no nanobind, a nanobind whose ABI differs from the one MLX was
 built with, a failed build or check) leaves ``load()`` returning None, and
 attention keeps running as MLX ops. ``LLM_PTE_ATTENTION_KERNEL=0`` opts out.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -120,14 +121,12 @@ def load():
     if cxx is None or nanobind is None:
         unavailable_reason = "no C++ compiler" if cxx is None else "nanobind is not installed"
         return None
-    import importlib.metadata as metadata
-
     command = _command(cxx, nanobind)
     # The command names MLX's directory (the library links that libmlx), the
     # include paths and flags; the versions cover what the paths do not.
     key = hashlib.sha256(b"\0".join(
         part.encode() if isinstance(part, str) else part
-        for part in (SOURCE.read_bytes(), *command, mx.__version__, metadata.version("nanobind"),
+        for part in (SOURCE.read_bytes(), *command, mx.__version__, importlib.metadata.version("nanobind"),
                      platform.machine())
     )).hexdigest()[:16]
     target = cache_dir() / f"attention_kernel-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
