@@ -6,10 +6,10 @@
 // the work. This primitive does the whole thing as one op: per query row it
 // scores the keys of its kv head four at a time, takes a polynomial exp the
 // compiler vectorises, and accumulates the values in registers (the rows
-// sharing a kv head each read it; it stays in cache between them). fp32 only; any strides (the cache hands over
-// slices of its pools). attention_kernel.py builds it as an MLX extension
-// (nanobind, in MLX's type domain) once per machine and checks it against
-// MLX before use.
+// sharing a kv head each read it; it stays in cache between them). fp32
+// only; any strides (the cache hands over slices of its pools).
+// attention_kernel.py builds it as an MLX extension (nanobind, in MLX's type
+// domain) once per machine and checks it against MLX before use.
 
 #include <algorithm>
 #include <cmath>
