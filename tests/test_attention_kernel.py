@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from llm_executorch_mlx.runtime import attention_kernel
-from llm_executorch_mlx.runtime.ops.attention import KERNEL_MAX_QUERIES, cpu_attention
+from llm_executorch_mlx.runtime.ops.attention import cpu_attention
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +50,19 @@ def pools(rng, B, H, S, D, slots):
         (2, 6, 6, 4, 9, 24, True),  # batch, no grouping, a D that is not 64 wide
         (1, 2, 1, 1, 5, 12, False),  # D not a multiple of 8: the plain loops
         (1, 4, 4, 2, 2, 16, True),  # as many queries as keys
+        # from 8 queries a head: the tiled path (blocks of 6 rows, 16-key panels)
+        (1, 9, 3, 128, 512, 64, True),  # a SmolLM-shaped prefill chunk
+        (1, 4, 2, 8, 8, 16, True),  # a first chunk: as many queries as keys
+        (1, 6, 2, 13, 37, 80, True),  # rows and keys that fill no block
+        (2, 4, 4, 9, 21, 32, False),  # batch, no grouping, not causal
+        (1, 2, 1, 10, 30, 24, True),  # D not a multiple of 16: the row loops
     ],
 )
 def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
     rng = np.random.default_rng(S + D)
     q = mx.array(rng.standard_normal((B, Hq, T, D)).astype(np.float32) * 2)
     k, v = pools(rng, B, Hkv, S, D, S + 7)
-    out = kernel.few_query_attention(q, k, v, D**-0.5, causal)
+    out = kernel.attention(q, k, v, D**-0.5, causal)
     np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, D**-0.5, causal), atol=2e-6, rtol=1e-5)
 
 
@@ -65,7 +71,7 @@ def test_queries_as_a_transposed_view(kernel):
     rng = np.random.default_rng(3)
     q = mx.array(rng.standard_normal((1, 3, 6, 32)).astype(np.float32)).swapaxes(1, 2)  # [1, 6, 3, 32]
     k, v = pools(rng, 1, 2, 50, 32, 64)
-    out = kernel.few_query_attention(q, k, v, 0.2, True)
+    out = kernel.attention(q, k, v, 0.2, True)
     np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.2, True), atol=2e-6, rtol=1e-5)
 
 
@@ -75,7 +81,7 @@ def test_keys_strided_in_their_last_axis(kernel):
     q = mx.array(rng.standard_normal((1, 2, 1, 16)).astype(np.float32))
     k = mx.array(rng.standard_normal((1, 2, 16, 11)).astype(np.float32)).swapaxes(2, 3)
     v = mx.array(rng.standard_normal((1, 2, 16, 11)).astype(np.float32)).swapaxes(2, 3)
-    out = kernel.few_query_attention(q, k, v, 0.3, False)
+    out = kernel.attention(q, k, v, 0.3, False)
     np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.3, False), atol=2e-6, rtol=1e-5)
 
 
@@ -84,7 +90,7 @@ def test_large_scores_do_not_overflow(kernel):
     q = mx.full((1, 1, 1, 8), 100.0)
     k = mx.concatenate([mx.full((1, 1, 1, 8), 12.5), mx.full((1, 1, 1, 8), -12.5)], axis=2)
     v = mx.array(np.arange(16, dtype=np.float32).reshape(1, 1, 2, 8))
-    out = kernel.few_query_attention(q, k, v, 1.0, False)
+    out = kernel.attention(q, k, v, 1.0, False)
     np.testing.assert_allclose(np.array(out)[0, 0, 0], np.arange(8, dtype=np.float32), atol=1e-6)
 
 
@@ -92,31 +98,31 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
     q = mx.zeros((1, 3, 1, 8))
     k = v = mx.zeros((1, 2, 4, 8))
     with pytest.raises(ValueError, match="incompatible shapes"):
-        kernel.few_query_attention(q, k, v, 1.0)
+        kernel.attention(q, k, v, 1.0)
     with pytest.raises(ValueError, match="float32"):
-        kernel.few_query_attention(q.astype(mx.bfloat16), k, v, 1.0)
+        kernel.attention(q.astype(mx.bfloat16), k, v, 1.0)
     with pytest.raises(ValueError, match="no keys"):
-        kernel.few_query_attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
+        kernel.attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
 
 
-def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel, monkeypatch):
+def test_route_uses_the_kernel_unless_a_band_mask_is_given(kernel, monkeypatch):
     calls = []
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape[2])
         return real(*args, **kwargs)
 
-    real = kernel.few_query_attention
-    monkeypatch.setattr(kernel, "few_query_attention", spy)
+    real = kernel.attention
+    monkeypatch.setattr(kernel, "attention", spy)
     rng = np.random.default_rng(2)
     sdpa = cpu_attention()
     k, v = pools(rng, 1, 2, 40, 16, 64)
-    for T, mask in ((1, None), (KERNEL_MAX_QUERIES, "causal"), (KERNEL_MAX_QUERIES + 4, "causal")):
+    for T, mask in ((1, None), (4, "causal"), (32, "causal")):
         q = mx.array(rng.standard_normal((1, 4, T, 16)).astype(np.float32))
         out = sdpa(q, k, v, scale=0.25, mask=mask)
         np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.25, mask == "causal"),
                                    atol=2e-6, rtol=1e-5)
-    assert calls == [1, KERNEL_MAX_QUERIES]  # the 8-query chunk went to the MLX ops
+    assert calls == [1, 4, 32]
     # a ring's band mask (an array) goes to the MLX ops, which apply it
     band = mx.array(np.tril(np.ones((2, 40), bool), 38) & ~np.tril(np.ones((2, 40), bool), 30))[None, None]
     q = mx.array(rng.standard_normal((1, 4, 2, 16)).astype(np.float32))
@@ -125,7 +131,11 @@ def test_route_uses_the_kernel_for_few_queries_and_mlx_ops_otherwise(kernel, mon
         attn_mask=torch.from_numpy(np.array(band)), scale=0.25,
     ).numpy()
     np.testing.assert_allclose(np.array(sdpa(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
-    assert calls == [1, KERNEL_MAX_QUERIES]  # and so did the band mask
+    assert calls == [1, 4, 32]  # the band mask went to the MLX ops
+    # and so do half-precision activations
+    half = [x.astype(mx.bfloat16) for x in (q, k, v)]
+    sdpa(*half, scale=0.25, mask="causal")
+    assert calls == [1, 4, 32]
 
 
 def test_opting_out_leaves_mlx_ops():
@@ -174,9 +184,9 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
     from test_cache import run_side_by_side
 
     calls = []
-    real = kernel.few_query_attention
-    monkeypatch.setattr(kernel, "few_query_attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    real = kernel.attention
+    monkeypatch.setattr(kernel, "attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
     if not available:
         monkeypatch.setattr(attention_kernel, "load", lambda: None)
-    run_side_by_side([0], [5, 1, 1, 3])
-    assert calls == ([1, 1, 3] if available else [])
+    run_side_by_side([0], [5, 1, 1, 3, 8])
+    assert calls == ([5, 1, 1, 3, 8] if available else [])

@@ -42,25 +42,19 @@ def build_update_and_attend(n, ctx):
     return run
 
 
-# Query rows the compiled kernel takes: a decode step's one (measured 4-5x
-# faster than MLX's ops a layer) and a chunk's short tail (not timed; a few
-# rows cost a few times one). Prefill chunks keep BLAS on both cores.
-KERNEL_MAX_QUERIES = 4
-
-
 def cpu_attention():
-    """Attention on the CPU: the compiled one-op kernel for a few fp32 queries
-    without a band mask when it is available (``attention_kernel.py``),
-    else ``fastmath.attention``'s MLX ops."""
+    """Attention on the CPU: the compiled one-op kernel for fp32 without a
+    band mask when it is available (``attention_kernel.py``), else
+    ``fastmath.attention``'s MLX ops."""
     kernel = attention_kernel.load()
     if kernel is None:
         return attention
-    few_query_attention = kernel.few_query_attention
+    fused_attention = kernel.attention
 
     def sdpa(Q, K, V, scale, mask):
         # the cache's masks: None (one query), "causal", or a band array
-        if Q.shape[2] <= KERNEL_MAX_QUERIES and Q.dtype == mx.float32 and not isinstance(mask, mx.array):
-            return few_query_attention(Q, K, V, scale, mask is not None, stream=mx.cpu)
+        if Q.dtype == mx.float32 and not isinstance(mask, mx.array):
+            return fused_attention(Q, K, V, scale, mask is not None, stream=mx.cpu)
         return attention(Q, K, V, scale=scale, mask=mask)
 
     return sdpa
