@@ -23,14 +23,18 @@ def kernel():
     return module
 
 
-def torch_attention(q, k, v, scale, causal):
+def torch_attention(q, k, v, scale, causal, window=0):
     q, k, v = (torch.from_numpy(np.array(x)) for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    T, S = q.shape[2], k.shape[2]
+    # query t's last key: the T queries are the last T of the S positions
+    last = torch.arange(S - T, S)[:, None] if causal else torch.full((T, 1), S - 1)
     mask = None
-    if causal:  # the T queries are the last T of the S positions
-        T, S = q.shape[2], k.shape[2]
-        mask = torch.arange(S)[None, :] <= torch.arange(S - T, S)[:, None]
+    if causal or window:
+        mask = torch.arange(S)[None, :] <= last
+        if window:  # and only the `window` keys up to it
+            mask &= torch.arange(S)[None, :] > last - window
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).numpy()
 
 
@@ -64,6 +68,26 @@ def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
     k, v = pools(rng, B, Hkv, S, D, S + 7)
     out = kernel.attention(q, k, v, D**-0.5, causal)
     np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, D**-0.5, causal), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "Hq, Hkv, T, S, D, causal, window",
+    [
+        (4, 2, 1, 40, 16, False, 16),  # a ring's decode step: the last 16 keys
+        (4, 2, 3, 40, 16, True, 7),  # a few queries
+        (9, 3, 128, 639, 64, True, 512),  # a prefill chunk of a 512-window layer
+        (6, 2, 20, 50, 32, True, 16),  # blocks whose rows start in different panels
+        (2, 1, 12, 30, 24, True, 5),  # D not a multiple of 16: the row loops
+        (4, 4, 9, 20, 16, True, 40),  # a window wider than the keys: plain causal
+    ],
+)
+def test_sliding_window_matches_torch(kernel, Hq, Hkv, T, S, D, causal, window):
+    rng = np.random.default_rng(S + window)
+    q = mx.array(rng.standard_normal((1, Hq, T, D)).astype(np.float32) * 2)
+    k, v = pools(rng, 1, Hkv, S, D, S + 3)
+    out = kernel.attention(q, k, v, D**-0.5, causal, window=window)
+    expected = torch_attention(q, k, v, D**-0.5, causal, window)
+    np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
 
 
 def test_queries_as_a_transposed_view(kernel):
@@ -103,9 +127,11 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.attention(q.astype(mx.bfloat16), k, v, 1.0)
     with pytest.raises(ValueError, match="no keys"):
         kernel.attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
+    with pytest.raises(ValueError, match="window must be 0"):
+        kernel.attention(mx.zeros((1, 2, 1, 8)), k, v, 1.0, window=-1)
 
 
-def test_route_uses_the_kernel_unless_a_band_mask_is_given(kernel, monkeypatch):
+def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernel, monkeypatch):
     calls = []
 
     def spy(*args, **kwargs):
@@ -123,7 +149,7 @@ def test_route_uses_the_kernel_unless_a_band_mask_is_given(kernel, monkeypatch):
         np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.25, mask == "causal"),
                                    atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32]
-    # a ring's band mask (an array) goes to the MLX ops, which apply it
+    # a band mask (an array) with no window goes to the MLX ops, which apply it
     band = mx.array(np.tril(np.ones((2, 40), bool), 38) & ~np.tril(np.ones((2, 40), bool), 30))[None, None]
     q = mx.array(rng.standard_normal((1, 4, 2, 16)).astype(np.float32))
     expected = torch.nn.functional.scaled_dot_product_attention(
@@ -136,6 +162,10 @@ def test_route_uses_the_kernel_unless_a_band_mask_is_given(kernel, monkeypatch):
     half = [x.astype(mx.bfloat16) for x in (q, k, v)]
     sdpa(*half, scale=0.25, mask="causal")
     assert calls == [1, 4, 32]
+    # a ring layer's route knows its window (8: the band above), so the kernel takes it
+    windowed = cpu_attention(window=8)
+    np.testing.assert_allclose(np.array(windowed(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
+    assert calls == [1, 4, 32, 2]
 
 
 def test_opting_out_leaves_mlx_ops():
@@ -190,3 +220,7 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
         monkeypatch.setattr(attention_kernel, "load", lambda: None)
     run_side_by_side([0], [5, 1, 1, 3, 8])
     assert calls == ([5, 1, 1, 3, 8] if available else [])
+    # a flat layer and a ring of window 6 past its window (band masks, wraps)
+    calls.clear()
+    run_side_by_side([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], max_write=6)
+    assert calls == ([T for T in (5, 1, 1, 3, 6, 1, 6, 2) for _ in range(2)] if available else [])

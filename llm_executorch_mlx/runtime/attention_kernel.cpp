@@ -100,8 +100,13 @@ inline float softmax_numerators(float* row, int n) {
 struct Geometry {
   int B, Hq, Hkv, T, S, D;
   bool causal;
+  int window;  // > 0: a query sees only the last `window` of its keys
   float scale;
   mx::Strides q, k, v;  // in elements
+
+  // Query t sees keys [first_key(t), end_key(t)).
+  int end_key(int t) const { return causal ? S - T + t + 1 : S; }
+  int first_key(int t) const { return window > 0 ? std::max(0, end_key(t) - window) : 0; }
 };
 
 // s[j] = q . k_j for j < n, keys of D (a multiple of 8) contiguous floats
@@ -153,25 +158,26 @@ void attend(const float* q, const float* k, const float* v, float* out, const Ge
       const float* vh = v + b * g.v[0] + h * g.v[1];
       for (int r = 0; r < rows; ++r) {
         const int head = h * rep + r / g.T, t = r % g.T;
-        const int n = g.causal ? S - g.T + t + 1 : S;
+        const int j0 = g.first_key(t), n = g.end_key(t) - j0;
+        const float *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
         const float* src = q + b * g.q[0] + head * g.q[1] + t * g.q[2];
         for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
         if (fast) {
-          scores_of_row(qrow.data(), kh, g.k[2], n, D, scores.data());
+          scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
         } else {
           for (int j = 0; j < n; ++j) {
             float s = 0.0f;
-            for (int d = 0; d < D; ++d) s += qrow[d] * kh[j * g.k[2] + d * g.k[3]];
+            for (int d = 0; d < D; ++d) s += qrow[d] * kr[j * g.k[2] + d * g.k[3]];
             scores[j] = s;
           }
         }
         const float sum = softmax_numerators(scores.data(), n);
         if (fast) {
-          weighted_values(scores.data(), vh, g.v[2], n, D, acc.data());
+          weighted_values(scores.data(), vr, g.v[2], n, D, acc.data());
         } else {
           std::fill(acc.begin(), acc.end(), 0.0f);
           for (int j = 0; j < n; ++j)
-            for (int d = 0; d < D; ++d) acc[d] += scores[j] * vh[j * g.v[2] + d * g.v[3]];
+            for (int d = 0; d < D; ++d) acc[d] += scores[j] * vr[j * g.v[2] + d * g.v[3]];
         }
         float* o = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D;
         const float inv = 1.0f / sum;
@@ -188,8 +194,9 @@ void attend(const float* q, const float* k, const float* v, float* out, const Ge
 // computed kRows x 16 keys at a time from K packed into 16-key panels (each
 // step: two panel loads, a broadcast per row, 2*kRows FMAs, as a GEMM
 // micro-kernel does), normalised exactly (max, exp, sum over the whole row),
-// then multiplied into V 16 columns at a time. Causal blocks stop at their
-// last row's last key. One thread: a second one, measured in a 135M model's
+// then multiplied into V 16 columns at a time. A block spans the keys its
+// rows see (causal: up to its last row's last key; a window: from its first
+// row's first). One thread: a second one, measured in a 135M model's
 // prefill, lost 10-20% to the BLAS threads sharing the two cores.
 
 constexpr int kRows = 6;
@@ -197,7 +204,6 @@ constexpr int kPanel = 16;
 // From this many queries a head the tiled path is the faster (a decode
 // step's one query reads K once; packing it would read it twice).
 constexpr int kTiledMinQueries = 8;
-
 
 // s[r][j0 + c] = q[r] . k_{j0+c} for the R rows and the panel's 16 keys.
 template <int R>
@@ -236,20 +242,25 @@ void weigh_values(const float* p, int64_t p_stride, const float* v, int64_t v_st
   }
 }
 
+// Rows r < R see keys [lo[r], hi[r]); the block works on keys from the
+// first panel any of them needs to the last key any of them sees.
 template <int R>
 void attend_block(const float* q, const float* panels, const float* v, int64_t v_stride,
-                  const int* n_of_row, int D, float* s, int64_t s_stride, float* o) {
-  const int n_max = *std::max_element(n_of_row, n_of_row + R);
+                  const int* lo, const int* hi, int D, float* s, int64_t s_stride, float* o) {
+  const int j0 = *std::min_element(lo, lo + R) / kPanel * kPanel;
+  const int n = *std::max_element(hi, hi + R) - j0;
   float inv[R];
-  for (int j = 0; j < n_max; j += kPanel)
-    score_panel<R>(q, D, panels + static_cast<int64_t>(j) * D, s + j, s_stride);
+  for (int j = 0; j < n; j += kPanel)
+    score_panel<R>(q, D, panels + static_cast<int64_t>(j0 + j) * D, s + j, s_stride);
   for (int r = 0; r < R; ++r) {
     float* row = s + r * s_stride;
-    const int n = n_of_row[r];
-    inv[r] = 1.0f / softmax_numerators(row, n);
-    for (int j = (n + 7) / 8 * 8; j < n_max; ++j) row[j] = 0.0f;  // keys of later rows
+    const int first = lo[r] - j0, count = hi[r] - lo[r];
+    std::fill(row, row + first, 0.0f);
+    inv[r] = 1.0f / softmax_numerators(row + first, count);
+    for (int j = first + (count + 7) / 8 * 8; j < n; ++j) row[j] = 0.0f;  // keys of later rows
   }
-  for (int c = 0; c < D; c += kPanel) weigh_values<R>(s, s_stride, v + c, v_stride, n_max, o + c, D);
+  for (int c = 0; c < D; c += kPanel)
+    weigh_values<R>(s, s_stride, v + j0 * v_stride + c, v_stride, n, o + c, D);
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < D; d += 8) store8(o + r * D + d, load8(o + r * D + d) * inv[r]);
 }
@@ -267,8 +278,10 @@ void attend_tiled(const float* q, const float* k, const float* v, float* out, co
       for (int d = 0; d < D; ++d)
         ph[(j / kPanel) * kPanel * D + d * kPanel + j % kPanel] = kh[j * g.k[2] + d];
   }
-  std::vector<float> qs(kRows * D), scores(kRows * static_cast<size_t>(S_pad)), o(kRows * D);
-  int n_of_row[kRows];
+  // a row's exp writes up to 7 keys past its last (softmax_numerators)
+  const int s_stride = S_pad + 8;
+  std::vector<float> qs(kRows * D), scores(kRows * static_cast<size_t>(s_stride)), o(kRows * D);
+  int lo[kRows], hi[kRows];
   for (int i = 0; i < heads * blocks_per_head; ++i) {
     const int bh = i / blocks_per_head, b = bh / g.Hkv, h = bh % g.Hkv;
     const int r0 = (i % blocks_per_head) * kRows, R = std::min(kRows, rows - r0);
@@ -276,7 +289,7 @@ void attend_tiled(const float* q, const float* k, const float* v, float* out, co
       const int head = h * rep + (r0 + r) / g.T, t = (r0 + r) % g.T;
       const float* src = q + b * g.q[0] + head * g.q[1] + t * g.q[2];
       for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
-      n_of_row[r] = g.causal ? S - g.T + t + 1 : S;
+      lo[r] = g.first_key(t), hi[r] = g.end_key(t);
     }
     const float* ph = panels.data() + static_cast<size_t>(bh) * S_pad * D;
     const float* vh = v + b * g.v[0] + h * g.v[1];
@@ -288,7 +301,7 @@ void attend_tiled(const float* q, const float* k, const float* v, float* out, co
       case 3: block = attend_block<3>; break;
       case 2: block = attend_block<2>; break;
     }
-    block(qs.data(), ph, vh, g.v[2], n_of_row, D, scores.data(), S_pad, o.data());
+    block(qs.data(), ph, vh, g.v[2], lo, hi, D, scores.data(), s_stride, o.data());
     for (int r = 0; r < R; ++r) {
       const int head = h * rep + (r0 + r) / g.T, t = (r0 + r) % g.T;
       std::memcpy(out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D, o.data() + r * D,
@@ -299,8 +312,8 @@ void attend_tiled(const float* q, const float* k, const float* v, float* out, co
 
 class FusedAttention : public mx::Primitive {
  public:
-  FusedAttention(mx::Stream stream, float scale, bool causal)
-      : mx::Primitive(stream), scale_(scale), causal_(causal) {}
+  FusedAttention(mx::Stream stream, float scale, bool causal, int window)
+      : mx::Primitive(stream), scale_(scale), causal_(causal), window_(window) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
@@ -311,8 +324,8 @@ class FusedAttention : public mx::Primitive {
     encoder.set_input_array(k);
     encoder.set_input_array(v);
     encoder.set_output_array(out);
-    Geometry g{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
-               causal_,   scale_,     q.strides(), k.strides(), v.strides()};
+    Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
+               causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
     encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
                       op = out.data<float>(), g]() {
       const bool tiled = g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1;
@@ -332,16 +345,17 @@ class FusedAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FusedAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_;
   }
 
  private:
   float scale_;
   bool causal_;
+  int window_;
 };
 
-mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
-                              float scale, bool causal, mx::StreamOrDevice s) {
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, int window, mx::StreamOrDevice s) {
   std::ostringstream err;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     err << "q, k and v must be 4-D, got " << q.shape() << ", " << k.shape() << ", " << v.shape();
@@ -354,18 +368,22 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v,
     err << "no keys to attend to";
   } else if (causal && q.shape(2) > k.shape(2)) {
     err << "causal attention with more queries than keys";
+  } else if (window < 0) {
+    err << "window must be 0 (none) or positive, got " << window;
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);  // the CPU unless asked otherwise
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
   if (!err.str().empty()) throw std::invalid_argument("attention: " + err.str());
   return mx::array(q.shape(), mx::float32,
-                   std::make_shared<FusedAttention>(stream, scale, causal), {q, k, v});
+                   std::make_shared<FusedAttention>(stream, scale, causal, window), {q, k, v});
 }
 
 }  // namespace
 
 NB_MODULE(attention_kernel, m) {
-  m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "scale"_a,
-        "causal"_a = false, nb::kw_only(), "stream"_a = nb::none(),
-        "softmax(scale * q k^T) v for q [B, Hq, T, D] and k, v [B, Hkv, S, D], fp32, on the CPU");
+  m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,
+        nb::kw_only(), "window"_a = 0, "stream"_a = nb::none(),
+        "softmax(scale * q k^T) v for q [B, Hq, T, D] and k, v [B, Hkv, S, D], fp32, on the CPU.\n"
+        "causal: the T queries are the last T of the S positions; window > 0: each query sees\n"
+        "only the last `window` keys up to its own.");
 }

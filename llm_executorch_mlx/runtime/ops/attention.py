@@ -29,7 +29,8 @@ def build_update_and_attend(n, ctx):
     position = ctx.host_int(n.position)
     layer, scale, cache = n.layerId, float(n.scale), ctx.cache
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
-    sdpa = cpu_attention() if on_cpu() else mx.fast.scaled_dot_product_attention
+    window = cache.layers[layer].window
+    sdpa = cpu_attention(window) if on_cpu() else mx.fast.scaled_dot_product_attention
 
     def run(f):
         Q = f[q]
@@ -42,19 +43,23 @@ def build_update_and_attend(n, ctx):
     return run
 
 
-def cpu_attention():
-    """Attention on the CPU: the compiled one-op kernel for fp32 without a
-    band mask when it is available (``attention_kernel.py``), else
-    ``fastmath.attention``'s MLX ops."""
+def cpu_attention(window: int = 0):
+    """Attention on the CPU: the compiled one-op kernel for fp32 when it is
+    available (``attention_kernel.py``), else ``fastmath.attention``'s MLX ops.
+
+    ``window`` is the layer's sliding window (0: none). The cache spells it
+    out as a band mask when it cuts into the keys; the kernel takes the
+    window itself, so a band mask without one goes to the MLX ops.
+    """
     kernel = attention_kernel.load()
     if kernel is None:
         return attention
     fused_attention = kernel.attention
 
     def sdpa(Q, K, V, scale, mask):
-        # the cache's masks: None (one query), "causal", or a band array
-        if Q.dtype == mx.float32 and not isinstance(mask, mx.array):
-            return fused_attention(Q, K, V, scale, mask is not None, stream=mx.cpu)
+        # the cache's masks: None (one query), "causal", or the window's band
+        if Q.dtype == mx.float32 and (window > 0 or not isinstance(mask, mx.array)):
+            return fused_attention(Q, K, V, scale, mask is not None, window=window, stream=mx.cpu)
         return attention(Q, K, V, scale=scale, mask=mask)
 
     return sdpa
