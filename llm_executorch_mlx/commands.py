@@ -23,6 +23,22 @@ def _load(path: str):
         raise click.ClickException(str(e)) from None
 
 
+def _runtime_facts() -> dict:
+    """Where this machine runs a program: MLX's device and, on a CPU, the
+    BLAS bound and how attention runs (without building the kernel)."""
+    import mlx.core as mx
+
+    from .runtime import attention_kernel, blas
+    from .runtime.dtypes import on_cpu
+
+    facts = {"device": mx.default_device().type.name}
+    if on_cpu():
+        status = blas.load_fast_blas()
+        facts["blas"] = {"library": status.library, "reason": status.reason}
+        facts["attention"] = attention_kernel.state()
+    return facts
+
+
 def _summary(program) -> dict:
     m = program.metadata
     return {
@@ -160,7 +176,7 @@ def register_commands(cli):
     @click.argument("name_or_path")
     @click.option("--json", "as_json", is_flag=True, help="Output as JSON")
     def info(name_or_path, as_json):
-        "Show what a .pte file publishes: methods, metadata, cache geometry, sizes"
+        "Show what a .pte file publishes (methods, metadata, cache geometry, sizes) and how this machine runs it"
         entry = find_entry(name_or_path)
         path = entry.path if entry else name_or_path
         program = _load(path)
@@ -181,6 +197,7 @@ def register_commands(cli):
                 for dt, size in KV_DTYPE_BYTES.items()
             }
             facts["kv_bytes_per_token"] = per_token
+        facts["runtime"] = _runtime_facts()
         if as_json:
             click.echo(json.dumps(facts, indent=2, default=str))
             return
@@ -202,4 +219,10 @@ def register_commands(cli):
                 f"{dt} {n:,}" for dt, n in facts["kv_bytes_per_token"].items()))
         else:
             click.echo("[cache] none published (in-graph or not an LLM)")
+        runtime = facts["runtime"]
+        click.echo(f"[runtime] MLX on the {runtime['device']}")
+        if "blas" in runtime:
+            blas = runtime["blas"]
+            click.echo(f"        BLAS: {blas['library'] or 'MLX reference BLAS (slow)'} ({blas['reason']})")
+            click.echo(f"        attention: {runtime['attention']}")
     from .export_command import add_export_commands; add_export_commands(pte)  # noqa: E702  llm pte export, llm pte demo

@@ -19,6 +19,7 @@ import models
 from models import make_tokenizer
 
 from llm_executorch_mlx.registry import registry_path
+from llm_executorch_mlx.runtime import blas
 from llm_executorch_mlx.text import turn as turn_module
 
 
@@ -72,8 +73,18 @@ def test_register_list_info_remove(tiny):
     info_json = json.loads(invoke("pte", "info", "t1", "--json").output)
     # 2 layers x (K+V) x 2 kv heads x head dim 16, at 4 bytes per fp32 value
     assert info_json["kv_bytes_per_token"]["fp32"] == 2 * 2 * 2 * 16 * 4
+    # where it would run here: the CPU, the BLAS bound at import, the kernel
+    assert "[runtime] MLX on the cpu" in info and "attention: compiled kernel" in info
+    assert info_json["runtime"]["blas"]["library"] == blas.load_fast_blas().library
+    assert info_json["runtime"]["attention"].startswith("compiled kernel")
     assert invoke("pte", "remove", "tiny").exit_code == 0
     assert json.loads(invoke("pte", "models", "--json").output) == []
+
+
+def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch):
+    register(tiny, "tiny")
+    monkeypatch.setenv("LLM_PTE_ATTENTION_KERNEL", "0")
+    assert "attention: MLX ops (LLM_PTE_ATTENTION_KERNEL=0)" in invoke("pte", "info", "tiny").output
 
 
 def test_refused_registrations_leave_the_registry_unchanged(tiny, tmp_path):

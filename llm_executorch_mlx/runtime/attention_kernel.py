@@ -110,21 +110,18 @@ def _agrees_with_mlx(module) -> bool:
     return True
 
 
-@functools.cache
-def load():
-    """The compiled extension module (built now if not cached), or None."""
-    global unavailable_reason
+def _plan():
+    """``(command, library, failure marker)`` for this machine, or why there
+    is no kernel to build here."""
     if os.environ.get(ENV_VAR, "1") == "0":
-        unavailable_reason = f"{ENV_VAR}=0"
-        return None
+        return f"{ENV_VAR}=0"
     cxx = compiler()
     try:
         import nanobind
     except ImportError:
         nanobind = None
     if cxx is None or nanobind is None:
-        unavailable_reason = "no C++ compiler" if cxx is None else "nanobind is not installed"
-        return None
+        return "no C++ compiler" if cxx is None else "nanobind is not installed"
     command = _command(cxx, nanobind)
     # The command names MLX's directory (the library links that libmlx), the
     # include paths and flags; the versions cover what the paths do not.
@@ -134,7 +131,31 @@ def load():
                      platform.machine())
     )).hexdigest()[:16]
     target = cache_dir() / f"attention_kernel-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    failed = target.with_name(f"attention_kernel-{key}.failed")
+    return command, target, target.with_name(f"attention_kernel-{key}.failed")
+
+
+def state() -> str:
+    """One line on how CPU attention runs here, without building anything."""
+    plan = _plan()
+    if isinstance(plan, str):
+        return f"MLX ops ({plan})"
+    _, target, failed = plan
+    if target.exists():
+        return f"compiled kernel ({target})"
+    if failed.exists():
+        return f"MLX ops (building the kernel failed; remove {failed} to retry)"
+    return "compiled kernel, built on the first prompt (~30 s, once)"
+
+
+@functools.cache
+def load():
+    """The compiled extension module (built now if not cached), or None."""
+    global unavailable_reason
+    plan = _plan()
+    if isinstance(plan, str):
+        unavailable_reason = plan
+        return None
+    command, target, failed = plan
     if not target.exists() and failed.exists():  # a compile error: not retried every command
         unavailable_reason = f"{failed.read_text()} (remove {failed} to retry)"
         return None
