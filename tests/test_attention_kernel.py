@@ -90,6 +90,18 @@ def test_sliding_window_matches_torch(kernel, Hq, Hkv, T, S, D, causal, window):
     np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T, causal, window", [(1, False, 0), (3, True, 0), (40, True, 0), (40, True, 24)])
+def test_bf16_keys_and_values_are_read_as_stored(kernel, T, causal, window):
+    # a bf16 cache under fp32 compute: the kernel widens K and V as it reads
+    # them; the reference attends over the same values widened to fp32
+    rng = np.random.default_rng(T)
+    q = mx.array(rng.standard_normal((1, 6, T, 32)).astype(np.float32))
+    k, v = (x.astype(mx.bfloat16) for x in pools(rng, 1, 2, 70, 32, 80))
+    out = kernel.attention(q, k, v, 0.2, causal, window=window)
+    expected = torch_attention(q, k.astype(mx.float32), v.astype(mx.float32), 0.2, causal, window)
+    np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
+
+
 def test_queries_as_a_transposed_view(kernel):
     # in the model q arrives as the head split's view, not contiguous
     rng = np.random.default_rng(3)
@@ -125,6 +137,8 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.attention(q, k, v, 1.0)
     with pytest.raises(ValueError, match="float32"):
         kernel.attention(q.astype(mx.bfloat16), k, v, 1.0)
+    with pytest.raises(ValueError, match="both float32 or both bfloat16"):
+        kernel.attention(q, k.astype(mx.float16), v.astype(mx.float16), 1.0)
     with pytest.raises(ValueError, match="no keys"):
         kernel.attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
     with pytest.raises(ValueError, match="window must be 0"):
@@ -158,14 +172,20 @@ def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernel, monkeypatch):
     ).numpy()
     np.testing.assert_allclose(np.array(sdpa(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32]  # the band mask went to the MLX ops
-    # and so do half-precision activations
-    half = [x.astype(mx.bfloat16) for x in (q, k, v)]
-    sdpa(*half, scale=0.25, mask="causal")
+    # and so do half-precision queries, and fp16 keys (cast to the queries' fp32)
+    sdpa(*[x.astype(mx.bfloat16) for x in (q, k, v)], scale=0.25, mask="causal")
+    out = sdpa(q, k.astype(mx.float16), v.astype(mx.float16), scale=0.25, mask="causal")
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k.astype(mx.float16).astype(mx.float32),
+                                                              v.astype(mx.float16).astype(mx.float32), 0.25, True),
+                               atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32]
+    # bf16 keys under fp32 queries are the kernel's, uncast
+    sdpa(q, k.astype(mx.bfloat16), v.astype(mx.bfloat16), scale=0.25, mask="causal")
+    assert calls == [1, 4, 32, 2]
     # a ring layer's route knows its window (8: the band above), so the kernel takes it
     windowed = cpu_attention(window=8)
     np.testing.assert_allclose(np.array(windowed(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
-    assert calls == [1, 4, 32, 2]
+    assert calls == [1, 4, 32, 2, 2]
 
 
 def test_opting_out_leaves_mlx_ops():
@@ -220,7 +240,13 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
         monkeypatch.setattr(attention_kernel, "load", lambda: None)
     run_side_by_side([0], [5, 1, 1, 3, 8])
     assert calls == ([5, 1, 1, 3, 8] if available else [])
-    # a flat layer and a ring of window 6 past its window (band masks, wraps)
+    # a flat layer and a ring of window 6 past its window (band masks, wraps),
+    # then a ring of window 12 taking chunks of 8-10 (the tiled path) as it wraps
+    for windows, steps, max_write in (([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], 6), ([12, 0], [9, 1, 10, 8, 1, 9], 10)):
+        calls.clear()
+        run_side_by_side(windows, steps, max_write=max_write)
+        assert calls == ([T for T in steps for _ in windows] if available else [])
+    # a bf16 cache under fp32 compute, read as stored
     calls.clear()
-    run_side_by_side([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], max_write=6)
-    assert calls == ([T for T in (5, 1, 1, 3, 6, 1, 6, 2) for _ in range(2)] if available else [])
+    run_side_by_side([0, 12], [9, 1, 1, 10], dtype="bf16", max_write=10, atol=2e-3)
+    assert calls == ([T for T in (9, 1, 1, 10) for _ in range(2)] if available else [])

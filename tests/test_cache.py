@@ -15,7 +15,7 @@ from opgraph import OpGraph, md
 
 from llm_executorch_mlx.runtime import CacheFullError, LayerGeometry, PteError, SequenceCache
 
-H_Q, H_KV, D = 4, 2, 8
+H_Q, H_KV, D = 4, 2, 16  # D a multiple of 16: chunks of 8+ queries take the kernel's tiled path
 SCALE = D**-0.5
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

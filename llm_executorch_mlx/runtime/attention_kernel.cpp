@@ -1,4 +1,5 @@
-// Fused fp32 attention on MLX's CPU stream: one MLX op.
+// Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32 or
+// bf16 keys and values (a bf16 cache is widened as it is read).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
 // them) with a BLAS call per kv head for each product and a scalar exp, which
@@ -10,9 +11,10 @@
 //   sharing a kv head each read it; it stays in cache between them);
 // - from 8 queries a head (a prefill chunk): GEMM-style register tiles over K
 //   packed into panels, then over V (below).
-// Any strides (the cache hands over slices of its pools).
-// attention_kernel.py builds it as an MLX extension (nanobind, in MLX's type
-// domain) once per machine and checks it against MLX before use.
+// Causal or not, optionally a sliding window; any strides (the cache hands
+// over slices of its pools). attention_kernel.py builds it as an MLX
+// extension (nanobind, in MLX's type domain) once per machine and checks it
+// against MLX before use.
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +48,28 @@ inline f8 load8(const float* p) {
   return x;
 }
 
+// bf16 keys and values (a cache stored in bf16 under fp32 compute), widened
+// as they are read: a bf16 is the top half of an fp32.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+inline f8 load8(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const i8 bits = __builtin_convertvector(h, i8) << 16;
+  f8 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 inline void store8(float* p, f8 x) { std::memcpy(p, &x, sizeof x); }
 
 inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
@@ -54,7 +78,19 @@ inline float sum8(f8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
-inline f8 max8(f8 a, f8 b) { return a > b ? a : b; }
+// mask ? a : b lane by lane, mask from a vector comparison (all ones or
+// zeros). Spelled with bit operations: Clang has no vector ?: in C++.
+inline f8 select8(i8 mask, f8 a, f8 b) {
+  i8 x, y;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  const i8 bits = (mask & x) | (~mask & y);
+  f8 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
 
 // e^x for x <= 0 (a softmax's shifted scores), eight at a time: Cody-Waite
 // reduction to 2^n e^r with |r| <= ln2/2 and Cephes' degree-6 polynomial,
@@ -90,7 +126,7 @@ inline float softmax_numerators(float* row, int n) {
   f8 sum = {};
   for (int j = 0; j < n8; j += 8) {
     f8 e = exp8_nonpositive(load8(row + j) - top);
-    e = lane < n - j ? e : f8{};  // past the row's end
+    e = select8(lane < n - j, e, f8{});  // past the row's end
     store8(row + j, e);
     sum += e;
   }
@@ -111,10 +147,11 @@ struct Geometry {
 
 // s[j] = q . k_j for j < n, keys of D (a multiple of 8) contiguous floats
 // `stride` apart: four keys at a time, so four dot products are in flight.
-void scores_of_row(const float* q, const float* k, int64_t stride, int n, int D, float* s) {
+template <typename KV>
+void scores_of_row(const float* q, const KV* k, int64_t stride, int n, int D, float* s) {
   int j = 0;
   for (; j + 4 <= n; j += 4) {
-    const float *k0 = k + j * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    const KV *k0 = k + j * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
     f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int d = 0; d < D; d += 8) {
       const f8 x = load8(q + d);
@@ -133,12 +170,13 @@ void scores_of_row(const float* q, const float* k, int64_t stride, int n, int D,
 }
 
 // out = sum_j p[j] v_j for j < n, accumulated 64 columns at a time in registers.
-void weighted_values(const float* p, const float* v, int64_t stride, int n, int D, float* out) {
+template <typename KV>
+void weighted_values(const float* p, const KV* v, int64_t stride, int n, int D, float* out) {
   for (int c = 0; c < D; c += 64) {
     const int w = std::min(64, D - c);  // a multiple of 8
     f8 a[8] = {};
     for (int j = 0; j < n; ++j) {
-      const float* vj = v + j * stride + c;
+      const KV* vj = v + j * stride + c;
       const f8 pj = f8{} + p[j];
       for (int i = 0; i < w / 8; ++i) a[i] += pj * load8(vj + 8 * i);
     }
@@ -146,20 +184,21 @@ void weighted_values(const float* p, const float* v, int64_t stride, int n, int 
   }
 }
 
-// out[b, h, t, :] = softmax(scale * q[b, h, t] . k[b, h / rep, :S']) v[...],
-// S' = S, or S - T + t + 1 when causal (the queries are the last T positions).
-void attend(const float* q, const float* k, const float* v, float* out, const Geometry& g) {
+// out[b, h, t, :] = softmax(scale * q[b, h, t] . k[b, h / rep, j]) v[...] over
+// the keys j query t sees (Geometry::first_key, end_key).
+template <typename KV>
+void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
   const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D, S = g.S;
   const bool fast = D % 8 == 0 && g.k[3] == 1 && g.v[3] == 1;
   std::vector<float> scores((S + 7) / 8 * 8), qrow(D), acc(D);
   for (int b = 0; b < g.B; ++b) {
     for (int h = 0; h < g.Hkv; ++h) {
-      const float* kh = k + b * g.k[0] + h * g.k[1];
-      const float* vh = v + b * g.v[0] + h * g.v[1];
+      const KV* kh = k + b * g.k[0] + h * g.k[1];
+      const KV* vh = v + b * g.v[0] + h * g.v[1];
       for (int r = 0; r < rows; ++r) {
         const int head = h * rep + r / g.T, t = r % g.T;
         const int j0 = g.first_key(t), n = g.end_key(t) - j0;
-        const float *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
+        const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
         const float* src = q + b * g.q[0] + head * g.q[1] + t * g.q[2];
         for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
         if (fast) {
@@ -167,7 +206,7 @@ void attend(const float* q, const float* k, const float* v, float* out, const Ge
         } else {
           for (int j = 0; j < n; ++j) {
             float s = 0.0f;
-            for (int d = 0; d < D; ++d) s += qrow[d] * kr[j * g.k[2] + d * g.k[3]];
+            for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
             scores[j] = s;
           }
         }
@@ -177,7 +216,7 @@ void attend(const float* q, const float* k, const float* v, float* out, const Ge
         } else {
           std::fill(acc.begin(), acc.end(), 0.0f);
           for (int j = 0; j < n; ++j)
-            for (int d = 0; d < D; ++d) acc[d] += scores[j] * vr[j * g.v[2] + d * g.v[3]];
+            for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
         }
         float* o = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D;
         const float inv = 1.0f / sum;
@@ -187,17 +226,18 @@ void attend(const float* q, const float* k, const float* v, float* out, const Ge
   }
 }
 
-// ---- Many queries (a prefill chunk): register-tiled products on all cores.
+// ---- Many queries (a prefill chunk): register-tiled products.
 //
 // Per kv head the rep*T query rows form one [rows, D] x [D, S] product, then
-// one [rows, S] x [S, D]. Rows go in blocks of kRows; a block's scores are
-// computed kRows x 16 keys at a time from K packed into 16-key panels (each
-// step: two panel loads, a broadcast per row, 2*kRows FMAs, as a GEMM
-// micro-kernel does), normalised exactly (max, exp, sum over the whole row),
-// then multiplied into V 16 columns at a time. A block spans the keys its
-// rows see (causal: up to its last row's last key; a window: from its first
-// row's first). One thread: a second one, measured in a 135M model's
-// prefill, lost 10-20% to the BLAS threads sharing the two cores.
+// one [rows, S] x [S, D]. K is packed into 16-key panels once per kv head.
+// Each query head's T rows go in blocks of kRows consecutive queries; a
+// block's scores are computed kRows x 16 keys at a time (each step: two
+// panel loads, a broadcast per row, 2*kRows FMAs, as a GEMM micro-kernel
+// does), normalised exactly (max, exp, sum over the whole row), then
+// multiplied into V 16 columns at a time. A block works on the keys from
+// its first row's first (a window) to its last row's last (causal). One
+// thread: a second one, measured in a 135M model's prefill, lost 10-20% to
+// the BLAS threads sharing the two cores.
 
 constexpr int kRows = 6;
 constexpr int kPanel = 16;
@@ -205,7 +245,7 @@ constexpr int kPanel = 16;
 // step's one query reads K once; packing it would read it twice).
 constexpr int kTiledMinQueries = 8;
 
-// s[r][j0 + c] = q[r] . k_{j0+c} for the R rows and the panel's 16 keys.
+// s[r][c] = q[r] . k_c for the R rows and the panel's 16 keys.
 template <int R>
 void score_panel(const float* q, int D, const float* panel, float* s, int64_t s_stride) {
   f8 a[R][2] = {};
@@ -224,8 +264,8 @@ void score_panel(const float* q, int D, const float* panel, float* s, int64_t s_
 }
 
 // o[r][c0:c0+16] = sum_{j<n} p[r][j] v_j[c0:c0+16] for the R rows.
-template <int R>
-void weigh_values(const float* p, int64_t p_stride, const float* v, int64_t v_stride, int n,
+template <int R, typename KV>
+void weigh_values(const float* p, int64_t p_stride, const KV* v, int64_t v_stride, int n,
                   float* o, int64_t o_stride) {
   f8 a[R][2] = {};
   for (int j = 0; j < n; ++j) {
@@ -244,8 +284,8 @@ void weigh_values(const float* p, int64_t p_stride, const float* v, int64_t v_st
 
 // Rows r < R see keys [lo[r], hi[r]); the block works on keys from the
 // first panel any of them needs to the last key any of them sees.
-template <int R>
-void attend_block(const float* q, const float* panels, const float* v, int64_t v_stride,
+template <int R, typename KV>
+void attend_block(const float* q, const float* panels, const KV* v, int64_t v_stride,
                   const int* lo, const int* hi, int D, float* s, int64_t s_stride, float* o) {
   const int j0 = *std::min_element(lo, lo + R) / kPanel * kPanel;
   const int n = *std::max_element(hi, hi + R) - j0;
@@ -260,52 +300,50 @@ void attend_block(const float* q, const float* panels, const float* v, int64_t v
     for (int j = first + (count + 7) / 8 * 8; j < n; ++j) row[j] = 0.0f;  // keys of later rows
   }
   for (int c = 0; c < D; c += kPanel)
-    weigh_values<R>(s, s_stride, v + j0 * v_stride + c, v_stride, n, o + c, D);
+    weigh_values<R, KV>(s, s_stride, v + j0 * v_stride + c, v_stride, n, o + c, D);
   for (int r = 0; r < R; ++r)
     for (int d = 0; d < D; d += 8) store8(o + r * D + d, load8(o + r * D + d) * inv[r]);
 }
 
-void attend_tiled(const float* q, const float* k, const float* v, float* out, const Geometry& g) {
-  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D, S = g.S;
+template <typename KV>
+void attend_tiled(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
+  const int rep = g.Hq / g.Hkv, D = g.D, S = g.S;
   const int S_pad = (S + kPanel - 1) / kPanel * kPanel;
-  const int heads = g.B * g.Hkv, blocks_per_head = (rows + kRows - 1) / kRows;
-  // K of every kv head as 16-key panels [S_pad / 16][D][16], zero-padded.
-  std::vector<float> panels(static_cast<size_t>(heads) * S_pad * D, 0.0f);
-  for (int bh = 0; bh < heads; ++bh) {
-    const float* kh = k + (bh / g.Hkv) * g.k[0] + (bh % g.Hkv) * g.k[1];
-    float* ph = panels.data() + static_cast<size_t>(bh) * S_pad * D;
-    for (int j = 0; j < S; ++j)
-      for (int d = 0; d < D; ++d)
-        ph[(j / kPanel) * kPanel * D + d * kPanel + j % kPanel] = kh[j * g.k[2] + d];
-  }
   // a row's exp writes up to 7 keys past its last (softmax_numerators)
   const int s_stride = S_pad + 8;
-  std::vector<float> qs(kRows * D), scores(kRows * static_cast<size_t>(s_stride)), o(kRows * D);
+  std::vector<float> panels(static_cast<size_t>(S_pad) * D), qs(kRows * D), o(kRows * D),
+      scores(kRows * static_cast<size_t>(s_stride));
   int lo[kRows], hi[kRows];
-  for (int i = 0; i < heads * blocks_per_head; ++i) {
-    const int bh = i / blocks_per_head, b = bh / g.Hkv, h = bh % g.Hkv;
-    const int r0 = (i % blocks_per_head) * kRows, R = std::min(kRows, rows - r0);
-    for (int r = 0; r < R; ++r) {
-      const int head = h * rep + (r0 + r) / g.T, t = (r0 + r) % g.T;
-      const float* src = q + b * g.q[0] + head * g.q[1] + t * g.q[2];
-      for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
-      lo[r] = g.first_key(t), hi[r] = g.end_key(t);
-    }
-    const float* ph = panels.data() + static_cast<size_t>(bh) * S_pad * D;
-    const float* vh = v + b * g.v[0] + h * g.v[1];
-    auto block = attend_block<1>;
-    switch (R) {
-      case 6: block = attend_block<6>; break;
-      case 5: block = attend_block<5>; break;
-      case 4: block = attend_block<4>; break;
-      case 3: block = attend_block<3>; break;
-      case 2: block = attend_block<2>; break;
-    }
-    block(qs.data(), ph, vh, g.v[2], lo, hi, D, scores.data(), s_stride, o.data());
-    for (int r = 0; r < R; ++r) {
-      const int head = h * rep + (r0 + r) / g.T, t = (r0 + r) % g.T;
-      std::memcpy(out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D, o.data() + r * D,
-                  D * sizeof(float));
+  for (int b = 0; b < g.B; ++b) {
+    for (int h = 0; h < g.Hkv; ++h) {
+      // this kv head's K as panels [S_pad / 16][D][16], zero past S
+      const KV* kh = k + b * g.k[0] + h * g.k[1];
+      for (int j = 0; j < S_pad; ++j)
+        for (int d = 0; d < D; ++d)
+          panels[(static_cast<size_t>(j) / kPanel * D + d) * kPanel + j % kPanel] =
+              j < S ? widen(kh[j * g.k[2] + d]) : 0.0f;
+      const KV* vh = v + b * g.v[0] + h * g.v[1];
+      for (int head = h * rep; head < (h + 1) * rep; ++head) {
+        for (int t0 = 0; t0 < g.T; t0 += kRows) {
+          const int R = std::min(kRows, g.T - t0);
+          for (int r = 0; r < R; ++r) {
+            const float* src = q + b * g.q[0] + head * g.q[1] + (t0 + r) * g.q[2];
+            for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
+            lo[r] = g.first_key(t0 + r), hi[r] = g.end_key(t0 + r);
+          }
+          auto block = attend_block<1, KV>;
+          switch (R) {
+            case 6: block = attend_block<6, KV>; break;
+            case 5: block = attend_block<5, KV>; break;
+            case 4: block = attend_block<4, KV>; break;
+            case 3: block = attend_block<3, KV>; break;
+            case 2: block = attend_block<2, KV>; break;
+          }
+          block(qs.data(), panels.data(), vh, g.v[2], lo, hi, D, scores.data(), s_stride, o.data());
+          float* dst = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t0) * D;
+          std::memcpy(dst, o.data(), static_cast<size_t>(R) * D * sizeof(float));
+        }
+      }
     }
   }
 }
@@ -326,10 +364,19 @@ class FusedAttention : public mx::Primitive {
     encoder.set_output_array(out);
     Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
                causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
-    encoder.dispatch([qp = q.data<float>(), kp = k.data<float>(), vp = v.data<float>(),
-                      op = out.data<float>(), g]() {
+    if (k.dtype() == mx::bfloat16) {
+      dispatch(encoder, q.data<float>(), k.data<uint16_t>(), v.data<uint16_t>(), out.data<float>(), g);
+    } else {
+      dispatch(encoder, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), g);
+    }
+  }
+
+  template <typename KV>
+  static void dispatch(mx::cpu::CommandEncoder& encoder, const float* q, const KV* k, const KV* v,
+                       float* out, const Geometry& g) {
+    encoder.dispatch([=]() {
       const bool tiled = g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1;
-      (tiled ? attend_tiled : attend)(qp, kp, vp, op, g);
+      (tiled ? attend_tiled<KV> : attend<KV>)(q, k, v, out, g);
     });
   }
 
@@ -359,8 +406,9 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   std::ostringstream err;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     err << "q, k and v must be 4-D, got " << q.shape() << ", " << k.shape() << ", " << v.shape();
-  } else if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
-    err << "q, k and v must be float32";
+  } else if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
+             (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16)) {
+    err << "q must be float32, k and v both float32 or both bfloat16";
   } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
              k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
     err << "incompatible shapes q " << q.shape() << ", k " << k.shape() << ", v " << v.shape();

@@ -1,4 +1,4 @@
-"""Build and load ``attention_kernel.cpp``: fp32 attention as one MLX op.
+"""Build and load ``attention_kernel.cpp``: CPU attention as one MLX op.
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. The extension is compiled once per source, compiler, MLX (version and
@@ -6,8 +6,9 @@ install), nanobind, Python and CPU into the user's cache directory, with
 nanobind's own sources (the ``cpu`` extra installs nanobind) and MLX's
 headers from its wheel, then checked against MLX's ops on small cases.
 Anything missing or wrong (no C++ compiler, no nanobind, a nanobind whose
-ABI differs from the one MLX was built with, a failed build or check) leaves ``load()`` returning None, and
-attention keeps running as MLX ops. ``LLM_PTE_ATTENTION_KERNEL=0`` opts out.
+ABI differs from the one MLX was built with, a failed build or check)
+leaves ``load()`` returning None, and attention keeps running as MLX ops.
+``LLM_PTE_ATTENTION_KERNEL=0`` opts out.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _command(cxx: str, nanobind) -> list[str]:
     nb_root = pathlib.Path(nanobind.__file__).parent
     mlx_root = pathlib.Path(mx.__file__).parent
     command = [
-        cxx, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd", "-pthread",
+        cxx, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
         *_vector_flags(), "-DNB_DOMAIN=mlx", "-DNDEBUG",
         f"-I{nanobind.include_dir()}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}",
@@ -95,13 +96,17 @@ def _import(path: pathlib.Path):
 
 def _agrees_with_mlx(module) -> bool:
     """Grouped-query cases with strided keys against MLX's own ops: two
-    queries (the kernel's row loops) and twelve (its tiled path)."""
+    queries (the kernel's row loops), thirteen (its tiled path, a partial
+    block), and thirteen with a window of five."""
     pool = mx.random.normal((2, 1, 2, 24, 16), key=mx.random.key(1))
     k, v = pool[0][:, :, :20], pool[1][:, :, :20]
-    for T in (2, 12):
+    for T, window in ((2, 0), (13, 0), (13, 5)):
         q = mx.random.normal((1, 4, T, 16), key=mx.random.key(T))
-        ours = module.attention(q, k, v, 0.25, True, stream=mx.cpu)
-        mask = mx.arange(20)[None] <= mx.arange(20 - T, 20)[:, None]
+        ours = module.attention(q, k, v, 0.25, True, window=window, stream=mx.cpu)
+        last = mx.arange(20 - T, 20)[:, None]
+        mask = mx.arange(20)[None] <= last
+        if window:
+            mask = mask & (mx.arange(20)[None] > last - window)
         with mx.stream(mx.cpu):
             scores = mx.where(mask, (q * 0.25) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2), -mx.inf)
             reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)

@@ -30,36 +30,54 @@ def build_update_and_attend(n, ctx):
     layer, scale, cache = n.layerId, float(n.scale), ctx.cache
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
     window = cache.layers[layer].window
-    sdpa = cpu_attention(window) if on_cpu() else mx.fast.scaled_dot_product_attention
+    sdpa = cpu_attention(window) if on_cpu() else in_query_dtype(mx.fast.scaled_dot_product_attention)
 
     def run(f):
-        Q = f[q]
         K, V, mask = cache.update_and_fetch(layer, position(f), f[k], f[v])
-        if K.dtype != Q.dtype:
-            K, V = K.astype(Q.dtype), V.astype(Q.dtype)
-        y = sdpa(Q, K, V, scale=scale, mask=mask)
+        y = sdpa(f[q], K, V, scale=scale, mask=mask)
         f[out] = y if out_dtype is None else y.astype(out_dtype)
 
     return run
 
 
+def in_query_dtype(sdpa):
+    """``sdpa`` over keys and values cast to the queries' dtype, for a cache
+    stored in another one (``kv_storage_dtype``)."""
+
+    def cast_then_sdpa(Q, K, V, scale, mask):
+        if K.dtype != Q.dtype:
+            K, V = K.astype(Q.dtype), V.astype(Q.dtype)
+        return sdpa(Q, K, V, scale=scale, mask=mask)
+
+    return cast_then_sdpa
+
+
+# What the compiled kernel reads: fp32 queries over fp32 or bf16 keys and values.
+KERNEL_KV_DTYPES = (mx.float32, mx.bfloat16)
+
+
 def cpu_attention(window: int = 0):
-    """Attention on the CPU: the compiled one-op kernel for fp32 when it is
-    available (``attention_kernel.py``), else ``fastmath.attention``'s MLX ops.
+    """Attention on the CPU: the compiled one-op kernel for fp32 queries when
+    it is available (``attention_kernel.py``), else ``fastmath.attention``'s
+    MLX ops.
 
     ``window`` is the layer's sliding window (0: none). The cache spells it
     out as a band mask when it cuts into the keys; the kernel takes the
-    window itself, so a band mask without one goes to the MLX ops.
+    window itself, so a band mask without one goes to the MLX ops. A bf16
+    cache under fp32 compute is read by the kernel as it is, without a
+    widened copy of the history.
     """
+    mlx_ops = in_query_dtype(attention)
     kernel = attention_kernel.load()
     if kernel is None:
-        return attention
+        return mlx_ops
     fused_attention = kernel.attention
 
     def sdpa(Q, K, V, scale, mask):
         # the cache's masks: None (one query), "causal", or the window's band
-        if Q.dtype == mx.float32 and (window > 0 or not isinstance(mask, mx.array)):
+        if (Q.dtype == mx.float32 and K.dtype in KERNEL_KV_DTYPES
+                and (window > 0 or not isinstance(mask, mx.array))):
             return fused_attention(Q, K, V, scale, mask is not None, window=window, stream=mx.cpu)
-        return attention(Q, K, V, scale=scale, mask=mask)
+        return mlx_ops(Q, K, V, scale=scale, mask=mask)
 
     return sdpa
