@@ -231,7 +231,9 @@ class SequenceCache:
         Returns:
             ``(K, V, mask)``: the history in logical order, and the mask for
             ``mx.fast.scaled_dot_product_attention`` (None, "causal" or a
-            boolean ``[1, 1, T, S]`` band).
+            boolean ``[1, 1, T, S]`` band). A band is always exactly the
+            layer's window over causal queries: the CPU kernel route
+            (``ops/attention.py``) takes the window instead of reading it.
         """
         if not 0 <= layer < len(self.layers):
             raise PteError(
