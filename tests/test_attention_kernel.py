@@ -90,16 +90,36 @@ def test_sliding_window_matches_torch(kernel, Hq, Hkv, T, S, D, causal, window):
     np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T, causal, window", [(1, False, 0), (3, True, 0), (40, True, 0), (40, True, 24)])
-def test_bf16_keys_and_values_are_read_as_stored(kernel, T, causal, window):
-    # a bf16 cache under fp32 compute: the kernel widens K and V as it reads
-    # them; the reference attends over the same values widened to fp32
-    rng = np.random.default_rng(T)
-    q = mx.array(rng.standard_normal((1, 6, T, 32)).astype(np.float32))
-    k, v = (x.astype(mx.bfloat16) for x in pools(rng, 1, 2, 70, 32, 80))
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    "T, D, causal, window",
+    [(1, 32, False, 0), (3, 32, True, 0), (40, 32, True, 0), (40, 32, True, 24), (2, 12, True, 0), (9, 20, True, 0)],
+)
+def test_half_precision_keys_and_values_are_read_as_stored(kernel, dtype, T, D, causal, window):
+    # a bf16 or fp16 cache under fp32 compute: the kernel widens K and V as it
+    # reads them (vector loads, and the scalar tails of a D that is not a
+    # multiple of 8 or 16); the reference attends over the same values
+    # widened to fp32
+    rng = np.random.default_rng(T + D)
+    q = mx.array(rng.standard_normal((1, 6, T, D)).astype(np.float32))
+    k, v = (x.astype(dtype) for x in pools(rng, 1, 2, 70, D, 80))
     out = kernel.attention(q, k, v, 0.2, causal, window=window)
     expected = torch_attention(q, k.astype(mx.float32), v.astype(mx.float32), 0.2, causal, window)
     np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T, strided", [(1, False), (8, False), (1, True)])
+def test_every_fp16_value_is_widened_exactly(kernel, T, strided):
+    # One key: its softmax weight is exactly 1, so each output is the value
+    # as the kernel widened it. Every one of the 65,536 fp16 bit patterns
+    # (subnormals, infinities, NaNs) against numpy's conversion, through the
+    # row loops' and the tiled path's vector loads, and (values strided in
+    # their last axis) the scalar one.
+    values = np.arange(65536, dtype=np.uint16).view(np.float16).reshape(1, 4096, 1, 16)
+    v = mx.array(values.transpose(0, 3, 2, 1).copy()).swapaxes(1, 3) if strided else mx.array(values)
+    q, k = mx.zeros((1, 4096, T, 16)), mx.zeros((1, 4096, 1, 16), dtype=mx.float16)
+    out = np.array(kernel.attention(q, k, v, 1.0, False))[:, :, -1:, :]
+    np.testing.assert_array_equal(out, values.astype(np.float32))  # NaN equals NaN here
 
 
 def test_queries_as_a_transposed_view(kernel):
@@ -137,8 +157,10 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.attention(q, k, v, 1.0)
     with pytest.raises(ValueError, match="float32"):
         kernel.attention(q.astype(mx.bfloat16), k, v, 1.0)
-    with pytest.raises(ValueError, match="both float32 or both bfloat16"):
-        kernel.attention(q, k.astype(mx.float16), v.astype(mx.float16), 1.0)
+    with pytest.raises(ValueError, match="both float32, bfloat16 or float16"):
+        kernel.attention(q, k.astype(mx.int32), v.astype(mx.int32), 1.0)
+    with pytest.raises(ValueError, match="both float32, bfloat16 or float16"):
+        kernel.attention(q, k.astype(mx.float16), v.astype(mx.bfloat16), 1.0)
     with pytest.raises(ValueError, match="no keys"):
         kernel.attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
     with pytest.raises(ValueError, match="window must be 0"):
@@ -172,20 +194,20 @@ def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernel, monkeypatch):
     ).numpy()
     np.testing.assert_allclose(np.array(sdpa(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32]  # the band mask went to the MLX ops
-    # and so do half-precision queries, and fp16 keys (cast to the queries' fp32)
-    sdpa(*[x.astype(mx.bfloat16) for x in (q, k, v)], scale=0.25, mask="causal")
-    out = sdpa(q, k.astype(mx.float16), v.astype(mx.float16), scale=0.25, mask="causal")
-    np.testing.assert_allclose(np.array(out), torch_attention(q, k.astype(mx.float16).astype(mx.float32),
-                                                              v.astype(mx.float16).astype(mx.float32), 0.25, True),
-                               atol=2e-6, rtol=1e-5)
-    assert calls == [1, 4, 32]
-    # bf16 keys under fp32 queries are the kernel's, uncast
-    sdpa(q, k.astype(mx.bfloat16), v.astype(mx.bfloat16), scale=0.25, mask="causal")
-    assert calls == [1, 4, 32, 2]
+    # and so do half-precision queries (cast to the keys' dtype by MLX's ops)
+    out = sdpa(*[x.astype(mx.bfloat16) for x in (q, k, v)], scale=0.25, mask="causal")
+    assert out.dtype == mx.bfloat16 and calls == [1, 4, 32]
+    # bf16 and fp16 keys under fp32 queries are the kernel's, uncast
+    for half in (mx.bfloat16, mx.float16):
+        out = sdpa(q, k.astype(half), v.astype(half), scale=0.25, mask="causal")
+        np.testing.assert_allclose(np.array(out), torch_attention(q, k.astype(half).astype(mx.float32),
+                                                                  v.astype(half).astype(mx.float32), 0.25, True),
+                                   atol=2e-6, rtol=1e-5)
+    assert calls == [1, 4, 32, 2, 2]
     # a ring layer's route knows its window (8: the band above), so the kernel takes it
     windowed = cpu_attention(window=8)
     np.testing.assert_allclose(np.array(windowed(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
-    assert calls == [1, 4, 32, 2, 2]
+    assert calls == [1, 4, 32, 2, 2, 2]
 
 
 def test_opting_out_leaves_mlx_ops():
@@ -246,7 +268,8 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
         calls.clear()
         run_side_by_side(windows, steps, max_write=max_write)
         assert calls == ([T for T in steps for _ in windows] if available else [])
-    # a bf16 cache under fp32 compute, read as stored
-    calls.clear()
-    run_side_by_side([0, 12], [9, 1, 1, 10], dtype="bf16", max_write=10, atol=2e-3)
-    assert calls == ([T for T in (9, 1, 1, 10) for _ in range(2)] if available else [])
+    # bf16 and fp16 caches under fp32 compute, read as stored
+    for dtype in ("bf16", "fp16"):
+        calls.clear()
+        run_side_by_side([0, 12], [9, 1, 1, 10], dtype=dtype, max_write=10, atol=2e-3)
+        assert calls == ([T for T in (9, 1, 1, 10) for _ in range(2)] if available else [])

@@ -1,5 +1,5 @@
-// Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32 or
-// bf16 keys and values (a bf16 cache is widened as it is read).
+// Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32,
+// bf16 or fp16 keys and values (a half-precision cache is widened as it is read).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
 // them) with a BLAS call per kv head for each product and a scalar exp, which
@@ -17,6 +17,7 @@
 // against MLX before use.
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,6 +69,54 @@ inline float widen(uint16_t h) {
   float x;
   std::memcpy(&x, &bits, sizeof x);
   return x;
+}
+
+// fp16 keys and values (a cache stored in fp16), widened with integer
+// operations only, so no F16C or _Float16 is asked of the compiler: move
+// exponent and mantissa into fp32's fields and rebias the exponent, then fix
+// the two exponents that do not rebias: all ones (inf, NaN) and zero (zeros
+// and subnormals, renormalised by subtracting 2^-14 in fp32).
+struct Half {
+  uint16_t bits;
+};
+
+constexpr int32_t kHalfExponent = 0x7c00 << 13;  // fp16's exponent field, moved to fp32's place
+constexpr int32_t kRebias = (127 - 15) << 23;
+constexpr int32_t kInfRebias = (128 - 16) << 23;
+constexpr int32_t kTwoToMinus14 = 113 << 23;
+
+inline f8 as_f8(i8 bits) {
+  f8 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline i8 as_i8(f8 x) {
+  i8 bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+inline f8 load8(const Half* p) {
+  u16x8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const i8 h = __builtin_convertvector(raw, i8);
+  i8 bits = (h & 0x7fff) << 13;
+  const i8 exponent = bits & kHalfExponent;
+  const i8 all_ones = exponent == kHalfExponent, zero = exponent == 0;  // -1 where true
+  bits += kRebias + (all_ones & kInfRebias) + (zero & (1 << 23));
+  const f8 x = as_f8(bits) - as_f8(zero & kTwoToMinus14);  // minus 0.0 where not zero
+  return as_f8(as_i8(x) | ((h & 0x8000) << 16));
+}
+
+inline float widen(Half half) {  // load8's steps on one value
+  const int32_t h = half.bits;
+  int32_t bits = (h & 0x7fff) << 13;
+  const int32_t exponent = bits & kHalfExponent;
+  const int32_t all_ones = -(exponent == kHalfExponent), zero = -(exponent == 0);
+  bits += kRebias + (all_ones & kInfRebias) + (zero & (1 << 23));
+  const float x = std::bit_cast<float>(bits) - std::bit_cast<float>(zero & kTwoToMinus14);
+  return std::bit_cast<float>(std::bit_cast<int32_t>(x) | ((h & 0x8000) << 16));
 }
 
 inline void store8(float* p, f8 x) { std::memcpy(p, &x, sizeof x); }
@@ -366,6 +415,9 @@ class FusedAttention : public mx::Primitive {
                causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
     if (k.dtype() == mx::bfloat16) {
       dispatch(encoder, q.data<float>(), k.data<uint16_t>(), v.data<uint16_t>(), out.data<float>(), g);
+    } else if (k.dtype() == mx::float16) {
+      dispatch(encoder, q.data<float>(), reinterpret_cast<const Half*>(k.data<mx::float16_t>()),
+               reinterpret_cast<const Half*>(v.data<mx::float16_t>()), out.data<float>(), g);
     } else {
       dispatch(encoder, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), g);
     }
@@ -407,8 +459,8 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     err << "q, k and v must be 4-D, got " << q.shape() << ", " << k.shape() << ", " << v.shape();
   } else if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
-             (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16)) {
-    err << "q must be float32, k and v both float32 or both bfloat16";
+             (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16 && k.dtype() != mx::float16)) {
+    err << "q must be float32, k and v both float32, bfloat16 or float16";
   } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
              k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
     err << "incompatible shapes q " << q.shape() << ", k " << k.shape() << ", v " << v.shape();
@@ -431,7 +483,8 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 NB_MODULE(attention_kernel, m) {
   m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,
         nb::kw_only(), "window"_a = 0, "stream"_a = nb::none(),
-        "softmax(scale * q k^T) v for q [B, Hq, T, D] and k, v [B, Hkv, S, D], fp32, on the CPU.\n"
+        "softmax(scale * q k^T) v for q [B, Hq, T, D] (fp32) and k, v [B, Hkv, S, D] (fp32, bf16 or\n"
+        "fp16), on the CPU.\n"
         "causal: the T queries are the last T of the S positions; window > 0: each query sees\n"
         "only the last `window` keys up to its own.");
 }

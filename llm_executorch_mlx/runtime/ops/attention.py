@@ -52,8 +52,8 @@ def in_query_dtype(sdpa):
     return cast_then_sdpa
 
 
-# What the compiled kernel reads: fp32 queries over fp32 or bf16 keys and values.
-KERNEL_KV_DTYPES = (mx.float32, mx.bfloat16)
+# What the compiled kernel reads: fp32 queries over fp32, bf16 or fp16 keys and values.
+KERNEL_KV_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
 def cpu_attention(window: int = 0):
@@ -63,8 +63,8 @@ def cpu_attention(window: int = 0):
 
     ``window`` is the layer's sliding window (0: none). The cache spells it
     out as a band mask when it cuts into the keys; the kernel takes the
-    window itself, so a band mask without one goes to the MLX ops. A bf16
-    cache under fp32 compute is read by the kernel as it is, without a
+    window itself, so a band mask without one goes to the MLX ops. A bf16 or
+    fp16 cache under fp32 compute is read by the kernel as it is, without a
     widened copy of the history.
     """
     mlx_ops = in_query_dtype(attention)
