@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime import attention_kernel, load_program
 from llm_executorch_mlx.runtime._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.graph import decode_graph, encode_graph
 from llm_executorch_mlx.runtime.layout import for_blas, matmul_weights
@@ -79,11 +79,18 @@ def test_relaid_weights_compute_the_same_products():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_exported_linear_weights_take_the_blas_layout_on_the_cpu(exported, arch):
+def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_gemv(exported, arch, monkeypatch):
     _, pte = exported(arch)
-    program = load_program(pte)
+    monkeypatch.setenv(attention_kernel.ENV_VAR, "0")
+    attention_kernel.load.cache_clear()
+    try:
+        program = load_program(pte)
+        constants = program._load_constants("forward", program._graph("forward"))
+    finally:
+        monkeypatch.undo()
+        attention_kernel.load.cache_clear()
     graph = program._graph("forward")
-    constants = program._load_constants("forward", graph)
+    graph = program._graph("forward")
     linear = matmul_weights(graph)
     # q, k, v, o, gate, up, down per layer (+ the LM head when untied)
     assert len(linear) >= 7 * program.metadata.n_caches
@@ -91,3 +98,16 @@ def test_exported_linear_weights_take_the_blas_layout_on_the_cpu(exported, arch)
         w = constants[tid]
         rows, cols = w.shape
         assert column_major(w) if rows >= cols else row_major(w), (tid, w.shape)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_linear_weights_stay_row_major_for_the_compiled_gemv(exported, arch):
+    """Its dot-product loops read each output's weights as one contiguous row."""
+    assert attention_kernel.shared_gemv() is not None, attention_kernel.unavailable_reason
+    _, pte = exported(arch)
+    program = load_program(pte)
+    graph = program._graph("forward")
+    constants = program._load_constants("forward", graph)
+    linear = matmul_weights(graph)
+    assert len(linear) >= 7 * program.metadata.n_caches
+    assert all(row_major(constants[tid]) for tid in linear)

@@ -152,6 +152,12 @@ def state() -> str:
     return "compiled kernel, built on the first prompt (~30 s, once)"
 
 
+def shared_gemv():
+    """The extension's one-row product (``gemv``), or None without it."""
+    kernel = load()
+    return None if kernel is None else kernel.gemv
+
+
 @functools.cache
 def load():
     """The compiled extension module (built now if not cached), or None."""

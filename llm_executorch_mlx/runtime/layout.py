@@ -18,7 +18,11 @@ which ``gemv_route.c`` sends one-row products to::
     head   49152 x 576    6.6 / 13.6   14.9-15.4 / 20.6-22.9
 
 so for both a weight with ``out >= in`` is stored column-major and the
-others stay as they are. Many-row products (prefill) run at the same speed either way. Only
+others stay as they are. This applies only where one-row products do reach
+BLAS: with the compiled extension loaded (``attention_kernel.py``), a decode
+step's products are its ``gemv``, whose dot loops read each output's weights
+as one contiguous row, so weights stay row-major as exported
+(``program.py``). Many-row products (prefill) run at the same speed either way. Only
 the strides change: every reader sees the same logical tensor, so nothing
 else in the program needs to know.
 """

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._schema import mlx_delegate as md
+from .attention_kernel import shared_gemv
 from .cache import LayerGeometry, SequenceCache, parse_windows
 from .container import Plan, PteFile, TensorValue
 from .dtypes import (
@@ -182,8 +183,9 @@ class Program:
             if ns.slot.slotType == md.SlotType.TensorSlot:
                 names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
         metas = graph.tensorMeta or []
-        # On the CPU, linear weights take the layout BLAS streams fastest.
-        blas_weights = matmul_weights(graph) if on_cpu() else set()
+        # On the CPU, linear weights take the layout BLAS streams fastest,
+        # unless the compiled extension runs one-row products: it reads rows.
+        blas_weights = matmul_weights(graph) if on_cpu() and shared_gemv() is None else set()
         constants = []
         for tid in range(graph.numConstantTensors):
             key = names.get(tid)

@@ -6,6 +6,7 @@ import functools
 
 import mlx.core as mx
 
+from ..attention_kernel import shared_gemv
 from ..dtypes import on_cpu
 from ..errors import PteError
 from ..fastmath import attention
@@ -27,19 +28,34 @@ def build_addmm_last_row(n, ctx):
 def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
+    # on the CPU, a decode step's products are the compiled extension's, run
+    # with the host thread's help (runtime/steps.py)
+    gemv = shared_gemv() if on_cpu() else None
+    alpha, beta = float(n.alpha), float(n.beta)
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
         batched = _BatchedWeight()
 
         def run(f):
-            f[out] = batched.matmul(rows(f[a]), f[b])
+            x, w = rows(f[a]), f[b]
+            f[out] = gemv(x, w) if gemv and _decode_row(f[a], w) else batched.matmul(x, w)
 
         return run
-    alpha, beta = float(n.alpha), float(n.beta)
 
     def run(f):
-        f[out] = mx.addmm(f[bias], rows(f[a]), f[b], alpha, beta)
+        x, w = rows(f[a]), f[b]
+        if gemv and alpha == beta == 1.0 and _decode_row(f[a], w):
+            f[out] = gemv(x, w) + f[bias]
+        else:
+            f[out] = mx.addmm(f[bias], x, w, alpha, beta)
 
     return run
+
+
+def _decode_row(x, w) -> bool:
+    """One fp32 row against a 2-D fp32 weight. ``x`` is taken before any
+    last-row slice, so a prefill chunk's LM head stays a BLAS product: no
+    host thread helps during prefill."""
+    return x.dtype == mx.float32 and w.dtype == mx.float32 and w.ndim == 2 and x.size == x.shape[-1]
 
 
 class _BatchedWeight:
