@@ -25,7 +25,8 @@ def _load(path: str):
 
 def _runtime_facts() -> dict:
     """Where this machine runs a program: MLX's device and, on a CPU, the
-    BLAS bound and how attention runs (without building the kernel)."""
+    BLAS bound, and how attention and a decode step's products run (without
+    building the kernel)."""
     import mlx.core as mx
 
     from .runtime import attention_kernel, blas
@@ -36,6 +37,8 @@ def _runtime_facts() -> dict:
         status = blas.load_fast_blas()
         facts["blas"] = {"library": status.library, "reason": status.reason}
         facts["attention"] = attention_kernel.state()
+        compiled = facts["attention"].startswith("compiled kernel")
+        facts["decode_products"] = "the compiled kernel's gemv, the host thread helping" if compiled else "BLAS"
     return facts
 
 
@@ -225,4 +228,5 @@ def register_commands(cli):
             blas = runtime["blas"]
             click.echo(f"        BLAS: {blas['library'] or 'MLX reference BLAS (slow)'} ({blas['reason']})")
             click.echo(f"        attention: {runtime['attention']}")
+            click.echo(f"        decode products: {runtime['decode_products']}")
     from .export_command import add_export_commands; add_export_commands(pte)  # noqa: E702  llm pte export, llm pte demo

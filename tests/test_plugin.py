@@ -77,6 +77,7 @@ def test_register_list_info_remove(tiny):
     assert "[runtime] MLX on the cpu" in info and "attention: compiled kernel" in info
     assert info_json["runtime"]["blas"]["library"] == blas.load_fast_blas().library
     assert info_json["runtime"]["attention"].startswith("compiled kernel")
+    assert "decode products: the compiled kernel's gemv" in info
     assert invoke("pte", "remove", "tiny").exit_code == 0
     assert json.loads(invoke("pte", "models", "--json").output) == []
 
@@ -84,7 +85,8 @@ def test_register_list_info_remove(tiny):
 def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch):
     register(tiny, "tiny")
     monkeypatch.setenv("LLM_PTE_ATTENTION_KERNEL", "0")
-    assert "attention: MLX ops (LLM_PTE_ATTENTION_KERNEL=0)" in invoke("pte", "info", "tiny").output
+    info = invoke("pte", "info", "tiny").output
+    assert "attention: MLX ops (LLM_PTE_ATTENTION_KERNEL=0)" in info and "decode products: BLAS" in info
 
 
 def test_refused_registrations_leave_the_registry_unchanged(tiny, tmp_path):
