@@ -90,7 +90,6 @@ def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_gemv(
         monkeypatch.undo()
         attention_kernel.load.cache_clear()
     graph = program._graph("forward")
-    graph = program._graph("forward")
     linear = matmul_weights(graph)
     # q, k, v, o, gate, up, down per layer (+ the LM head when untied)
     assert len(linear) >= 7 * program.metadata.n_caches

@@ -35,7 +35,6 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
-#include "mlx/scheduler.h"
 #include "mlx/transforms.h"
 #include "mlx/utils.h"
 
@@ -566,6 +565,7 @@ void dot_rows(const RowsJob& j, int64_t lo, int64_t hi) {
 
 // Run chunks of `j` until none is left unclaimed.
 void take_chunks(RowsJob& j) {
+  if (j.next.load(std::memory_order_relaxed) >= j.chunks) return;  // all claimed: no needless RMW
   for (int c; (c = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
     const int64_t lo = c * j.chunk;
     dot_rows(j, lo, std::min(j.N, lo + j.chunk));
@@ -576,10 +576,7 @@ void take_chunks(RowsJob& j) {
 // On a stream thread: post `j` (unless another stream's job is posted), run
 // chunks, and return once every chunk is done and no helper can still be
 // reading `j`.
-std::atomic<uint64_t> started_products{0};
-
 void run_shared(RowsJob& j) {
-  started_products.fetch_add(1, std::memory_order_relaxed);
   RowsJob* none = nullptr;
   const bool posted = posted_job.compare_exchange_strong(none, &j);
   take_chunks(j);
@@ -597,20 +594,21 @@ void run_shared(RowsJob& j) {
 // thread only; each entry holds its weight array, so what it reads stays
 // allocated.
 struct Upcoming {
-  uint64_t number;  // the how-many-th product queued
-  mx::array weight;
+  std::shared_ptr<std::atomic<bool>> started;  // set by the product's task, first thing
+  mx::array weight;                            // keeps `data` allocated while listed
   const char* data;
   int64_t bytes, read;
 };
 thread_local std::deque<Upcoming> upcoming;
-thread_local uint64_t queued_products = 0;
+// Products queued from this thread whose task has not started (shared with
+// the tasks, which count themselves out).
+thread_local std::shared_ptr<std::atomic<int>> unstarted = std::make_shared<std::atomic<int>>(0);
 // 12 MB: half this machine's L3 (read-ahead of 0, 4, 12 and 24 MB, one
 // process, 4 rounds: decode 15.6-18.8, 17.5-18.7, 19.0-20.3, 17.9-19.7 tok/s)
 constexpr int64_t kReadAheadBytes = 12 << 20;
 
 void drop_started() {
-  const uint64_t started = started_products.load(std::memory_order_relaxed);
-  while (!upcoming.empty() && upcoming.front().number < started) upcoming.pop_front();
+  while (!upcoming.empty() && upcoming.front().started->load(std::memory_order_relaxed)) upcoming.pop_front();
 }
 
 // Read the next 4 KB of upcoming weights (one load per cache line), unless
@@ -620,7 +618,7 @@ bool read_ahead() {
   int64_t ahead = 0;
   for (auto& e : upcoming) {
     if (e.read < e.bytes) {
-      if (ahead + e.read >= kReadAheadBytes) return false;
+      if (ahead + e.read >= kReadAheadBytes || e.started->load(std::memory_order_relaxed)) return false;
       const int64_t end = std::min(e.bytes, e.read + 4096);
       float sink = 0.f;
       for (int64_t at = e.read; at < end; at += 64) {
@@ -651,15 +649,18 @@ class SharedGemv : public mx::Primitive {
     encoder.set_output_array(out);
     const float *xp = x.data<float>(), *wp = w.data<float>();
     float* yp = out.data<float>();
-    drop_started();
-    if (w.strides(0) == 1) {  // rows contiguous: the weights are one span
-      upcoming.push_back({queued_products, w, reinterpret_cast<const char*>(wp),
-                          int64_t(w.shape(1)) * w.strides(1) * 4, 0});
-    }
-    ++queued_products;
     const int64_t K = w.shape(0), N = w.shape(1), x_step = x.strides().back();
     const int64_t w_row = w.strides(1), w_col = w.strides(0);
+    auto started = std::make_shared<std::atomic<bool>>(false);
+    auto queued_here = unstarted;
+    queued_here->fetch_add(1);
+    drop_started();
+    if (w_col == 1) {  // rows contiguous: the weights are one span
+      upcoming.push_back({started, w, reinterpret_cast<const char*>(wp), ((N - 1) * w_row + K) * 4, 0});
+    }
     encoder.dispatch([=]() {
+      started->store(true, std::memory_order_relaxed);
+      queued_here->fetch_sub(1, std::memory_order_release);
       std::vector<float> packed;  // x is one row, but may be strided
       const float* xs = xp;
       if (x_step != 1) {
@@ -721,16 +722,16 @@ void help_while(Busy busy) {
   }
 }
 
-// Wait until `a` is computed, helping while any product queued from this
-// thread has not started; then sleep in MLX's wait.
+// Wait until `a` is computed, helping while a product is posted or any
+// queued from this thread has not started; then sleep in MLX's wait.
 void wait_helping(const mx::array& a) {
   if (a.status() == mx::array::Status::unscheduled) return;  // nothing queued: .item() evaluates it
   nb::gil_scoped_release release;
   help_while([&] {
-    return !a.is_available() &&
-           (posted_job.load() != nullptr || started_products.load() < queued_products);
+    return !a.is_available() && (posted_job.load() != nullptr || unstarted->load() > 0);
   });
   mx::array(a).wait();
+  drop_started();  // what the read-ahead list still holds is done
 }
 
 // Every `stride`-th not yet scheduled array of the graph below `outputs`,
@@ -760,25 +761,24 @@ std::pair<std::vector<mx::array>, bool> checkpoints(const std::vector<mx::array>
   return {found, products};
 }
 
-// Nodes the stream may have queued before the host queues more (a few
-// hundred microseconds of small ops), and nodes queued at a time.
-constexpr int kQueuedTasksLow = 3;  // MLX counts a task per ten dispatches, ~5 nodes
-constexpr size_t kNodesPerSlice = 20;
+constexpr size_t kNodesPerSlice = 20;  // a few hundred microseconds of small ops
 
 // mx.async_eval(outputs); for a graph with gemv nodes (a decode step), a
-// slice at a time, running posted chunks and reading ahead in between.
-// Without one there is nothing to help with: the host would only take a
-// core from BLAS's threads.
+// slice at a time: slice i is queued once slice i - 2 is computed, so the
+// stream always has a slice in hand, and in between the host runs posted
+// chunks and reads ahead. (This graph's own progress, not MLX's count of
+// queued tasks, which covers every thread's streams.) Without a gemv there
+// is nothing to help with: the host would only take a core from BLAS's
+// threads.
 void submit_helping(const std::vector<mx::array>& outputs) {
   const auto [slices, products] = checkpoints(outputs, kNodesPerSlice);
   nb::gil_scoped_release release;
   if (products) {
-    auto stream_busy = [] { return mx::scheduler::n_active_tasks() > kQueuedTasksLow; };
-    for (auto& end : slices) {
-      help_while(stream_busy);
-      mx::async_eval({end});
+    for (size_t i = 0; i < slices.size(); ++i) {
+      if (i >= 2) help_while([&] { return !slices[i - 2].is_available(); });
+      mx::async_eval({slices[i]});
     }
-    help_while(stream_busy);
+    if (slices.size() >= 2) help_while([&] { return !slices[slices.size() - 2].is_available(); });
   }
   mx::async_eval(outputs);
 }
