@@ -4,17 +4,23 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 
 import click
 
-from .registry import MODEL_PREFIX, Entry, RegistryError, find_entry, load_entries, save_entries
-
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+from .export_command import add_export_commands
+from .registry import (
+    MODEL_PREFIX, NAME_RE, Entry, RegistryError, find_entry, layers_text, load_entries, save_entries,
+)
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _load(path: str):
+    from .mlx_backend import MlxBackendError, require
+
+    try:
+        require()
+    except MlxBackendError as e:
+        raise click.ClickException(str(e)) from None
     from .runtime import PteError, load_program
 
     try:
@@ -29,10 +35,11 @@ def _runtime_facts() -> dict:
     building the kernel)."""
     import mlx.core as mx
 
+    from .mlx_backend import describe
     from .runtime import attention_kernel, blas
     from .runtime.dtypes import on_cpu
 
-    facts = {"device": mx.default_device().type.name}
+    facts = {"mlx": describe(), "device": mx.default_device().type.name}
     if on_cpu():
         status = blas.load_fast_blas()
         facts["blas"] = {"library": status.library, "reason": status.reason}
@@ -52,16 +59,6 @@ def _summary(program) -> dict:
         "layers": m.n_caches,
         "windows": m.windows,
     }
-
-
-def _layers_text(windows: list[int]) -> str:
-    flat = sum(1 for w in windows if w == 0)
-    rings: dict[int, int] = {}
-    for w in windows:
-        if w:
-            rings[w] = rings.get(w, 0) + 1
-    parts = [f"{flat} flat"] + [f"{n} ring(window {w})" for w, n in sorted(rings.items())]
-    return f"{len(windows)} layers: " + " + ".join(parts)
 
 
 def _strict_entries() -> dict[str, Entry]:
@@ -159,7 +156,7 @@ def register_commands(cli):
             click.echo(f"  chat:      {e.chat}")
             if s:
                 click.echo(f"  context:   {s.get('max_context')} tokens, prefill chunk {s.get('prefill_chunk')}, "
-                           f"{_layers_text(s.get('windows') or [])}")
+                           f"{layers_text(s.get('windows') or [])}")
             for f in missing:
                 click.echo(f"  MISSING:   {f}")
 
@@ -216,17 +213,17 @@ def register_commands(cli):
         click.echo(f"logits mode:      {m.logits_mode}")
         click.echo(f"bos / eos ids:    {m.bos_id} / {m.eos_ids or '-'}")
         if m.has_offgraph_cache:
-            click.echo(f"[cache] off-graph seq | {_layers_text(m.windows)}")
+            click.echo(f"[cache] off-graph seq | {layers_text(m.windows)}")
             click.echo(f"        kv heads {m.kv_heads}, head dims {m.head_dims}")
             click.echo("        KV bytes/token: " + ", ".join(
                 f"{dt} {n:,}" for dt, n in facts["kv_bytes_per_token"].items()))
         else:
             click.echo("[cache] none published (in-graph or not an LLM)")
         runtime = facts["runtime"]
-        click.echo(f"[runtime] MLX on the {runtime['device']}")
+        click.echo(f"[runtime] {runtime['mlx']}, on the {runtime['device']}")
         if "blas" in runtime:
             blas = runtime["blas"]
             click.echo(f"        BLAS: {blas['library'] or 'MLX reference BLAS (slow)'} ({blas['reason']})")
             click.echo(f"        attention: {runtime['attention']}")
             click.echo(f"        decode products: {runtime['decode_products']}")
-    from .export_command import add_export_commands; add_export_commands(pte)  # noqa: E702  llm pte export, llm pte demo
+    add_export_commands(pte)  # llm pte export, llm pte demo

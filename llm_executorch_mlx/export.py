@@ -1,6 +1,7 @@
-"""Exporting Hugging Face models to MLX .pte files with ExecuTorch's exporter.
+"""Exporting Hugging Face models (or GGUF files) to MLX .pte files with ExecuTorch's exporter.
 
-Needs the ``export`` extra (torch, executorch, transformers). Everything here
+A GGUF source is first dequantized into a Hugging Face directory
+(``gguf_source.py``), then exported like any other. Needs the ``export`` extra (torch, executorch, transformers). Everything here
 imports them lazily, so importing this module is cheap.
 
 The Linux executorch wheels ship the MLX backend's export code without its
@@ -28,9 +29,12 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .runtime.errors import PteError
+
+if TYPE_CHECKING:
+    from .gguf_source import GgufSummary
 
 _GENERATED = ("mlx_graph_schema.py", "_generated_serializers.py")
 
@@ -114,6 +118,7 @@ def export_hf_model(
 
 INSTALL_HINT = "pip install 'llm-executorch-mlx[export]'"
 EXPORT_MODULES = ("torch", "transformers", "executorch")
+GGUF_MODULES = ("gguf", "accelerate")  # transformers' GGUF reader
 DTYPES = ("bf16", "fp16", "fp32")
 QUANT_CONFIGS = ("4w", "8w")
 GROUP_SIZES = (32, 64, 128)
@@ -138,8 +143,10 @@ def missing_export_modules() -> list[str]:
     return [name for name in EXPORT_MODULES if importlib.util.find_spec(name) is None]
 
 
-def check_export_dependencies() -> None:
+def check_export_dependencies(gguf: bool = False) -> None:
     missing = missing_export_modules()
+    if gguf:
+        missing += [name for name in GGUF_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         raise ExportError(f"exporting needs {', '.join(missing)}: {INSTALL_HINT}")
 
@@ -168,7 +175,10 @@ def inspect_source(source: str | os.PathLike) -> SourceInfo:
     if not path.exists():
         raise ExportError(f"no such directory: {path}")
     if not path.is_dir():
-        raise ExportError(f"{path} is not a directory: pass a Hugging Face model directory (config.json + weights)")
+        raise ExportError(
+            f"{path} is neither a directory nor a GGUF file: pass a Hugging Face model directory "
+            "(config.json + weights) or a .gguf file"
+        )
     if not (path / "config.json").is_file():
         raise ExportError(f"{path} has no config.json: not a Hugging Face model directory")
     import transformers
@@ -249,6 +259,18 @@ class ExportResult:
     tokenizer: pathlib.Path | None  # the copy beside the .pte
     copied: list[str] = field(default_factory=list)
     generated_modules: bool = False
+    gguf: "GgufSummary | None" = None  # the GGUF file exported, when the source was one
+
+    @property
+    def gguf_note(self) -> str | None:
+        """How the GGUF's stored weights became this file's, when they were quantized."""
+        if self.gguf is None or not self.gguf.quantized_types:
+            return None
+        stored = "/".join(self.gguf.quantized_types)
+        if self.qlinear or self.qembedding:
+            return (f"its {stored} weights were dequantized, then re-quantized to {self.quantization}: "
+                    f"close to, not the same as, the GGUF's own {stored} values")
+        return f"its {stored} weights were dequantized: this {self.dtype} file holds their values at full width"
 
     @property
     def quantization(self) -> str:
@@ -296,11 +318,13 @@ def export_model(
     progress: Callable[[str], None] | None = None,
     verbose: bool = False,
 ) -> ExportResult:
-    """Export ``source`` (a local HF causal LM) to ``output``, checked, atomically.
+    """Export ``source`` (a local HF causal LM directory, or a GGUF file) to
+    ``output``, checked, atomically.
 
     The program is executorch's ``export_llm_hf --use-offgraph-cache``; this adds
     the checks, progress, a load test of the result through our runtime, and
-    the tokenizer files beside it. Raises ``ExportError`` with a one-line message;
+    the tokenizer files beside it. A GGUF file is dequantized into a temporary
+    Hugging Face directory first. Raises ``ExportError`` with a one-line message;
     on any failure no file is left at ``output`` (nor a temporary one).
     """
     started = time.monotonic()
@@ -309,7 +333,10 @@ def export_model(
         if progress is not None:
             progress(f"[{time.monotonic() - started:5.1f}s] {message}")
 
-    check_export_dependencies()
+    from .gguf_source import is_gguf
+
+    gguf = is_gguf(source)
+    check_export_dependencies(gguf=gguf)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     for flag, q in (("--qlinear", qlinear), ("--qembedding", qembedding)):
@@ -322,6 +349,32 @@ def export_model(
         raise ExportError(f"{output} is a directory: pass the path of the .pte file to write")
     if output.exists() and not force:
         raise ExportError(f"{output} exists: use --force to replace it")
+    if not gguf:
+        return _export(source, output, dtype=dtype, qlinear=qlinear, qembedding=qembedding,
+                       group_size=group_size, max_ctx_len=max_ctx_len, prefill_chunk=prefill_chunk,
+                       force=force, say=say, verbose=verbose, started=started)
+    from .gguf_source import GgufError, convert_to_hf, read_summary
+
+    try:
+        summary = read_summary(source)
+        say(f"reading {summary.path.name}: {summary.architecture}, {summary.storage}")
+        with tempfile.TemporaryDirectory(prefix="llm-pte-gguf-") as staging:
+            say("dequantizing to a Hugging Face directory with transformers' GGUF reader")
+            with quiet_libraries():
+                convert_to_hf(summary.path, staging)
+            result = _export(staging, output, dtype=dtype, qlinear=qlinear, qembedding=qembedding,
+                             group_size=group_size, max_ctx_len=max_ctx_len, prefill_chunk=prefill_chunk,
+                             force=force, say=say, verbose=verbose, started=started,
+                             label=f"the dequantized {summary.path.name}")
+    except GgufError as e:
+        raise ExportError(str(e)) from None
+    result.gguf = summary
+    return result
+
+
+def _export(source, output, *, dtype, qlinear, qembedding, group_size, max_ctx_len, prefill_chunk,
+            force, say, verbose, started, label=None) -> ExportResult:
+    """The export proper, from a Hugging Face directory; ``label`` names it in progress lines."""
     info = inspect_source(source)
     chunk = resolve_prefill_chunk(prefill_chunk, max_ctx_len, info.min_window)
     copies, stale = plan_tokenizer_copies(info, output, force)
@@ -336,7 +389,7 @@ def export_model(
             "set up executorch's MLX exporter: generated its missing serialization modules "
             f"({', '.join(_GENERATED)}) with its own flatc, once for this install"
         )
-    say(f"loading {info.architecture} from {info.path} as {dtype}")
+    say(f"loading {info.architecture} from {label or info.path} as {dtype}")
     fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
     os.close(fd)
     tmp = pathlib.Path(tmp_name)

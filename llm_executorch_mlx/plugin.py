@@ -97,6 +97,12 @@ class PteModel(llm.Model):
         self.model_id = entry.model_id
 
     def execute(self, prompt, stream, response, conversation):
+        from .mlx_backend import MlxBackendError, require
+
+        try:
+            require()
+        except MlxBackendError as e:
+            raise llm.ModelError(str(e)) from None
         from .runtime.errors import PteError
         from .text.conversation import messages_from_llm
         from .text.errors import TextError

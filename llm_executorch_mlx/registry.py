@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 
@@ -17,6 +18,7 @@ import llm
 
 FILENAME = "executorch-mlx.json"
 MODEL_PREFIX = "pte:"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # a model's name or alias
 
 
 @dataclass
@@ -96,3 +98,14 @@ def find_entry(name_or_alias: str) -> Entry | None:
         if name_or_alias in e.aliases or name in e.aliases:
             return e
     return None
+
+
+def layers_text(windows: list[int]) -> str:
+    """A model's cache layers in a few words: '30 layers: 30 flat'."""
+    flat = sum(1 for w in windows if w == 0)
+    rings: dict[int, int] = {}
+    for w in windows:
+        if w:
+            rings[w] = rings.get(w, 0) + 1
+    parts = [f"{flat} flat"] + [f"{n} ring(window {w})" for w, n in sorted(rings.items())]
+    return f"{len(windows)} layers: " + " + ".join(parts)

@@ -198,7 +198,7 @@ def _no_tokenizer(d):
 
 BAD_SOURCES = [
     ("missing", None, "no such directory"),
-    ("a-file", lambda d: None, "is not a directory"),
+    ("a-file", lambda d: None, "is neither a directory nor a GGUF file"),
     ("empty", lambda d: d.mkdir(), "has no config.json"),
     ("t5", _t5_config, "not a causal language model"),
     ("unknown", _unknown_type, "does not know the model type 'no-such-model'"),

@@ -5,6 +5,7 @@ References are independent of our text layer: transformers' tokenizer and
 greedy ``generate`` makes the expected continuation.
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -74,7 +75,8 @@ def test_register_list_info_remove(tiny):
     # 2 layers x (K+V) x 2 kv heads x head dim 16, at 4 bytes per fp32 value
     assert info_json["kv_bytes_per_token"]["fp32"] == 2 * 2 * 2 * 16 * 4
     # where it would run here: the CPU, the BLAS bound at import, the kernel
-    assert "[runtime] MLX on the cpu" in info and "attention: compiled kernel" in info
+    backend = f"mlx {importlib.metadata.version('mlx')} with mlx-cpu {importlib.metadata.version('mlx-cpu')} (CPU)"
+    assert f"[runtime] {backend}, on the cpu" in info and "attention: compiled kernel" in info
     assert info_json["runtime"]["blas"]["library"] == blas.load_fast_blas().library
     assert info_json["runtime"]["attention"].startswith("compiled kernel")
     assert "decode products: the compiled kernel's gemv" in info
