@@ -8,6 +8,7 @@ import pathlib
 import click
 
 from .export_command import add_export_commands
+from .mlx_backend import require_for_command
 from .registry import (
     MODEL_PREFIX, NAME_RE, Entry, RegistryError, find_entry, layers_text, load_entries, save_entries,
 )
@@ -15,12 +16,7 @@ KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _load(path: str):
-    from .mlx_backend import MlxBackendError, require
-
-    try:
-        require()
-    except MlxBackendError as e:
-        raise click.ClickException(str(e)) from None
+    require_for_command()
     from .runtime import PteError, load_program
 
     try:
@@ -85,6 +81,7 @@ def register_commands(cli):
     @click.option("--force", is_flag=True, help="Replace a model registered under the same name")
     def register(path, tokenizer_path, name, aliases, chat, force):
         "Register a .pte model and its tokenizer as pte:NAME"
+        require_for_command()
         from .text import TextError, load_tokenizer, resolve_template
 
         path = str(pathlib.Path(path).resolve())

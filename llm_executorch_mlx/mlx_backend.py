@@ -77,6 +77,16 @@ def require() -> None:
         raise MlxBackendError(message)
 
 
+def require_for_command() -> None:
+    """``require()`` for an `llm pte` command: the one-line error click prints."""
+    import click
+
+    try:
+        require()
+    except MlxBackendError as e:
+        raise click.ClickException(str(e)) from None
+
+
 def describe() -> str:
     """One line for `llm pte info`: mlx's version and its backend wheel."""
     mlx = _version("mlx") or "?"
