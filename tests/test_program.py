@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llm_executorch_mlx.runtime import PteError, load_program
-from llm_executorch_mlx.runtime.graph import decode_graph, encode_graph
-from llm_executorch_mlx.runtime.interpreter import GraphExecutor
+from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph
+from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .dtypes import SCALAR_TYPE_NAMES
-from .errors import PteError
+from ..dtypes import SCALAR_TYPE_NAMES
+from ..errors import PteError
 
 LOGITS_MODES = ("full", "last", "selected")
 

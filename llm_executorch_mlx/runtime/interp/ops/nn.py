@@ -6,10 +6,9 @@ import functools
 
 import mlx.core as mx
 
-from ..attention_kernel import shared_gemv
-from ..dtypes import on_cpu
-from ..errors import PteError
-from ..fastmath import attention
+from ...cpu.fastmath import attention
+from ...dtypes import on_cpu
+from ...errors import PteError
 from . import op
 
 
@@ -28,9 +27,10 @@ def build_addmm_last_row(n, ctx):
 def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
-    # on the CPU, a decode step's products are the compiled extension's, run
+    # on the CPU, a decode step's products may be the extension's GEMV, run
     # with the host thread's help (runtime/steps.py)
-    gemv = shared_gemv() if on_cpu() else None
+    kernels = ctx.kernels
+    gemv = kernels.extension.gemv if kernels is not None and kernels.gemv.on else None
     alpha, beta = float(n.alpha), float(n.beta)
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
         batched = _BatchedWeight()

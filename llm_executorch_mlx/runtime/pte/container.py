@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from ._schema import executorch_program as ep
-from .errors import PteError
+from ..errors import PteError
 
 _EXTENDED_HEADER_MAGIC = b"eh"
 _EXTENDED_HEADER_OFFSET = 8

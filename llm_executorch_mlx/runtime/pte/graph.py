@@ -10,7 +10,7 @@ from __future__ import annotations
 import struct
 
 from ._schema import mlx_delegate as md
-from .errors import PteError
+from ..errors import PteError
 
 HEADER_LENGTH = 24
 MAGIC = b"MLX0"

@@ -3,7 +3,7 @@
  * MLX calls cblas_sgemm for every fp32 matmul, a decode step's one-row
  * products included. OpenBLAS runs those through its GEMM kernels (4-10 GB/s
  * of weight read on the project's 2-core EPYC) while its sgemv streams the
- * same weights at 9-21 GB/s. gemv_route.py compiles this file, opens it with
+ * same weights at 9-21 GB/s. sgemm_route.py compiles this file, opens it with
  * RTLD_GLOBAL before mlx.core loads (so libmlx binds this cblas_sgemm), and
  * hands it the real library's sgemm and sgemv, which may carry a symbol
  * prefix (scipy-openblas32's do).
@@ -19,7 +19,7 @@ typedef void (*sgemv_fn)(int, int, int, int, float, const float *, int,
 static sgemm_fn real_sgemm;
 static sgemv_fn real_sgemv;
 
-void llm_pte_gemv_route_bind(void *sgemm, void *sgemv) {
+void llm_pte_sgemm_route_bind(void *sgemm, void *sgemv) {
   real_sgemm = (sgemm_fn)sgemm;
   real_sgemv = (sgemv_fn)sgemv;
 }

@@ -36,11 +36,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from . import fastmath
-from ._schema import mlx_delegate as md
-from .dtypes import on_cpu
-from .errors import PteError
-from .graph import node_name, tensor_fields
+from ..cpu import fastmath
+from ..dtypes import on_cpu
+from ..errors import PteError
+from ..pte._schema import mlx_delegate as md
+from ..pte.graph import node_name, tensor_fields
 
 GROUP = ("MultiplyNode", "SliceNode", "SliceNode", "NegNode", "ConcatenateNode", "MultiplyNode", "AddNode")
 _VIEWS = ("ExpandDimsNode", "AsTypeNode", "ReshapeNode")  # keep values, change layout or dtype

@@ -1,19 +1,27 @@
-"""The compiled extension's one-row product (``gemv``) against numpy, and the
-host thread's share of it (``submit_helping``/``wait_helping``, which
-``runtime/steps.py`` calls for every decode step on the CPU)."""
+"""The extension's one-row product (``gemv``, runtime/cpu/gemv.cpp) against
+numpy, and the host thread's share of it (``submit_helping``/``wait_helping``,
+which a method's ``submit``/``wait`` call for every decode step on the CPU,
+runtime/steps.py)."""
+
+import dataclasses
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime import attention_kernel, steps
+from llm_executorch_mlx.runtime import cpu, steps
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    module = attention_kernel.load()
-    assert module is not None, attention_kernel.unavailable_reason
-    return module
+def kernels():
+    found = cpu.kernels(build=True)
+    assert found.gemv.on, found.gemv.why
+    return found
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels.extension
 
 
 def weight(rng, N, K):
@@ -97,15 +105,18 @@ def test_a_step_submitted_with_the_host_helping_computes_the_same(kernel, helped
     np.testing.assert_allclose(np.array(out), numpy_chain(x, ups, downs), rtol=1e-4, atol=1e-4)
 
 
-def test_steps_submit_and_wait_are_async_eval_and_a_wait(kernel):
+def test_steps_submit_and_wait_are_async_eval_and_a_wait(kernels, kernel):
+    helped = steps.steps_for(kernels)
+    assert helped != steps.PLAIN
+    assert steps.steps_for(dataclasses.replace(kernels, gemv=cpu.Use(False, "off"))) == steps.PLAIN
     rng = np.random.default_rng(8)
     x, ups, downs = layer_chain(rng, 3)
     first = run_chain(kernel.gemv, mx.array(x), [mx.array(w) for w in ups], [mx.array(w) for w in downs])
     second = first * 2
-    steps.submit(first, second)
-    steps.wait(second)
+    helped.submit(first, second)
+    helped.wait(second)
     np.testing.assert_allclose(np.array(second), 2 * numpy_chain(x, ups, downs), rtol=1e-4, atol=1e-4)
-    steps.wait(mx.zeros(3) + 1)  # never queued: returns, and reading it evaluates it
+    helped.wait(mx.zeros(3) + 1)  # never queued: returns, and reading it evaluates it
 
 
 def test_results_do_not_depend_on_which_thread_ran_a_chunk(kernel):
@@ -133,6 +144,7 @@ def test_a_model_decodes_with_it_and_prefills_with_blas(kernel, exported, monkey
     monkeypatch.setattr(kernel, "gemv", lambda x, w: rows.append(x.shape[:-1]) or real(x, w))
     _, pte = exported("llama")
     program = load_program(pte)
+    assert program.prepare_cpu_kernels().gemv.on
     cache = program.new_cache(64)
     forward = program.load_method("forward", cache=cache)
     greedy = lambda logits, history: mx.argmax(logits, axis=-1)

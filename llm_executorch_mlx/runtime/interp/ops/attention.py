@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import attention_kernel
-from ..dtypes import on_cpu
-from ..errors import PteError
-from ..fastmath import attention
+from ...cpu.fastmath import attention
+from ...dtypes import on_cpu
+from ...errors import PteError
 from . import op
 
 
@@ -30,7 +29,10 @@ def build_update_and_attend(n, ctx):
     layer, scale, cache = n.layerId, float(n.scale), ctx.cache
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
     window = cache.layers[layer].window
-    sdpa = cpu_attention(window) if on_cpu() else in_query_dtype(mx.fast.scaled_dot_product_attention)
+    if on_cpu():
+        sdpa = cpu_attention(window, ctx.kernels)
+    else:
+        sdpa = in_query_dtype(mx.fast.scaled_dot_product_attention)
 
     def run(f):
         K, V, mask = cache.update_and_fetch(layer, position(f), f[k], f[v])
@@ -56,10 +58,10 @@ def in_query_dtype(sdpa):
 KERNEL_KV_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
 
-def cpu_attention(window: int = 0):
-    """Attention on the CPU: the compiled one-op kernel for fp32 queries when
-    it is available (``attention_kernel.py``), else ``fastmath.attention``'s
-    MLX ops.
+def cpu_attention(window: int = 0, kernels=None):
+    """Attention on the CPU: the extension's one-op kernel for fp32 queries
+    where ``kernels`` (a ``cpu.CpuKernels``) has it on, else
+    ``fastmath.attention``'s MLX ops.
 
     ``window`` is the layer's sliding window (0: none). The cache spells it
     out as a band mask when it cuts into the keys; the kernel takes the
@@ -68,10 +70,9 @@ def cpu_attention(window: int = 0):
     widened copy of the history.
     """
     mlx_ops = in_query_dtype(attention)
-    kernel = attention_kernel.load()
-    if kernel is None:
+    if kernels is None or not kernels.attention.on:
         return mlx_ops
-    fused_attention = kernel.attention
+    fused_attention = kernels.extension.attention
 
     def sdpa(Q, K, V, scale, mask):
         # the cache's masks: None (one query), "causal", or the window's band

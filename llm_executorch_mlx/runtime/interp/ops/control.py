@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..errors import PteError, UnsupportedNodeError
+from ...errors import PteError, UnsupportedNodeError
 from . import op
 from .shape import text
 

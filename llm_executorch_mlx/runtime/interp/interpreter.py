@@ -18,22 +18,17 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ._schema import mlx_delegate as md
-from .dtypes import mlx_dtype, scalar_type_name
-from .errors import PteError
+from ..dtypes import mlx_dtype, scalar_type_name
+from ..errors import PteError
+from ..pte._schema import mlx_delegate as md
+from ..pte.graph import node_name, tensor_fields
 from .fusion import GROUP, plan_swiglu, try_fuse
-from .graph import node_name, tensor_fields
+from .int32 import clamp_int32
+from .ops import BUILDERS
+from .ops.nn import build_addmm_last_row
+from .pairs import try_fuse_pair
 
 Run = Callable[[list], None]
-
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
-
-
-def clamp_int32(v: int) -> int:
-    """Literal ints are int64 on the wire; like ExecuTorch, clamp them to int32
-    (INT64_MAX is the usual "to the end" sentinel of a slice)."""
-    return INT32_MAX if v >= INT32_MAX else INT32_MIN if v <= INT32_MIN else int(v)
-
 
 class BuildContext:
     """What a node builder sees at load: slot resolution and shared services.
@@ -42,10 +37,11 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=()):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), kernels=None):
         self.graph = graph
         self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
+        self.kernels = kernels  # the program's cpu.CpuKernels; None: MLX ops and BLAS only
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
         self.num_constants = graph.numConstantTensors
         self.num_tensors = (
@@ -254,9 +250,6 @@ class BuildContext:
 
 
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
-    from .ops import BUILDERS  # the op table imports this module
-    from .pairs import try_fuse_pair  # so does this, through the op table
-
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
     deferred: dict[int, Run] = {}  # instruction index -> its fused replacement
@@ -349,15 +342,18 @@ class GraphExecutor:
         cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
         dtype_map: dtype substitutions of the compute route (constants must
             already be converted).
+        kernels: the CPU kernels to build nodes with (``cpu.kernels()``, as
+            the program decided at load); None: MLX ops and BLAS only.
     """
 
-    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None):
+    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None,
+                 kernels=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache, dtype_map, constants)
+        ctx = BuildContext(graph, cache, dtype_map, constants, kernels)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):
@@ -412,8 +408,6 @@ class GraphExecutor:
         Only for outputs of 3+ dimensions ([batch, positions, vocab]): a 2-D
         output's rows may be flattened batch and positions.
         """
-        from .ops.nn import build_addmm_last_row
-
         instructions = self.graph.instructionChains[self.graph.mainChainIdx].instructions or []
         if not instructions or not self._main or not self.output_slots:
             return None

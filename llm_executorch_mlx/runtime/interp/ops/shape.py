@@ -12,8 +12,8 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-from ..errors import PteError
-from ..interpreter import clamp_int32
+from ...errors import PteError
+from ..int32 import clamp_int32
 from . import op
 
 _ALL = slice(None)

@@ -28,9 +28,9 @@ import functools
 
 import mlx.core as mx
 
-from .errors import PteError
+from ..errors import PteError
+from ..pte.graph import node_name
 from .fusion import kept_slots, read_before_written
-from .graph import node_name
 from .ops.shape import int_list
 
 PAIRS = {("ReshapeNode", "TransposeNode"), ("TransposeNode", "ReshapeNode")}

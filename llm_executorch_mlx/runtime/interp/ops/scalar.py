@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import PteError
-from ..interpreter import INT32_MAX, INT32_MIN
+from ...errors import PteError
+from ..int32 import INT32_MAX, INT32_MIN
 from . import op
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..errors import PteError
+from ...errors import PteError
 from . import op
 
 

@@ -1,6 +1,9 @@
-"""The compiled CPU attention kernel (runtime/attention_kernel.cpp) against
-PyTorch's scaled_dot_product_attention, and the route that picks it."""
+"""The extension's CPU attention (runtime/cpu/attention.cpp) against
+PyTorch's scaled_dot_product_attention, the route that picks it, and how the
+extension is built, opted out of and remembered (runtime/cpu/extension.py)."""
 
+import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -10,17 +13,22 @@ import numpy as np
 import pytest
 import torch
 
-from llm_executorch_mlx.runtime import attention_kernel
-from llm_executorch_mlx.runtime.ops.attention import cpu_attention
+from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.interp.ops.attention import cpu_attention
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    module = attention_kernel.load()
+def kernels():
+    found = cpu.kernels(build=True)
     # The suite runs where the `test` extra put nanobind and a C++ compiler
     # exists: the kernel must build there, or the CPU speed claims are void.
-    assert module is not None, attention_kernel.unavailable_reason
-    return module
+    assert found.attention.on, found.attention.why
+    return found
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels.extension
 
 
 def torch_attention(q, k, v, scale, causal, window=0):
@@ -167,7 +175,7 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.attention(mx.zeros((1, 2, 1, 8)), k, v, 1.0, window=-1)
 
 
-def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernel, monkeypatch):
+def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernels, kernel, monkeypatch):
     calls = []
 
     def spy(*args, **kwargs):
@@ -177,7 +185,7 @@ def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernel, monkeypatch):
     real = kernel.attention
     monkeypatch.setattr(kernel, "attention", spy)
     rng = np.random.default_rng(2)
-    sdpa = cpu_attention()
+    sdpa = cpu_attention(kernels=kernels)
     k, v = pools(rng, 1, 2, 40, 16, 64)
     for T, mask in ((1, None), (4, "causal"), (32, "causal")):
         q = mx.array(rng.standard_normal((1, 4, T, 16)).astype(np.float32))
@@ -205,43 +213,59 @@ def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernel, monkeypatch):
                                    atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32, 2, 2]
     # a ring layer's route knows its window (8: the band above), so the kernel takes it
-    windowed = cpu_attention(window=8)
+    windowed = cpu_attention(window=8, kernels=kernels)
     np.testing.assert_allclose(np.array(windowed(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32, 2, 2, 2]
 
 
-def test_opting_out_leaves_mlx_ops():
+KERNELS = (
+    "from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(build=True); "
+    "print(k.attention.on, k.gemv.on, k.extension is not None, k.attention.why)"
+)
+
+
+def test_each_part_opts_out_on_its_own():
+    runs = {}
+    for flags in ({cpu.ATTENTION_FLAG: "0"}, {cpu.GEMV_FLAG: "0"}, {cpu.ATTENTION_FLAG: "0", cpu.GEMV_FLAG: "0"}):
+        env = {**os.environ, **flags}
+        out = subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, check=True)
+        runs[tuple(flags)] = out.stdout.strip()
+    assert runs[(cpu.ATTENTION_FLAG,)] == f"False True True {cpu.ATTENTION_FLAG}=0"
+    assert runs[(cpu.GEMV_FLAG,)].startswith("True False True ")
+    # neither part wanted: the extension is not even loaded
+    assert runs[(cpu.ATTENTION_FLAG, cpu.GEMV_FLAG)] == f"False False False {cpu.ATTENTION_FLAG}=0"
+
+
+def test_it_is_built_only_when_asked(tmp_path):
     code = (
-        "from llm_executorch_mlx.runtime import attention_kernel as a; "
-        "print(a.load() is None, a.unavailable_reason)"
+        "from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(); "
+        "print(k.attention.on, k.attention.needs_build, k.gemv.needs_build)"
     )
-    env = {**os.environ, attention_kernel.ENV_VAR: "0"}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == f"True {attention_kernel.ENV_VAR}=0"
+    assert out.stdout.strip() == "False True True"
+    assert "building" not in out.stderr
+    assert not list(tmp_path.glob("llm-executorch-mlx/cpu_kernels-*"))
 
 
 def test_a_failed_build_is_remembered_and_not_retried(tmp_path):
-    code = (
-        "from llm_executorch_mlx.runtime import attention_kernel as a; "
-        "print(a.load() is None, a.unavailable_reason)"
-    )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "false"}
-    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    runs = [subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, check=True)
             for _ in range(2)]
-    assert "building the CPU attention kernel" in runs[0].stderr  # tried once
-    assert "building the CPU attention kernel" not in runs[1].stderr  # not again
-    assert all(r.stdout.startswith("True building it failed") for r in runs)
-    assert len(list(tmp_path.glob("llm-executorch-mlx/attention_kernel-*.failed"))) == 1
+    assert "building the CPU kernels" in runs[0].stderr  # tried once
+    assert "building the CPU kernels" not in runs[1].stderr  # not again
+    assert all(r.stdout.startswith("False False False building it failed") for r in runs)
+    assert len(list(tmp_path.glob("llm-executorch-mlx/cpu_kernels-*.failed"))) == 1
 
 
 def test_a_failed_marker_does_not_hide_a_built_kernel(kernel, tmp_path):
     # another process may have built it after this one failed
     code = (
-        "import pathlib, shutil; from llm_executorch_mlx.runtime import attention_kernel as a; "
+        "import pathlib, shutil; from llm_executorch_mlx.runtime import cpu; "
         f"src = pathlib.Path({str(kernel.__file__)!r}); "
         f"dst = pathlib.Path({str(tmp_path)!r}) / 'llm-executorch-mlx' / src.name; dst.parent.mkdir(exist_ok=True); "
         "shutil.copy(src, dst); dst.with_name(dst.name.split('.')[0] + '.failed').write_text('old failure'); "
-        "print(a.load() is not None)"
+        "print(cpu.kernels().attention.on)"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -250,7 +274,8 @@ def test_a_failed_marker_does_not_hide_a_built_kernel(kernel, tmp_path):
 
 
 @pytest.mark.parametrize("available", [True, False])
-def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kernel, monkeypatch, available):
+def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kernels, kernel, monkeypatch,
+                                                                           available):
     # the op as a model runs it (test_cache's side-by-side with ExecuTorch's
     # reference cache), routed through the kernel or, without it, MLX ops
     from test_cache import run_side_by_side
@@ -259,17 +284,18 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
     real = kernel.attention
     monkeypatch.setattr(kernel, "attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
     if not available:
-        monkeypatch.setattr(attention_kernel, "load", lambda: None)
-    run_side_by_side([0], [5, 1, 1, 3, 8])
+        kernels = dataclasses.replace(kernels, attention=cpu.Use(False, "off for this test"))
+    run = functools.partial(run_side_by_side, kernels=kernels)
+    run([0], [5, 1, 1, 3, 8])
     assert calls == ([5, 1, 1, 3, 8] if available else [])
     # a flat layer and a ring of window 6 past its window (band masks, wraps),
     # then a ring of window 12 taking chunks of 8-10 (the tiled path) as it wraps
     for windows, steps, max_write in (([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], 6), ([12, 0], [9, 1, 10, 8, 1, 9], 10)):
         calls.clear()
-        run_side_by_side(windows, steps, max_write=max_write)
+        run(windows, steps, max_write=max_write)
         assert calls == ([T for T in steps for _ in windows] if available else [])
     # bf16 and fp16 caches under fp32 compute, read as stored
     for dtype in ("bf16", "fp16"):
         calls.clear()
-        run_side_by_side([0, 12], [9, 1, 1, 10], dtype=dtype, max_write=10, atol=2e-3)
+        run([0, 12], [9, 1, 1, 10], dtype=dtype, max_write=10, atol=2e-3)
         assert calls == ([T for T in (9, 1, 1, 10) for _ in range(2)] if available else [])

@@ -12,8 +12,8 @@ from functools import lru_cache
 import mlx.core as mx
 import numpy as np
 
-from .._schema import mlx_delegate as md
-from ..errors import PteError
+from ...errors import PteError
+from ...pte._schema import mlx_delegate as md
 from . import op
 from .elementwise import unary
 

@@ -8,16 +8,24 @@ library opened with ``RTLD_GLOBAL`` before that joins the global lookup scope,
 which is searched before libmlx's own dependencies, so its ``cblas_sgemm``
 wins: the effect of ``LD_PRELOAD`` without restarting the process.
 
-OpenBLAS is preferred where a C compiler can build ``gemv_route.c``: MLX
+OpenBLAS is preferred where a C compiler can build ``sgemm_route.c``: MLX
 sends one-row products (every matmul of a decode step) through sgemm, and
 OpenBLAS's sgemm is slow at them, so the route hands those to its sgemv. On
 the project's 2-core EPYC that made prefill 1.16-1.21x and decode 1.04-1.13x
 faster than MKL, whose sgemm and sgemv both read 6-12 GB/s there.
 
-This must run before the first ``import mlx.core`` in the process;
-``runtime/__init__.py`` calls it first thing. ``LLM_PTE_BLAS`` overrides the
-search: a library path (put behind the route too, when it can be built), or
-``reference`` to keep the wheel's own BLAS.
+This must run before the first ``import mlx.core`` in the process, and so
+it runs at import: ``runtime/cpu/__init__.py`` calls it before importing
+anything that imports mlx.core, and every path into the package's MLX code
+(the runtime, and the text layer, whose ``__init__`` imports the runtime first)
+comes through there. An explicit call would have to come before the first
+``import mlx.core`` of every entry point (the plugin's generation, each
+``llm pte`` command, each test and benchmark), which nothing checks; the
+import order is the one place that guarantees it. Binding it regardless of
+order (patching libmlx's GOT) is future work.
+
+``LLM_PTE_BLAS`` overrides the search: a library path (put behind the route
+too, when it can be built), or ``reference`` to keep the wheel's own BLAS.
 """
 
 from __future__ import annotations
@@ -32,12 +40,12 @@ import pathlib
 import sys
 from dataclasses import dataclass
 
-from . import gemv_route
+from . import sgemm_route
 
 ENV_VAR = "LLM_PTE_BLAS"
 KEEP_REFERENCE = "reference"
 
-# OpenBLAS builds for the one-row route (gemv_route.py), best first, with the
+# OpenBLAS builds for the one-row route (sgemm_route.py), best first, with the
 # prefix of their symbols: the system's, then the scipy-openblas32 wheel (the
 # `cpu` extra installs it), whose symbols are prefixed.
 SYSTEM_OPENBLAS = (
@@ -152,15 +160,15 @@ def _route(libraries: list[tuple[str, str]], how_found: str) -> tuple[BlasStatus
     if not libraries:
         return None, ""
     try:
-        shim, how = gemv_route.build()
+        shim, how = sgemm_route.build()
     except Exception as exc:  # best effort at import time (no home, no access): never fatal
         return None, f" (the one-row route could not be built: {type(exc).__name__}: {exc})"
     if shim is None:
         return None, f" ({how})"
     for path, prefix in libraries:
         try:
-            gemv_route.bind(shim, path, prefix)
-        except gemv_route.RouteUnusable as exc:
+            sgemm_route.bind(shim, path, prefix)
+        except sgemm_route.RouteUnusable as exc:
             return None, f" (the one-row route could not be opened: {exc})"
         except (OSError, AttributeError):
             continue

@@ -19,7 +19,7 @@ which ``gemv_route.c`` sends one-row products to::
 
 so for both a weight with ``out >= in`` is stored column-major and the
 others stay as they are. This applies only where one-row products do reach
-BLAS: with the compiled extension loaded (``attention_kernel.py``), a decode
+BLAS: with the extension's GEMV in use (``cpu.kernels()``), a decode
 step's products are its ``gemv``, whose dot loops read each output's weights
 as one contiguous row, so weights stay row-major as exported
 (``program.py``). Many-row products (prefill) run at the same speed either way. Only
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ._schema import mlx_delegate as md
-from .graph import node_name, tensor_fields
+from ..pte._schema import mlx_delegate as md
+from ..pte.graph import node_name, tensor_fields
 
 
 def matmul_weights(graph: md.MLXGraphT) -> set[int]:
