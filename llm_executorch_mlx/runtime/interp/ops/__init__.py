@@ -1,30 +1,10 @@
-"""The op table: one builder per MLX node kind.
+"""The MLX node kinds the interpreter runs, one module per family of ops.
 
-A builder takes the decoded node (a ``...NodeT`` of the schema) and the
-``BuildContext`` and returns ``run(frame)``, a closure that reads its inputs
-from the frame and writes its outputs back. Everything that can be resolved
-at load (slot indices, literals, dtypes, axis normalisation of static shapes)
-is resolved in the builder, not in the closure.
+Importing the package fills ``BUILDERS`` (``table.py``): each module
+registers its builders with ``@op``.
 """
 
-from __future__ import annotations
+from . import attention, control, creation, elementwise, nn, quant, reduce, scalar, shape  # noqa: F401
+from .table import BUILDERS
 
-from typing import Callable
-
-BUILDERS: dict[str, Callable] = {}
-
-
-def op(*names: str):
-    """Register a builder for one or more node kinds (schema table names)."""
-
-    def register(builder):
-        for name in names:
-            BUILDERS[name] = builder
-        return builder
-
-    return register
-
-
-# Importing the modules fills BUILDERS.
-from . import attention, creation, elementwise, reduce, scalar  # noqa: E402,F401
-from . import shape, nn, quant, control  # noqa: E402,F401
+__all__ = ["BUILDERS"]

@@ -7,7 +7,7 @@ import mlx.core as mx
 from ...cpu.fastmath import attention
 from ...dtypes import on_cpu
 from ...errors import PteError
-from . import op
+from .table import op
 
 
 @op("UpdateAndAttendNode")

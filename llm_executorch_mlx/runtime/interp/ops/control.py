@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...errors import PteError, UnsupportedNodeError
-from . import op
+from .table import op
 from .shape import text
 
 

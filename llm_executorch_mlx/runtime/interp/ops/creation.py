@@ -14,7 +14,7 @@ import numpy as np
 
 from ...errors import PteError
 from ...pte._schema import mlx_delegate as md
-from . import op
+from .table import op
 from .elementwise import unary
 
 MAX_ALLOCATION_BYTES = 4 * 1024**3  # the C++ runtime's bound on a created tensor

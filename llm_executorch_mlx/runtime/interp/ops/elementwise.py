@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...errors import PteError
-from . import op
+from .table import op
 
 
 def unary(n, ctx, fn):

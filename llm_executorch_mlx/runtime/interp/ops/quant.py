@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import op
+from .table import op
 from .shape import text
 
 

@@ -6,7 +6,7 @@ from functools import partial
 
 import mlx.core as mx
 
-from . import op
+from .table import op
 from .elementwise import unary
 
 # Nodes whose empty ``axes`` means "reduce every axis".

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ...errors import PteError
 from ..int32 import INT32_MAX, INT32_MIN
-from . import op
+from .table import op
 
 
 def _checked(name: str, result: int) -> int:

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from ...errors import PteError
 from ..int32 import clamp_int32
-from . import op
+from .table import op
 
 _ALL = slice(None)
 
