@@ -8,7 +8,7 @@ longest contiguous run. Storing ``W`` row-major makes the ``in`` dimension
 contiguous; storing it column-major (``W^T`` contiguous) makes ``out``
 contiguous. GB/s of weight read on the 135M Llama's shapes (2-core EPYC,
 row-major / column-major), for MKL's one-row SGEMM and for OpenBLAS's SGEMV,
-which ``gemv_route.c`` sends one-row products to::
+which ``cpu/sgemm_route.c`` sends one-row products to::
 
                           MKL          OpenBLAS 0.3.21
     q, o   576 x 576      6.4 /  8.0   10.0-11.4 /  9.6-12.1

@@ -39,34 +39,6 @@ class KernelTypes(object):
     TensorList = 10
     OptionalTensorList = 11
 
-def KernelTypesCreator(unionType, table):
-    from flatbuffers.table import Table
-    if not isinstance(table, Table):
-        return None
-    if unionType == KernelTypes().Null:
-        return NullT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().Int:
-        return IntT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().Bool:
-        return BoolT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().Double:
-        return DoubleT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().Tensor:
-        return TensorT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().String:
-        return StringT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().IntList:
-        return IntListT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().DoubleList:
-        return DoubleListT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().BoolList:
-        return BoolListT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().TensorList:
-        return TensorListT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == KernelTypes().OptionalTensorList:
-        return OptionalTensorListT.InitFromBuf(table.Bytes, table.Pos)
-    return None
-
 
 class InstructionArguments(object):
     NONE = 0
@@ -75,22 +47,6 @@ class InstructionArguments(object):
     MoveCall = 3
     JumpFalseCall = 4
     FreeCall = 5
-
-def InstructionArgumentsCreator(unionType, table):
-    from flatbuffers.table import Table
-    if not isinstance(table, Table):
-        return None
-    if unionType == InstructionArguments().KernelCall:
-        return KernelCallT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == InstructionArguments().DelegateCall:
-        return DelegateCallT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == InstructionArguments().MoveCall:
-        return MoveCallT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == InstructionArguments().JumpFalseCall:
-        return JumpFalseCallT.InitFromBuf(table.Bytes, table.Pos)
-    if unionType == InstructionArguments().FreeCall:
-        return FreeCallT.InitFromBuf(table.Bytes, table.Pos)
-    return None
 
 
 class DataLocation(object):
@@ -148,52 +104,6 @@ def ContainerMetadataEnd(builder):
 
 
 
-class ContainerMetadataT(object):
-
-    # ContainerMetadataT
-    def __init__(self):
-        self.encodedInpStr = None  # type: str
-        self.encodedOutStr = None  # type: str
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        containerMetadata = ContainerMetadata()
-        containerMetadata.Init(buf, pos)
-        return cls.InitFromObj(containerMetadata)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, containerMetadata):
-        x = ContainerMetadataT()
-        x._UnPack(containerMetadata)
-        return x
-
-    # ContainerMetadataT
-    def _UnPack(self, containerMetadata):
-        if containerMetadata is None:
-            return
-        self.encodedInpStr = containerMetadata.EncodedInpStr()
-        self.encodedOutStr = containerMetadata.EncodedOutStr()
-
-    # ContainerMetadataT
-    def Pack(self, builder):
-        if self.encodedInpStr is not None:
-            encodedInpStr = builder.CreateString(self.encodedInpStr)
-        if self.encodedOutStr is not None:
-            encodedOutStr = builder.CreateString(self.encodedOutStr)
-        ContainerMetadataStart(builder)
-        if self.encodedInpStr is not None:
-            ContainerMetadataAddEncodedInpStr(builder, encodedInpStr)
-        if self.encodedOutStr is not None:
-            ContainerMetadataAddEncodedOutStr(builder, encodedOutStr)
-        containerMetadata = ContainerMetadataEnd(builder)
-        return containerMetadata
-
-
 class Null(object):
     __slots__ = ['_tab']
 
@@ -222,41 +132,6 @@ def NullStart(builder):
 def NullEnd(builder):
     return builder.EndObject()
 
-
-
-class NullT(object):
-
-    # NullT
-    def __init__(self):
-        pass
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        null = Null()
-        null.Init(buf, pos)
-        return cls.InitFromObj(null)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, null):
-        x = NullT()
-        x._UnPack(null)
-        return x
-
-    # NullT
-    def _UnPack(self, null):
-        if null is None:
-            return
-
-    # NullT
-    def Pack(self, builder):
-        NullStart(builder)
-        null = NullEnd(builder)
-        return null
 
 
 class AllocationDetails(object):
@@ -317,49 +192,6 @@ def AllocationDetailsAddMemoryOffsetHigh(builder, memoryOffsetHigh):
 def AllocationDetailsEnd(builder):
     return builder.EndObject()
 
-
-
-class AllocationDetailsT(object):
-
-    # AllocationDetailsT
-    def __init__(self):
-        self.memoryId = 0  # type: int
-        self.memoryOffsetLow = 0  # type: int
-        self.memoryOffsetHigh = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        allocationDetails = AllocationDetails()
-        allocationDetails.Init(buf, pos)
-        return cls.InitFromObj(allocationDetails)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, allocationDetails):
-        x = AllocationDetailsT()
-        x._UnPack(allocationDetails)
-        return x
-
-    # AllocationDetailsT
-    def _UnPack(self, allocationDetails):
-        if allocationDetails is None:
-            return
-        self.memoryId = allocationDetails.MemoryId()
-        self.memoryOffsetLow = allocationDetails.MemoryOffsetLow()
-        self.memoryOffsetHigh = allocationDetails.MemoryOffsetHigh()
-
-    # AllocationDetailsT
-    def Pack(self, builder):
-        AllocationDetailsStart(builder)
-        AllocationDetailsAddMemoryId(builder, self.memoryId)
-        AllocationDetailsAddMemoryOffsetLow(builder, self.memoryOffsetLow)
-        AllocationDetailsAddMemoryOffsetHigh(builder, self.memoryOffsetHigh)
-        allocationDetails = AllocationDetailsEnd(builder)
-        return allocationDetails
 
 
 class ExtraTensorInfo(object):
@@ -440,58 +272,6 @@ def ExtraTensorInfoAddDeviceIndex(builder, deviceIndex):
 def ExtraTensorInfoEnd(builder):
     return builder.EndObject()
 
-
-
-class ExtraTensorInfoT(object):
-
-    # ExtraTensorInfoT
-    def __init__(self):
-        self.mutableDataSegmentsIdx = 0  # type: int
-        self.fullyQualifiedName = None  # type: str
-        self.location = 0  # type: int
-        self.deviceType = 0  # type: int
-        self.deviceIndex = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        extraTensorInfo = ExtraTensorInfo()
-        extraTensorInfo.Init(buf, pos)
-        return cls.InitFromObj(extraTensorInfo)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, extraTensorInfo):
-        x = ExtraTensorInfoT()
-        x._UnPack(extraTensorInfo)
-        return x
-
-    # ExtraTensorInfoT
-    def _UnPack(self, extraTensorInfo):
-        if extraTensorInfo is None:
-            return
-        self.mutableDataSegmentsIdx = extraTensorInfo.MutableDataSegmentsIdx()
-        self.fullyQualifiedName = extraTensorInfo.FullyQualifiedName()
-        self.location = extraTensorInfo.Location()
-        self.deviceType = extraTensorInfo.DeviceType()
-        self.deviceIndex = extraTensorInfo.DeviceIndex()
-
-    # ExtraTensorInfoT
-    def Pack(self, builder):
-        if self.fullyQualifiedName is not None:
-            fullyQualifiedName = builder.CreateString(self.fullyQualifiedName)
-        ExtraTensorInfoStart(builder)
-        ExtraTensorInfoAddMutableDataSegmentsIdx(builder, self.mutableDataSegmentsIdx)
-        if self.fullyQualifiedName is not None:
-            ExtraTensorInfoAddFullyQualifiedName(builder, fullyQualifiedName)
-        ExtraTensorInfoAddLocation(builder, self.location)
-        ExtraTensorInfoAddDeviceType(builder, self.deviceType)
-        ExtraTensorInfoAddDeviceIndex(builder, self.deviceIndex)
-        extraTensorInfo = ExtraTensorInfoEnd(builder)
-        return extraTensorInfo
 
 
 class Tensor(object):
@@ -675,112 +455,6 @@ def TensorEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List, Optional
-except:
-    pass
-
-class TensorT(object):
-
-    # TensorT
-    def __init__(self):
-        self.scalarType = 0  # type: int
-        self.storageOffset = 0  # type: int
-        self.sizes = None  # type: List[int]
-        self.dimOrder = None  # type: List[int]
-        self.requiresGrad = False  # type: bool
-        self.dataBufferIdx = 0  # type: int
-        self.allocationInfo = None  # type: Optional[AllocationDetailsT]
-        self.layout = 0  # type: int
-        self.shapeDynamism = 0  # type: int
-        self.extraTensorInfo = None  # type: Optional[ExtraTensorInfoT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        tensor = Tensor()
-        tensor.Init(buf, pos)
-        return cls.InitFromObj(tensor)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, tensor):
-        x = TensorT()
-        x._UnPack(tensor)
-        return x
-
-    # TensorT
-    def _UnPack(self, tensor):
-        if tensor is None:
-            return
-        self.scalarType = tensor.ScalarType()
-        self.storageOffset = tensor.StorageOffset()
-        if not tensor.SizesIsNone():
-            if np is None:
-                self.sizes = []
-                for i in range(tensor.SizesLength()):
-                    self.sizes.append(tensor.Sizes(i))
-            else:
-                self.sizes = tensor.SizesAsNumpy()
-        if not tensor.DimOrderIsNone():
-            if np is None:
-                self.dimOrder = []
-                for i in range(tensor.DimOrderLength()):
-                    self.dimOrder.append(tensor.DimOrder(i))
-            else:
-                self.dimOrder = tensor.DimOrderAsNumpy()
-        self.requiresGrad = tensor.RequiresGrad()
-        self.dataBufferIdx = tensor.DataBufferIdx()
-        if tensor.AllocationInfo() is not None:
-            self.allocationInfo = AllocationDetailsT.InitFromObj(tensor.AllocationInfo())
-        self.layout = tensor.Layout()
-        self.shapeDynamism = tensor.ShapeDynamism()
-        if tensor.ExtraTensorInfo() is not None:
-            self.extraTensorInfo = ExtraTensorInfoT.InitFromObj(tensor.ExtraTensorInfo())
-
-    # TensorT
-    def Pack(self, builder):
-        if self.sizes is not None:
-            if np is not None and type(self.sizes) is np.ndarray:
-                sizes = builder.CreateNumpyVector(self.sizes)
-            else:
-                TensorStartSizesVector(builder, len(self.sizes))
-                for i in reversed(range(len(self.sizes))):
-                    builder.PrependInt32(self.sizes[i])
-                sizes = builder.EndVector()
-        if self.dimOrder is not None:
-            if np is not None and type(self.dimOrder) is np.ndarray:
-                dimOrder = builder.CreateNumpyVector(self.dimOrder)
-            else:
-                TensorStartDimOrderVector(builder, len(self.dimOrder))
-                for i in reversed(range(len(self.dimOrder))):
-                    builder.PrependUint8(self.dimOrder[i])
-                dimOrder = builder.EndVector()
-        if self.allocationInfo is not None:
-            allocationInfo = self.allocationInfo.Pack(builder)
-        if self.extraTensorInfo is not None:
-            extraTensorInfo = self.extraTensorInfo.Pack(builder)
-        TensorStart(builder)
-        TensorAddScalarType(builder, self.scalarType)
-        TensorAddStorageOffset(builder, self.storageOffset)
-        if self.sizes is not None:
-            TensorAddSizes(builder, sizes)
-        if self.dimOrder is not None:
-            TensorAddDimOrder(builder, dimOrder)
-        TensorAddRequiresGrad(builder, self.requiresGrad)
-        TensorAddDataBufferIdx(builder, self.dataBufferIdx)
-        if self.allocationInfo is not None:
-            TensorAddAllocationInfo(builder, allocationInfo)
-        TensorAddLayout(builder, self.layout)
-        TensorAddShapeDynamism(builder, self.shapeDynamism)
-        if self.extraTensorInfo is not None:
-            TensorAddExtraTensorInfo(builder, extraTensorInfo)
-        tensor = TensorEnd(builder)
-        return tensor
-
 
 class Int(object):
     __slots__ = ['_tab']
@@ -820,43 +494,6 @@ def IntAddIntVal(builder, intVal):
 def IntEnd(builder):
     return builder.EndObject()
 
-
-
-class IntT(object):
-
-    # IntT
-    def __init__(self):
-        self.intVal = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        int = Int()
-        int.Init(buf, pos)
-        return cls.InitFromObj(int)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, int):
-        x = IntT()
-        x._UnPack(int)
-        return x
-
-    # IntT
-    def _UnPack(self, int):
-        if int is None:
-            return
-        self.intVal = int.IntVal()
-
-    # IntT
-    def Pack(self, builder):
-        IntStart(builder)
-        IntAddIntVal(builder, self.intVal)
-        int = IntEnd(builder)
-        return int
 
 
 class Bool(object):
@@ -899,43 +536,6 @@ def BoolEnd(builder):
 
 
 
-class BoolT(object):
-
-    # BoolT
-    def __init__(self):
-        self.boolVal = False  # type: bool
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        bool = Bool()
-        bool.Init(buf, pos)
-        return cls.InitFromObj(bool)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, bool):
-        x = BoolT()
-        x._UnPack(bool)
-        return x
-
-    # BoolT
-    def _UnPack(self, bool):
-        if bool is None:
-            return
-        self.boolVal = bool.BoolVal()
-
-    # BoolT
-    def Pack(self, builder):
-        BoolStart(builder)
-        BoolAddBoolVal(builder, self.boolVal)
-        bool = BoolEnd(builder)
-        return bool
-
-
 class Double(object):
     __slots__ = ['_tab']
 
@@ -976,43 +576,6 @@ def DoubleEnd(builder):
 
 
 
-class DoubleT(object):
-
-    # DoubleT
-    def __init__(self):
-        self.doubleVal = 0.0  # type: float
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        double = Double()
-        double.Init(buf, pos)
-        return cls.InitFromObj(double)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, double):
-        x = DoubleT()
-        x._UnPack(double)
-        return x
-
-    # DoubleT
-    def _UnPack(self, double):
-        if double is None:
-            return
-        self.doubleVal = double.DoubleVal()
-
-    # DoubleT
-    def Pack(self, builder):
-        DoubleStart(builder)
-        DoubleAddDoubleVal(builder, self.doubleVal)
-        double = DoubleEnd(builder)
-        return double
-
-
 class String(object):
     __slots__ = ['_tab']
 
@@ -1051,46 +614,6 @@ def StringAddStringVal(builder, stringVal):
 def StringEnd(builder):
     return builder.EndObject()
 
-
-
-class StringT(object):
-
-    # StringT
-    def __init__(self):
-        self.stringVal = None  # type: str
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        string = String()
-        string.Init(buf, pos)
-        return cls.InitFromObj(string)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, string):
-        x = StringT()
-        x._UnPack(string)
-        return x
-
-    # StringT
-    def _UnPack(self, string):
-        if string is None:
-            return
-        self.stringVal = string.StringVal()
-
-    # StringT
-    def Pack(self, builder):
-        if self.stringVal is not None:
-            stringVal = builder.CreateString(self.stringVal)
-        StringStart(builder)
-        if self.stringVal is not None:
-            StringAddStringVal(builder, stringVal)
-        string = StringEnd(builder)
-        return string
 
 
 class IntList(object):
@@ -1155,62 +678,6 @@ def IntListEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class IntListT(object):
-
-    # IntListT
-    def __init__(self):
-        self.items = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        intList = IntList()
-        intList.Init(buf, pos)
-        return cls.InitFromObj(intList)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, intList):
-        x = IntListT()
-        x._UnPack(intList)
-        return x
-
-    # IntListT
-    def _UnPack(self, intList):
-        if intList is None:
-            return
-        if not intList.ItemsIsNone():
-            if np is None:
-                self.items = []
-                for i in range(intList.ItemsLength()):
-                    self.items.append(intList.Items(i))
-            else:
-                self.items = intList.ItemsAsNumpy()
-
-    # IntListT
-    def Pack(self, builder):
-        if self.items is not None:
-            if np is not None and type(self.items) is np.ndarray:
-                items = builder.CreateNumpyVector(self.items)
-            else:
-                IntListStartItemsVector(builder, len(self.items))
-                for i in reversed(range(len(self.items))):
-                    builder.PrependInt64(self.items[i])
-                items = builder.EndVector()
-        IntListStart(builder)
-        if self.items is not None:
-            IntListAddItems(builder, items)
-        intList = IntListEnd(builder)
-        return intList
-
 
 class DoubleList(object):
     __slots__ = ['_tab']
@@ -1273,62 +740,6 @@ def DoubleListStartItemsVector(builder, numElems):
 def DoubleListEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import List
-except:
-    pass
-
-class DoubleListT(object):
-
-    # DoubleListT
-    def __init__(self):
-        self.items = None  # type: List[float]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        doubleList = DoubleList()
-        doubleList.Init(buf, pos)
-        return cls.InitFromObj(doubleList)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, doubleList):
-        x = DoubleListT()
-        x._UnPack(doubleList)
-        return x
-
-    # DoubleListT
-    def _UnPack(self, doubleList):
-        if doubleList is None:
-            return
-        if not doubleList.ItemsIsNone():
-            if np is None:
-                self.items = []
-                for i in range(doubleList.ItemsLength()):
-                    self.items.append(doubleList.Items(i))
-            else:
-                self.items = doubleList.ItemsAsNumpy()
-
-    # DoubleListT
-    def Pack(self, builder):
-        if self.items is not None:
-            if np is not None and type(self.items) is np.ndarray:
-                items = builder.CreateNumpyVector(self.items)
-            else:
-                DoubleListStartItemsVector(builder, len(self.items))
-                for i in reversed(range(len(self.items))):
-                    builder.PrependFloat64(self.items[i])
-                items = builder.EndVector()
-        DoubleListStart(builder)
-        if self.items is not None:
-            DoubleListAddItems(builder, items)
-        doubleList = DoubleListEnd(builder)
-        return doubleList
 
 
 class BoolList(object):
@@ -1393,62 +804,6 @@ def BoolListEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class BoolListT(object):
-
-    # BoolListT
-    def __init__(self):
-        self.items = None  # type: List[bool]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        boolList = BoolList()
-        boolList.Init(buf, pos)
-        return cls.InitFromObj(boolList)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, boolList):
-        x = BoolListT()
-        x._UnPack(boolList)
-        return x
-
-    # BoolListT
-    def _UnPack(self, boolList):
-        if boolList is None:
-            return
-        if not boolList.ItemsIsNone():
-            if np is None:
-                self.items = []
-                for i in range(boolList.ItemsLength()):
-                    self.items.append(boolList.Items(i))
-            else:
-                self.items = boolList.ItemsAsNumpy()
-
-    # BoolListT
-    def Pack(self, builder):
-        if self.items is not None:
-            if np is not None and type(self.items) is np.ndarray:
-                items = builder.CreateNumpyVector(self.items)
-            else:
-                BoolListStartItemsVector(builder, len(self.items))
-                for i in reversed(range(len(self.items))):
-                    builder.PrependBool(self.items[i])
-                items = builder.EndVector()
-        BoolListStart(builder)
-        if self.items is not None:
-            BoolListAddItems(builder, items)
-        boolList = BoolListEnd(builder)
-        return boolList
-
 
 class TensorList(object):
     __slots__ = ['_tab']
@@ -1511,62 +866,6 @@ def TensorListStartItemsVector(builder, numElems):
 def TensorListEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import List
-except:
-    pass
-
-class TensorListT(object):
-
-    # TensorListT
-    def __init__(self):
-        self.items = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        tensorList = TensorList()
-        tensorList.Init(buf, pos)
-        return cls.InitFromObj(tensorList)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, tensorList):
-        x = TensorListT()
-        x._UnPack(tensorList)
-        return x
-
-    # TensorListT
-    def _UnPack(self, tensorList):
-        if tensorList is None:
-            return
-        if not tensorList.ItemsIsNone():
-            if np is None:
-                self.items = []
-                for i in range(tensorList.ItemsLength()):
-                    self.items.append(tensorList.Items(i))
-            else:
-                self.items = tensorList.ItemsAsNumpy()
-
-    # TensorListT
-    def Pack(self, builder):
-        if self.items is not None:
-            if np is not None and type(self.items) is np.ndarray:
-                items = builder.CreateNumpyVector(self.items)
-            else:
-                TensorListStartItemsVector(builder, len(self.items))
-                for i in reversed(range(len(self.items))):
-                    builder.PrependInt32(self.items[i])
-                items = builder.EndVector()
-        TensorListStart(builder)
-        if self.items is not None:
-            TensorListAddItems(builder, items)
-        tensorList = TensorListEnd(builder)
-        return tensorList
 
 
 class OptionalTensorList(object):
@@ -1631,62 +930,6 @@ def OptionalTensorListEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class OptionalTensorListT(object):
-
-    # OptionalTensorListT
-    def __init__(self):
-        self.items = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        optionalTensorList = OptionalTensorList()
-        optionalTensorList.Init(buf, pos)
-        return cls.InitFromObj(optionalTensorList)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, optionalTensorList):
-        x = OptionalTensorListT()
-        x._UnPack(optionalTensorList)
-        return x
-
-    # OptionalTensorListT
-    def _UnPack(self, optionalTensorList):
-        if optionalTensorList is None:
-            return
-        if not optionalTensorList.ItemsIsNone():
-            if np is None:
-                self.items = []
-                for i in range(optionalTensorList.ItemsLength()):
-                    self.items.append(optionalTensorList.Items(i))
-            else:
-                self.items = optionalTensorList.ItemsAsNumpy()
-
-    # OptionalTensorListT
-    def Pack(self, builder):
-        if self.items is not None:
-            if np is not None and type(self.items) is np.ndarray:
-                items = builder.CreateNumpyVector(self.items)
-            else:
-                OptionalTensorListStartItemsVector(builder, len(self.items))
-                for i in reversed(range(len(self.items))):
-                    builder.PrependInt32(self.items[i])
-                items = builder.EndVector()
-        OptionalTensorListStart(builder)
-        if self.items is not None:
-            OptionalTensorListAddItems(builder, items)
-        optionalTensorList = OptionalTensorListEnd(builder)
-        return optionalTensorList
-
 
 class EValue(object):
     __slots__ = ['_tab']
@@ -1740,53 +983,6 @@ def EValueEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import Union
-except:
-    pass
-
-class EValueT(object):
-
-    # EValueT
-    def __init__(self):
-        self.valType = 0  # type: int
-        self.val = None  # type: Union[None, NullT, IntT, BoolT, DoubleT, TensorT, StringT, IntListT, DoubleListT, BoolListT, TensorListT, OptionalTensorListT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        evalue = EValue()
-        evalue.Init(buf, pos)
-        return cls.InitFromObj(evalue)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, evalue):
-        x = EValueT()
-        x._UnPack(evalue)
-        return x
-
-    # EValueT
-    def _UnPack(self, evalue):
-        if evalue is None:
-            return
-        self.valType = evalue.ValType()
-        self.val = KernelTypesCreator(self.valType, evalue.Val())
-
-    # EValueT
-    def Pack(self, builder):
-        if self.val is not None:
-            val = self.val.Pack(builder)
-        EValueStart(builder)
-        EValueAddValType(builder, self.valType)
-        if self.val is not None:
-            EValueAddVal(builder, val)
-        evalue = EValueEnd(builder)
-        return evalue
-
 
 class Operator(object):
     __slots__ = ['_tab']
@@ -1836,52 +1032,6 @@ def OperatorAddOverload(builder, overload):
 def OperatorEnd(builder):
     return builder.EndObject()
 
-
-
-class OperatorT(object):
-
-    # OperatorT
-    def __init__(self):
-        self.name = None  # type: str
-        self.overload = None  # type: str
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        operator = Operator()
-        operator.Init(buf, pos)
-        return cls.InitFromObj(operator)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, operator):
-        x = OperatorT()
-        x._UnPack(operator)
-        return x
-
-    # OperatorT
-    def _UnPack(self, operator):
-        if operator is None:
-            return
-        self.name = operator.Name()
-        self.overload = operator.Overload()
-
-    # OperatorT
-    def Pack(self, builder):
-        if self.name is not None:
-            name = builder.CreateString(self.name)
-        if self.overload is not None:
-            overload = builder.CreateString(self.overload)
-        OperatorStart(builder)
-        if self.name is not None:
-            OperatorAddName(builder, name)
-        if self.overload is not None:
-            OperatorAddOverload(builder, overload)
-        operator = OperatorEnd(builder)
-        return operator
 
 
 class KernelCall(object):
@@ -1956,65 +1106,6 @@ def KernelCallEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class KernelCallT(object):
-
-    # KernelCallT
-    def __init__(self):
-        self.opIndex = 0  # type: int
-        self.args = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        kernelCall = KernelCall()
-        kernelCall.Init(buf, pos)
-        return cls.InitFromObj(kernelCall)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, kernelCall):
-        x = KernelCallT()
-        x._UnPack(kernelCall)
-        return x
-
-    # KernelCallT
-    def _UnPack(self, kernelCall):
-        if kernelCall is None:
-            return
-        self.opIndex = kernelCall.OpIndex()
-        if not kernelCall.ArgsIsNone():
-            if np is None:
-                self.args = []
-                for i in range(kernelCall.ArgsLength()):
-                    self.args.append(kernelCall.Args(i))
-            else:
-                self.args = kernelCall.ArgsAsNumpy()
-
-    # KernelCallT
-    def Pack(self, builder):
-        if self.args is not None:
-            if np is not None and type(self.args) is np.ndarray:
-                args = builder.CreateNumpyVector(self.args)
-            else:
-                KernelCallStartArgsVector(builder, len(self.args))
-                for i in reversed(range(len(self.args))):
-                    builder.PrependInt32(self.args[i])
-                args = builder.EndVector()
-        KernelCallStart(builder)
-        KernelCallAddOpIndex(builder, self.opIndex)
-        if self.args is not None:
-            KernelCallAddArgs(builder, args)
-        kernelCall = KernelCallEnd(builder)
-        return kernelCall
-
 
 class DelegateCall(object):
     __slots__ = ['_tab']
@@ -2088,65 +1179,6 @@ def DelegateCallEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class DelegateCallT(object):
-
-    # DelegateCallT
-    def __init__(self):
-        self.delegateIndex = 0  # type: int
-        self.args = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        delegateCall = DelegateCall()
-        delegateCall.Init(buf, pos)
-        return cls.InitFromObj(delegateCall)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, delegateCall):
-        x = DelegateCallT()
-        x._UnPack(delegateCall)
-        return x
-
-    # DelegateCallT
-    def _UnPack(self, delegateCall):
-        if delegateCall is None:
-            return
-        self.delegateIndex = delegateCall.DelegateIndex()
-        if not delegateCall.ArgsIsNone():
-            if np is None:
-                self.args = []
-                for i in range(delegateCall.ArgsLength()):
-                    self.args.append(delegateCall.Args(i))
-            else:
-                self.args = delegateCall.ArgsAsNumpy()
-
-    # DelegateCallT
-    def Pack(self, builder):
-        if self.args is not None:
-            if np is not None and type(self.args) is np.ndarray:
-                args = builder.CreateNumpyVector(self.args)
-            else:
-                DelegateCallStartArgsVector(builder, len(self.args))
-                for i in reversed(range(len(self.args))):
-                    builder.PrependInt32(self.args[i])
-                args = builder.EndVector()
-        DelegateCallStart(builder)
-        DelegateCallAddDelegateIndex(builder, self.delegateIndex)
-        if self.args is not None:
-            DelegateCallAddArgs(builder, args)
-        delegateCall = DelegateCallEnd(builder)
-        return delegateCall
-
 
 class MoveCall(object):
     __slots__ = ['_tab']
@@ -2196,46 +1228,6 @@ def MoveCallAddMoveTo(builder, moveTo):
 def MoveCallEnd(builder):
     return builder.EndObject()
 
-
-
-class MoveCallT(object):
-
-    # MoveCallT
-    def __init__(self):
-        self.moveFrom = 0  # type: int
-        self.moveTo = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        moveCall = MoveCall()
-        moveCall.Init(buf, pos)
-        return cls.InitFromObj(moveCall)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, moveCall):
-        x = MoveCallT()
-        x._UnPack(moveCall)
-        return x
-
-    # MoveCallT
-    def _UnPack(self, moveCall):
-        if moveCall is None:
-            return
-        self.moveFrom = moveCall.MoveFrom()
-        self.moveTo = moveCall.MoveTo()
-
-    # MoveCallT
-    def Pack(self, builder):
-        MoveCallStart(builder)
-        MoveCallAddMoveFrom(builder, self.moveFrom)
-        MoveCallAddMoveTo(builder, self.moveTo)
-        moveCall = MoveCallEnd(builder)
-        return moveCall
 
 
 class JumpFalseCall(object):
@@ -2288,46 +1280,6 @@ def JumpFalseCallEnd(builder):
 
 
 
-class JumpFalseCallT(object):
-
-    # JumpFalseCallT
-    def __init__(self):
-        self.condValueIndex = 0  # type: int
-        self.destinationInstruction = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        jumpFalseCall = JumpFalseCall()
-        jumpFalseCall.Init(buf, pos)
-        return cls.InitFromObj(jumpFalseCall)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, jumpFalseCall):
-        x = JumpFalseCallT()
-        x._UnPack(jumpFalseCall)
-        return x
-
-    # JumpFalseCallT
-    def _UnPack(self, jumpFalseCall):
-        if jumpFalseCall is None:
-            return
-        self.condValueIndex = jumpFalseCall.CondValueIndex()
-        self.destinationInstruction = jumpFalseCall.DestinationInstruction()
-
-    # JumpFalseCallT
-    def Pack(self, builder):
-        JumpFalseCallStart(builder)
-        JumpFalseCallAddCondValueIndex(builder, self.condValueIndex)
-        JumpFalseCallAddDestinationInstruction(builder, self.destinationInstruction)
-        jumpFalseCall = JumpFalseCallEnd(builder)
-        return jumpFalseCall
-
-
 class FreeCall(object):
     __slots__ = ['_tab']
 
@@ -2366,43 +1318,6 @@ def FreeCallAddValueIndex(builder, valueIndex):
 def FreeCallEnd(builder):
     return builder.EndObject()
 
-
-
-class FreeCallT(object):
-
-    # FreeCallT
-    def __init__(self):
-        self.valueIndex = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        freeCall = FreeCall()
-        freeCall.Init(buf, pos)
-        return cls.InitFromObj(freeCall)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, freeCall):
-        x = FreeCallT()
-        x._UnPack(freeCall)
-        return x
-
-    # FreeCallT
-    def _UnPack(self, freeCall):
-        if freeCall is None:
-            return
-        self.valueIndex = freeCall.ValueIndex()
-
-    # FreeCallT
-    def Pack(self, builder):
-        FreeCallStart(builder)
-        FreeCallAddValueIndex(builder, self.valueIndex)
-        freeCall = FreeCallEnd(builder)
-        return freeCall
 
 
 class Instruction(object):
@@ -2456,53 +1371,6 @@ def InstructionAddInstrArgs(builder, instrArgs):
 def InstructionEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import Union
-except:
-    pass
-
-class InstructionT(object):
-
-    # InstructionT
-    def __init__(self):
-        self.instrArgsType = 0  # type: int
-        self.instrArgs = None  # type: Union[None, KernelCallT, DelegateCallT, MoveCallT, JumpFalseCallT, FreeCallT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        instruction = Instruction()
-        instruction.Init(buf, pos)
-        return cls.InitFromObj(instruction)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, instruction):
-        x = InstructionT()
-        x._UnPack(instruction)
-        return x
-
-    # InstructionT
-    def _UnPack(self, instruction):
-        if instruction is None:
-            return
-        self.instrArgsType = instruction.InstrArgsType()
-        self.instrArgs = InstructionArgumentsCreator(self.instrArgsType, instruction.InstrArgs())
-
-    # InstructionT
-    def Pack(self, builder):
-        if self.instrArgs is not None:
-            instrArgs = self.instrArgs.Pack(builder)
-        InstructionStart(builder)
-        InstructionAddInstrArgsType(builder, self.instrArgsType)
-        if self.instrArgs is not None:
-            InstructionAddInstrArgs(builder, instrArgs)
-        instruction = InstructionEnd(builder)
-        return instruction
 
 
 class Frame(object):
@@ -2575,61 +1443,6 @@ def FrameEnd(builder):
 
 
 
-class FrameT(object):
-
-    # FrameT
-    def __init__(self):
-        self.filename = None  # type: str
-        self.lineno = 0  # type: int
-        self.name = None  # type: str
-        self.context = None  # type: str
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        frame = Frame()
-        frame.Init(buf, pos)
-        return cls.InitFromObj(frame)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, frame):
-        x = FrameT()
-        x._UnPack(frame)
-        return x
-
-    # FrameT
-    def _UnPack(self, frame):
-        if frame is None:
-            return
-        self.filename = frame.Filename()
-        self.lineno = frame.Lineno()
-        self.name = frame.Name()
-        self.context = frame.Context()
-
-    # FrameT
-    def Pack(self, builder):
-        if self.filename is not None:
-            filename = builder.CreateString(self.filename)
-        if self.name is not None:
-            name = builder.CreateString(self.name)
-        if self.context is not None:
-            context = builder.CreateString(self.context)
-        FrameStart(builder)
-        if self.filename is not None:
-            FrameAddFilename(builder, filename)
-        FrameAddLineno(builder, self.lineno)
-        if self.name is not None:
-            FrameAddName(builder, name)
-        if self.context is not None:
-            FrameAddContext(builder, context)
-        frame = FrameEnd(builder)
-        return frame
-
-
 class FrameList(object):
     __slots__ = ['_tab']
 
@@ -2689,63 +1502,6 @@ def FrameListEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class FrameListT(object):
-
-    # FrameListT
-    def __init__(self):
-        self.items = None  # type: List[FrameT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        frameList = FrameList()
-        frameList.Init(buf, pos)
-        return cls.InitFromObj(frameList)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, frameList):
-        x = FrameListT()
-        x._UnPack(frameList)
-        return x
-
-    # FrameListT
-    def _UnPack(self, frameList):
-        if frameList is None:
-            return
-        if not frameList.ItemsIsNone():
-            self.items = []
-            for i in range(frameList.ItemsLength()):
-                if frameList.Items(i) is None:
-                    self.items.append(None)
-                else:
-                    frame_ = FrameT.InitFromObj(frameList.Items(i))
-                    self.items.append(frame_)
-
-    # FrameListT
-    def Pack(self, builder):
-        if self.items is not None:
-            itemslist = []
-            for i in range(len(self.items)):
-                itemslist.append(self.items[i].Pack(builder))
-            FrameListStartItemsVector(builder, len(self.items))
-            for i in reversed(range(len(self.items))):
-                builder.PrependUOffsetTRelative(itemslist[i])
-            items = builder.EndVector()
-        FrameListStart(builder)
-        if self.items is not None:
-            FrameListAddItems(builder, items)
-        frameList = FrameListEnd(builder)
-        return frameList
-
 
 class BackendDelegateDataReference(object):
     __slots__ = ['_tab']
@@ -2795,46 +1551,6 @@ def BackendDelegateDataReferenceAddIndex(builder, index):
 def BackendDelegateDataReferenceEnd(builder):
     return builder.EndObject()
 
-
-
-class BackendDelegateDataReferenceT(object):
-
-    # BackendDelegateDataReferenceT
-    def __init__(self):
-        self.location = 0  # type: int
-        self.index = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        backendDelegateDataReference = BackendDelegateDataReference()
-        backendDelegateDataReference.Init(buf, pos)
-        return cls.InitFromObj(backendDelegateDataReference)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, backendDelegateDataReference):
-        x = BackendDelegateDataReferenceT()
-        x._UnPack(backendDelegateDataReference)
-        return x
-
-    # BackendDelegateDataReferenceT
-    def _UnPack(self, backendDelegateDataReference):
-        if backendDelegateDataReference is None:
-            return
-        self.location = backendDelegateDataReference.Location()
-        self.index = backendDelegateDataReference.Index()
-
-    # BackendDelegateDataReferenceT
-    def Pack(self, builder):
-        BackendDelegateDataReferenceStart(builder)
-        BackendDelegateDataReferenceAddLocation(builder, self.location)
-        BackendDelegateDataReferenceAddIndex(builder, self.index)
-        backendDelegateDataReference = BackendDelegateDataReferenceEnd(builder)
-        return backendDelegateDataReference
 
 
 class CompileSpec(object):
@@ -2908,68 +1624,6 @@ def CompileSpecStartValueVector(builder, numElems):
 def CompileSpecEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import List
-except:
-    pass
-
-class CompileSpecT(object):
-
-    # CompileSpecT
-    def __init__(self):
-        self.key = None  # type: str
-        self.value = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        compileSpec = CompileSpec()
-        compileSpec.Init(buf, pos)
-        return cls.InitFromObj(compileSpec)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, compileSpec):
-        x = CompileSpecT()
-        x._UnPack(compileSpec)
-        return x
-
-    # CompileSpecT
-    def _UnPack(self, compileSpec):
-        if compileSpec is None:
-            return
-        self.key = compileSpec.Key()
-        if not compileSpec.ValueIsNone():
-            if np is None:
-                self.value = []
-                for i in range(compileSpec.ValueLength()):
-                    self.value.append(compileSpec.Value(i))
-            else:
-                self.value = compileSpec.ValueAsNumpy()
-
-    # CompileSpecT
-    def Pack(self, builder):
-        if self.key is not None:
-            key = builder.CreateString(self.key)
-        if self.value is not None:
-            if np is not None and type(self.value) is np.ndarray:
-                value = builder.CreateNumpyVector(self.value)
-            else:
-                CompileSpecStartValueVector(builder, len(self.value))
-                for i in reversed(range(len(self.value))):
-                    builder.PrependUint8(self.value[i])
-                value = builder.EndVector()
-        CompileSpecStart(builder)
-        if self.key is not None:
-            CompileSpecAddKey(builder, key)
-        if self.value is not None:
-            CompileSpecAddValue(builder, value)
-        compileSpec = CompileSpecEnd(builder)
-        return compileSpec
 
 
 class BackendDelegate(object):
@@ -3053,76 +1707,6 @@ def BackendDelegateStartCompileSpecsVector(builder, numElems):
 def BackendDelegateEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import List, Optional
-except:
-    pass
-
-class BackendDelegateT(object):
-
-    # BackendDelegateT
-    def __init__(self):
-        self.id = None  # type: str
-        self.processed = None  # type: Optional[BackendDelegateDataReferenceT]
-        self.compileSpecs = None  # type: List[CompileSpecT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        backendDelegate = BackendDelegate()
-        backendDelegate.Init(buf, pos)
-        return cls.InitFromObj(backendDelegate)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, backendDelegate):
-        x = BackendDelegateT()
-        x._UnPack(backendDelegate)
-        return x
-
-    # BackendDelegateT
-    def _UnPack(self, backendDelegate):
-        if backendDelegate is None:
-            return
-        self.id = backendDelegate.Id()
-        if backendDelegate.Processed() is not None:
-            self.processed = BackendDelegateDataReferenceT.InitFromObj(backendDelegate.Processed())
-        if not backendDelegate.CompileSpecsIsNone():
-            self.compileSpecs = []
-            for i in range(backendDelegate.CompileSpecsLength()):
-                if backendDelegate.CompileSpecs(i) is None:
-                    self.compileSpecs.append(None)
-                else:
-                    compileSpec_ = CompileSpecT.InitFromObj(backendDelegate.CompileSpecs(i))
-                    self.compileSpecs.append(compileSpec_)
-
-    # BackendDelegateT
-    def Pack(self, builder):
-        if self.id is not None:
-            id = builder.CreateString(self.id)
-        if self.processed is not None:
-            processed = self.processed.Pack(builder)
-        if self.compileSpecs is not None:
-            compileSpecslist = []
-            for i in range(len(self.compileSpecs)):
-                compileSpecslist.append(self.compileSpecs[i].Pack(builder))
-            BackendDelegateStartCompileSpecsVector(builder, len(self.compileSpecs))
-            for i in reversed(range(len(self.compileSpecs))):
-                builder.PrependUOffsetTRelative(compileSpecslist[i])
-            compileSpecs = builder.EndVector()
-        BackendDelegateStart(builder)
-        if self.id is not None:
-            BackendDelegateAddId(builder, id)
-        if self.processed is not None:
-            BackendDelegateAddProcessed(builder, processed)
-        if self.compileSpecs is not None:
-            BackendDelegateAddCompileSpecs(builder, compileSpecs)
-        backendDelegate = BackendDelegateEnd(builder)
-        return backendDelegate
 
 
 class Chain(object):
@@ -3279,118 +1863,6 @@ def ChainStartStacktraceVector(builder, numElems):
 def ChainEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import List
-except:
-    pass
-
-class ChainT(object):
-
-    # ChainT
-    def __init__(self):
-        self.inputs = None  # type: List[int]
-        self.outputs = None  # type: List[int]
-        self.instructions = None  # type: List[InstructionT]
-        self.stacktrace = None  # type: List[FrameListT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        chain = Chain()
-        chain.Init(buf, pos)
-        return cls.InitFromObj(chain)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, chain):
-        x = ChainT()
-        x._UnPack(chain)
-        return x
-
-    # ChainT
-    def _UnPack(self, chain):
-        if chain is None:
-            return
-        if not chain.InputsIsNone():
-            if np is None:
-                self.inputs = []
-                for i in range(chain.InputsLength()):
-                    self.inputs.append(chain.Inputs(i))
-            else:
-                self.inputs = chain.InputsAsNumpy()
-        if not chain.OutputsIsNone():
-            if np is None:
-                self.outputs = []
-                for i in range(chain.OutputsLength()):
-                    self.outputs.append(chain.Outputs(i))
-            else:
-                self.outputs = chain.OutputsAsNumpy()
-        if not chain.InstructionsIsNone():
-            self.instructions = []
-            for i in range(chain.InstructionsLength()):
-                if chain.Instructions(i) is None:
-                    self.instructions.append(None)
-                else:
-                    instruction_ = InstructionT.InitFromObj(chain.Instructions(i))
-                    self.instructions.append(instruction_)
-        if not chain.StacktraceIsNone():
-            self.stacktrace = []
-            for i in range(chain.StacktraceLength()):
-                if chain.Stacktrace(i) is None:
-                    self.stacktrace.append(None)
-                else:
-                    frameList_ = FrameListT.InitFromObj(chain.Stacktrace(i))
-                    self.stacktrace.append(frameList_)
-
-    # ChainT
-    def Pack(self, builder):
-        if self.inputs is not None:
-            if np is not None and type(self.inputs) is np.ndarray:
-                inputs = builder.CreateNumpyVector(self.inputs)
-            else:
-                ChainStartInputsVector(builder, len(self.inputs))
-                for i in reversed(range(len(self.inputs))):
-                    builder.PrependInt32(self.inputs[i])
-                inputs = builder.EndVector()
-        if self.outputs is not None:
-            if np is not None and type(self.outputs) is np.ndarray:
-                outputs = builder.CreateNumpyVector(self.outputs)
-            else:
-                ChainStartOutputsVector(builder, len(self.outputs))
-                for i in reversed(range(len(self.outputs))):
-                    builder.PrependInt32(self.outputs[i])
-                outputs = builder.EndVector()
-        if self.instructions is not None:
-            instructionslist = []
-            for i in range(len(self.instructions)):
-                instructionslist.append(self.instructions[i].Pack(builder))
-            ChainStartInstructionsVector(builder, len(self.instructions))
-            for i in reversed(range(len(self.instructions))):
-                builder.PrependUOffsetTRelative(instructionslist[i])
-            instructions = builder.EndVector()
-        if self.stacktrace is not None:
-            stacktracelist = []
-            for i in range(len(self.stacktrace)):
-                stacktracelist.append(self.stacktrace[i].Pack(builder))
-            ChainStartStacktraceVector(builder, len(self.stacktrace))
-            for i in reversed(range(len(self.stacktrace))):
-                builder.PrependUOffsetTRelative(stacktracelist[i])
-            stacktrace = builder.EndVector()
-        ChainStart(builder)
-        if self.inputs is not None:
-            ChainAddInputs(builder, inputs)
-        if self.outputs is not None:
-            ChainAddOutputs(builder, outputs)
-        if self.instructions is not None:
-            ChainAddInstructions(builder, instructions)
-        if self.stacktrace is not None:
-            ChainAddStacktrace(builder, stacktrace)
-        chain = ChainEnd(builder)
-        return chain
 
 
 class ExecutionPlan(object):
@@ -3694,206 +2166,6 @@ def ExecutionPlanEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List, Optional
-except:
-    pass
-
-class ExecutionPlanT(object):
-
-    # ExecutionPlanT
-    def __init__(self):
-        self.name = None  # type: str
-        self.containerMetaType = None  # type: Optional[ContainerMetadataT]
-        self.values = None  # type: List[EValueT]
-        self.inputs = None  # type: List[int]
-        self.outputs = None  # type: List[int]
-        self.chains = None  # type: List[ChainT]
-        self.operators = None  # type: List[OperatorT]
-        self.delegates = None  # type: List[BackendDelegateT]
-        self.nonConstBufferSizes = None  # type: List[int]
-        self.nonConstBufferDevice = None  # type: List[NonConstBufferDeviceT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        executionPlan = ExecutionPlan()
-        executionPlan.Init(buf, pos)
-        return cls.InitFromObj(executionPlan)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, executionPlan):
-        x = ExecutionPlanT()
-        x._UnPack(executionPlan)
-        return x
-
-    # ExecutionPlanT
-    def _UnPack(self, executionPlan):
-        if executionPlan is None:
-            return
-        self.name = executionPlan.Name()
-        if executionPlan.ContainerMetaType() is not None:
-            self.containerMetaType = ContainerMetadataT.InitFromObj(executionPlan.ContainerMetaType())
-        if not executionPlan.ValuesIsNone():
-            self.values = []
-            for i in range(executionPlan.ValuesLength()):
-                if executionPlan.Values(i) is None:
-                    self.values.append(None)
-                else:
-                    eValue_ = EValueT.InitFromObj(executionPlan.Values(i))
-                    self.values.append(eValue_)
-        if not executionPlan.InputsIsNone():
-            if np is None:
-                self.inputs = []
-                for i in range(executionPlan.InputsLength()):
-                    self.inputs.append(executionPlan.Inputs(i))
-            else:
-                self.inputs = executionPlan.InputsAsNumpy()
-        if not executionPlan.OutputsIsNone():
-            if np is None:
-                self.outputs = []
-                for i in range(executionPlan.OutputsLength()):
-                    self.outputs.append(executionPlan.Outputs(i))
-            else:
-                self.outputs = executionPlan.OutputsAsNumpy()
-        if not executionPlan.ChainsIsNone():
-            self.chains = []
-            for i in range(executionPlan.ChainsLength()):
-                if executionPlan.Chains(i) is None:
-                    self.chains.append(None)
-                else:
-                    chain_ = ChainT.InitFromObj(executionPlan.Chains(i))
-                    self.chains.append(chain_)
-        if not executionPlan.OperatorsIsNone():
-            self.operators = []
-            for i in range(executionPlan.OperatorsLength()):
-                if executionPlan.Operators(i) is None:
-                    self.operators.append(None)
-                else:
-                    operator_ = OperatorT.InitFromObj(executionPlan.Operators(i))
-                    self.operators.append(operator_)
-        if not executionPlan.DelegatesIsNone():
-            self.delegates = []
-            for i in range(executionPlan.DelegatesLength()):
-                if executionPlan.Delegates(i) is None:
-                    self.delegates.append(None)
-                else:
-                    backendDelegate_ = BackendDelegateT.InitFromObj(executionPlan.Delegates(i))
-                    self.delegates.append(backendDelegate_)
-        if not executionPlan.NonConstBufferSizesIsNone():
-            if np is None:
-                self.nonConstBufferSizes = []
-                for i in range(executionPlan.NonConstBufferSizesLength()):
-                    self.nonConstBufferSizes.append(executionPlan.NonConstBufferSizes(i))
-            else:
-                self.nonConstBufferSizes = executionPlan.NonConstBufferSizesAsNumpy()
-        if not executionPlan.NonConstBufferDeviceIsNone():
-            self.nonConstBufferDevice = []
-            for i in range(executionPlan.NonConstBufferDeviceLength()):
-                if executionPlan.NonConstBufferDevice(i) is None:
-                    self.nonConstBufferDevice.append(None)
-                else:
-                    nonConstBufferDevice_ = NonConstBufferDeviceT.InitFromObj(executionPlan.NonConstBufferDevice(i))
-                    self.nonConstBufferDevice.append(nonConstBufferDevice_)
-
-    # ExecutionPlanT
-    def Pack(self, builder):
-        if self.name is not None:
-            name = builder.CreateString(self.name)
-        if self.containerMetaType is not None:
-            containerMetaType = self.containerMetaType.Pack(builder)
-        if self.values is not None:
-            valueslist = []
-            for i in range(len(self.values)):
-                valueslist.append(self.values[i].Pack(builder))
-            ExecutionPlanStartValuesVector(builder, len(self.values))
-            for i in reversed(range(len(self.values))):
-                builder.PrependUOffsetTRelative(valueslist[i])
-            values = builder.EndVector()
-        if self.inputs is not None:
-            if np is not None and type(self.inputs) is np.ndarray:
-                inputs = builder.CreateNumpyVector(self.inputs)
-            else:
-                ExecutionPlanStartInputsVector(builder, len(self.inputs))
-                for i in reversed(range(len(self.inputs))):
-                    builder.PrependInt32(self.inputs[i])
-                inputs = builder.EndVector()
-        if self.outputs is not None:
-            if np is not None and type(self.outputs) is np.ndarray:
-                outputs = builder.CreateNumpyVector(self.outputs)
-            else:
-                ExecutionPlanStartOutputsVector(builder, len(self.outputs))
-                for i in reversed(range(len(self.outputs))):
-                    builder.PrependInt32(self.outputs[i])
-                outputs = builder.EndVector()
-        if self.chains is not None:
-            chainslist = []
-            for i in range(len(self.chains)):
-                chainslist.append(self.chains[i].Pack(builder))
-            ExecutionPlanStartChainsVector(builder, len(self.chains))
-            for i in reversed(range(len(self.chains))):
-                builder.PrependUOffsetTRelative(chainslist[i])
-            chains = builder.EndVector()
-        if self.operators is not None:
-            operatorslist = []
-            for i in range(len(self.operators)):
-                operatorslist.append(self.operators[i].Pack(builder))
-            ExecutionPlanStartOperatorsVector(builder, len(self.operators))
-            for i in reversed(range(len(self.operators))):
-                builder.PrependUOffsetTRelative(operatorslist[i])
-            operators = builder.EndVector()
-        if self.delegates is not None:
-            delegateslist = []
-            for i in range(len(self.delegates)):
-                delegateslist.append(self.delegates[i].Pack(builder))
-            ExecutionPlanStartDelegatesVector(builder, len(self.delegates))
-            for i in reversed(range(len(self.delegates))):
-                builder.PrependUOffsetTRelative(delegateslist[i])
-            delegates = builder.EndVector()
-        if self.nonConstBufferSizes is not None:
-            if np is not None and type(self.nonConstBufferSizes) is np.ndarray:
-                nonConstBufferSizes = builder.CreateNumpyVector(self.nonConstBufferSizes)
-            else:
-                ExecutionPlanStartNonConstBufferSizesVector(builder, len(self.nonConstBufferSizes))
-                for i in reversed(range(len(self.nonConstBufferSizes))):
-                    builder.PrependInt64(self.nonConstBufferSizes[i])
-                nonConstBufferSizes = builder.EndVector()
-        if self.nonConstBufferDevice is not None:
-            nonConstBufferDevicelist = []
-            for i in range(len(self.nonConstBufferDevice)):
-                nonConstBufferDevicelist.append(self.nonConstBufferDevice[i].Pack(builder))
-            ExecutionPlanStartNonConstBufferDeviceVector(builder, len(self.nonConstBufferDevice))
-            for i in reversed(range(len(self.nonConstBufferDevice))):
-                builder.PrependUOffsetTRelative(nonConstBufferDevicelist[i])
-            nonConstBufferDevice = builder.EndVector()
-        ExecutionPlanStart(builder)
-        if self.name is not None:
-            ExecutionPlanAddName(builder, name)
-        if self.containerMetaType is not None:
-            ExecutionPlanAddContainerMetaType(builder, containerMetaType)
-        if self.values is not None:
-            ExecutionPlanAddValues(builder, values)
-        if self.inputs is not None:
-            ExecutionPlanAddInputs(builder, inputs)
-        if self.outputs is not None:
-            ExecutionPlanAddOutputs(builder, outputs)
-        if self.chains is not None:
-            ExecutionPlanAddChains(builder, chains)
-        if self.operators is not None:
-            ExecutionPlanAddOperators(builder, operators)
-        if self.delegates is not None:
-            ExecutionPlanAddDelegates(builder, delegates)
-        if self.nonConstBufferSizes is not None:
-            ExecutionPlanAddNonConstBufferSizes(builder, nonConstBufferSizes)
-        if self.nonConstBufferDevice is not None:
-            ExecutionPlanAddNonConstBufferDevice(builder, nonConstBufferDevice)
-        executionPlan = ExecutionPlanEnd(builder)
-        return executionPlan
-
 
 class NonConstBufferDevice(object):
     __slots__ = ['_tab']
@@ -3953,49 +2225,6 @@ def NonConstBufferDeviceAddDeviceIndex(builder, deviceIndex):
 def NonConstBufferDeviceEnd(builder):
     return builder.EndObject()
 
-
-
-class NonConstBufferDeviceT(object):
-
-    # NonConstBufferDeviceT
-    def __init__(self):
-        self.bufferIdx = 0  # type: int
-        self.deviceType = 0  # type: int
-        self.deviceIndex = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        nonConstBufferDevice = NonConstBufferDevice()
-        nonConstBufferDevice.Init(buf, pos)
-        return cls.InitFromObj(nonConstBufferDevice)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, nonConstBufferDevice):
-        x = NonConstBufferDeviceT()
-        x._UnPack(nonConstBufferDevice)
-        return x
-
-    # NonConstBufferDeviceT
-    def _UnPack(self, nonConstBufferDevice):
-        if nonConstBufferDevice is None:
-            return
-        self.bufferIdx = nonConstBufferDevice.BufferIdx()
-        self.deviceType = nonConstBufferDevice.DeviceType()
-        self.deviceIndex = nonConstBufferDevice.DeviceIndex()
-
-    # NonConstBufferDeviceT
-    def Pack(self, builder):
-        NonConstBufferDeviceStart(builder)
-        NonConstBufferDeviceAddBufferIdx(builder, self.bufferIdx)
-        NonConstBufferDeviceAddDeviceType(builder, self.deviceType)
-        NonConstBufferDeviceAddDeviceIndex(builder, self.deviceIndex)
-        nonConstBufferDevice = NonConstBufferDeviceEnd(builder)
-        return nonConstBufferDevice
 
 
 class Buffer(object):
@@ -4060,62 +2289,6 @@ def BufferEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class BufferT(object):
-
-    # BufferT
-    def __init__(self):
-        self.storage = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        buffer = Buffer()
-        buffer.Init(buf, pos)
-        return cls.InitFromObj(buffer)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, buffer):
-        x = BufferT()
-        x._UnPack(buffer)
-        return x
-
-    # BufferT
-    def _UnPack(self, buffer):
-        if buffer is None:
-            return
-        if not buffer.StorageIsNone():
-            if np is None:
-                self.storage = []
-                for i in range(buffer.StorageLength()):
-                    self.storage.append(buffer.Storage(i))
-            else:
-                self.storage = buffer.StorageAsNumpy()
-
-    # BufferT
-    def Pack(self, builder):
-        if self.storage is not None:
-            if np is not None and type(self.storage) is np.ndarray:
-                storage = builder.CreateNumpyVector(self.storage)
-            else:
-                BufferStartStorageVector(builder, len(self.storage))
-                for i in reversed(range(len(self.storage))):
-                    builder.PrependUint8(self.storage[i])
-                storage = builder.EndVector()
-        BufferStart(builder)
-        if self.storage is not None:
-            BufferAddStorage(builder, storage)
-        buffer = BufferEnd(builder)
-        return buffer
-
 
 class BackendDelegateInlineData(object):
     __slots__ = ['_tab']
@@ -4179,62 +2352,6 @@ def BackendDelegateInlineDataEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class BackendDelegateInlineDataT(object):
-
-    # BackendDelegateInlineDataT
-    def __init__(self):
-        self.data = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        backendDelegateInlineData = BackendDelegateInlineData()
-        backendDelegateInlineData.Init(buf, pos)
-        return cls.InitFromObj(backendDelegateInlineData)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, backendDelegateInlineData):
-        x = BackendDelegateInlineDataT()
-        x._UnPack(backendDelegateInlineData)
-        return x
-
-    # BackendDelegateInlineDataT
-    def _UnPack(self, backendDelegateInlineData):
-        if backendDelegateInlineData is None:
-            return
-        if not backendDelegateInlineData.DataIsNone():
-            if np is None:
-                self.data = []
-                for i in range(backendDelegateInlineData.DataLength()):
-                    self.data.append(backendDelegateInlineData.Data(i))
-            else:
-                self.data = backendDelegateInlineData.DataAsNumpy()
-
-    # BackendDelegateInlineDataT
-    def Pack(self, builder):
-        if self.data is not None:
-            if np is not None and type(self.data) is np.ndarray:
-                data = builder.CreateNumpyVector(self.data)
-            else:
-                BackendDelegateInlineDataStartDataVector(builder, len(self.data))
-                for i in reversed(range(len(self.data))):
-                    builder.PrependUint8(self.data[i])
-                data = builder.EndVector()
-        BackendDelegateInlineDataStart(builder)
-        if self.data is not None:
-            BackendDelegateInlineDataAddData(builder, data)
-        backendDelegateInlineData = BackendDelegateInlineDataEnd(builder)
-        return backendDelegateInlineData
-
 
 class DataSegment(object):
     __slots__ = ['_tab']
@@ -4284,46 +2401,6 @@ def DataSegmentAddSize(builder, size):
 def DataSegmentEnd(builder):
     return builder.EndObject()
 
-
-
-class DataSegmentT(object):
-
-    # DataSegmentT
-    def __init__(self):
-        self.offset = 0  # type: int
-        self.size = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        dataSegment = DataSegment()
-        dataSegment.Init(buf, pos)
-        return cls.InitFromObj(dataSegment)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, dataSegment):
-        x = DataSegmentT()
-        x._UnPack(dataSegment)
-        return x
-
-    # DataSegmentT
-    def _UnPack(self, dataSegment):
-        if dataSegment is None:
-            return
-        self.offset = dataSegment.Offset()
-        self.size = dataSegment.Size()
-
-    # DataSegmentT
-    def Pack(self, builder):
-        DataSegmentStart(builder)
-        DataSegmentAddOffset(builder, self.offset)
-        DataSegmentAddSize(builder, self.size)
-        dataSegment = DataSegmentEnd(builder)
-        return dataSegment
 
 
 class SubsegmentOffsets(object):
@@ -4398,65 +2475,6 @@ def SubsegmentOffsetsEnd(builder):
     return builder.EndObject()
 
 
-try:
-    from typing import List
-except:
-    pass
-
-class SubsegmentOffsetsT(object):
-
-    # SubsegmentOffsetsT
-    def __init__(self):
-        self.segmentIndex = 0  # type: int
-        self.offsets = None  # type: List[int]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        subsegmentOffsets = SubsegmentOffsets()
-        subsegmentOffsets.Init(buf, pos)
-        return cls.InitFromObj(subsegmentOffsets)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, subsegmentOffsets):
-        x = SubsegmentOffsetsT()
-        x._UnPack(subsegmentOffsets)
-        return x
-
-    # SubsegmentOffsetsT
-    def _UnPack(self, subsegmentOffsets):
-        if subsegmentOffsets is None:
-            return
-        self.segmentIndex = subsegmentOffsets.SegmentIndex()
-        if not subsegmentOffsets.OffsetsIsNone():
-            if np is None:
-                self.offsets = []
-                for i in range(subsegmentOffsets.OffsetsLength()):
-                    self.offsets.append(subsegmentOffsets.Offsets(i))
-            else:
-                self.offsets = subsegmentOffsets.OffsetsAsNumpy()
-
-    # SubsegmentOffsetsT
-    def Pack(self, builder):
-        if self.offsets is not None:
-            if np is not None and type(self.offsets) is np.ndarray:
-                offsets = builder.CreateNumpyVector(self.offsets)
-            else:
-                SubsegmentOffsetsStartOffsetsVector(builder, len(self.offsets))
-                for i in reversed(range(len(self.offsets))):
-                    builder.PrependUint64(self.offsets[i])
-                offsets = builder.EndVector()
-        SubsegmentOffsetsStart(builder)
-        SubsegmentOffsetsAddSegmentIndex(builder, self.segmentIndex)
-        if self.offsets is not None:
-            SubsegmentOffsetsAddOffsets(builder, offsets)
-        subsegmentOffsets = SubsegmentOffsetsEnd(builder)
-        return subsegmentOffsets
-
 
 class NamedData(object):
     __slots__ = ['_tab']
@@ -4506,49 +2524,6 @@ def NamedDataAddSegmentIndex(builder, segmentIndex):
 def NamedDataEnd(builder):
     return builder.EndObject()
 
-
-
-class NamedDataT(object):
-
-    # NamedDataT
-    def __init__(self):
-        self.key = None  # type: str
-        self.segmentIndex = 0  # type: int
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        namedData = NamedData()
-        namedData.Init(buf, pos)
-        return cls.InitFromObj(namedData)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, namedData):
-        x = NamedDataT()
-        x._UnPack(namedData)
-        return x
-
-    # NamedDataT
-    def _UnPack(self, namedData):
-        if namedData is None:
-            return
-        self.key = namedData.Key()
-        self.segmentIndex = namedData.SegmentIndex()
-
-    # NamedDataT
-    def Pack(self, builder):
-        if self.key is not None:
-            key = builder.CreateString(self.key)
-        NamedDataStart(builder)
-        if self.key is not None:
-            NamedDataAddKey(builder, key)
-        NamedDataAddSegmentIndex(builder, self.segmentIndex)
-        namedData = NamedDataEnd(builder)
-        return namedData
 
 
 class Program(object):
@@ -4782,167 +2757,5 @@ def ProgramStartNamedDataVector(builder, numElems):
 def ProgramEnd(builder):
     return builder.EndObject()
 
-
-try:
-    from typing import List, Optional
-except:
-    pass
-
-class ProgramT(object):
-
-    # ProgramT
-    def __init__(self):
-        self.version = 0  # type: int
-        self.executionPlan = None  # type: List[ExecutionPlanT]
-        self.constantBuffer = None  # type: List[BufferT]
-        self.backendDelegateData = None  # type: List[BackendDelegateInlineDataT]
-        self.segments = None  # type: List[DataSegmentT]
-        self.constantSegment = None  # type: Optional[SubsegmentOffsetsT]
-        self.mutableDataSegments = None  # type: List[SubsegmentOffsetsT]
-        self.namedData = None  # type: List[NamedDataT]
-
-    @classmethod
-    def InitFromBuf(cls, buf, pos):
-        program = Program()
-        program.Init(buf, pos)
-        return cls.InitFromObj(program)
-
-    @classmethod
-    def InitFromPackedBuf(cls, buf, pos=0):
-        n = flatbuffers.encode.Get(flatbuffers.packer.uoffset, buf, pos)
-        return cls.InitFromBuf(buf, pos+n)
-
-    @classmethod
-    def InitFromObj(cls, program):
-        x = ProgramT()
-        x._UnPack(program)
-        return x
-
-    # ProgramT
-    def _UnPack(self, program):
-        if program is None:
-            return
-        self.version = program.Version()
-        if not program.ExecutionPlanIsNone():
-            self.executionPlan = []
-            for i in range(program.ExecutionPlanLength()):
-                if program.ExecutionPlan(i) is None:
-                    self.executionPlan.append(None)
-                else:
-                    executionPlan_ = ExecutionPlanT.InitFromObj(program.ExecutionPlan(i))
-                    self.executionPlan.append(executionPlan_)
-        if not program.ConstantBufferIsNone():
-            self.constantBuffer = []
-            for i in range(program.ConstantBufferLength()):
-                if program.ConstantBuffer(i) is None:
-                    self.constantBuffer.append(None)
-                else:
-                    buffer_ = BufferT.InitFromObj(program.ConstantBuffer(i))
-                    self.constantBuffer.append(buffer_)
-        if not program.BackendDelegateDataIsNone():
-            self.backendDelegateData = []
-            for i in range(program.BackendDelegateDataLength()):
-                if program.BackendDelegateData(i) is None:
-                    self.backendDelegateData.append(None)
-                else:
-                    backendDelegateInlineData_ = BackendDelegateInlineDataT.InitFromObj(program.BackendDelegateData(i))
-                    self.backendDelegateData.append(backendDelegateInlineData_)
-        if not program.SegmentsIsNone():
-            self.segments = []
-            for i in range(program.SegmentsLength()):
-                if program.Segments(i) is None:
-                    self.segments.append(None)
-                else:
-                    dataSegment_ = DataSegmentT.InitFromObj(program.Segments(i))
-                    self.segments.append(dataSegment_)
-        if program.ConstantSegment() is not None:
-            self.constantSegment = SubsegmentOffsetsT.InitFromObj(program.ConstantSegment())
-        if not program.MutableDataSegmentsIsNone():
-            self.mutableDataSegments = []
-            for i in range(program.MutableDataSegmentsLength()):
-                if program.MutableDataSegments(i) is None:
-                    self.mutableDataSegments.append(None)
-                else:
-                    subsegmentOffsets_ = SubsegmentOffsetsT.InitFromObj(program.MutableDataSegments(i))
-                    self.mutableDataSegments.append(subsegmentOffsets_)
-        if not program.NamedDataIsNone():
-            self.namedData = []
-            for i in range(program.NamedDataLength()):
-                if program.NamedData(i) is None:
-                    self.namedData.append(None)
-                else:
-                    namedData_ = NamedDataT.InitFromObj(program.NamedData(i))
-                    self.namedData.append(namedData_)
-
-    # ProgramT
-    def Pack(self, builder):
-        if self.executionPlan is not None:
-            executionPlanlist = []
-            for i in range(len(self.executionPlan)):
-                executionPlanlist.append(self.executionPlan[i].Pack(builder))
-            ProgramStartExecutionPlanVector(builder, len(self.executionPlan))
-            for i in reversed(range(len(self.executionPlan))):
-                builder.PrependUOffsetTRelative(executionPlanlist[i])
-            executionPlan = builder.EndVector()
-        if self.constantBuffer is not None:
-            constantBufferlist = []
-            for i in range(len(self.constantBuffer)):
-                constantBufferlist.append(self.constantBuffer[i].Pack(builder))
-            ProgramStartConstantBufferVector(builder, len(self.constantBuffer))
-            for i in reversed(range(len(self.constantBuffer))):
-                builder.PrependUOffsetTRelative(constantBufferlist[i])
-            constantBuffer = builder.EndVector()
-        if self.backendDelegateData is not None:
-            backendDelegateDatalist = []
-            for i in range(len(self.backendDelegateData)):
-                backendDelegateDatalist.append(self.backendDelegateData[i].Pack(builder))
-            ProgramStartBackendDelegateDataVector(builder, len(self.backendDelegateData))
-            for i in reversed(range(len(self.backendDelegateData))):
-                builder.PrependUOffsetTRelative(backendDelegateDatalist[i])
-            backendDelegateData = builder.EndVector()
-        if self.segments is not None:
-            segmentslist = []
-            for i in range(len(self.segments)):
-                segmentslist.append(self.segments[i].Pack(builder))
-            ProgramStartSegmentsVector(builder, len(self.segments))
-            for i in reversed(range(len(self.segments))):
-                builder.PrependUOffsetTRelative(segmentslist[i])
-            segments = builder.EndVector()
-        if self.constantSegment is not None:
-            constantSegment = self.constantSegment.Pack(builder)
-        if self.mutableDataSegments is not None:
-            mutableDataSegmentslist = []
-            for i in range(len(self.mutableDataSegments)):
-                mutableDataSegmentslist.append(self.mutableDataSegments[i].Pack(builder))
-            ProgramStartMutableDataSegmentsVector(builder, len(self.mutableDataSegments))
-            for i in reversed(range(len(self.mutableDataSegments))):
-                builder.PrependUOffsetTRelative(mutableDataSegmentslist[i])
-            mutableDataSegments = builder.EndVector()
-        if self.namedData is not None:
-            namedDatalist = []
-            for i in range(len(self.namedData)):
-                namedDatalist.append(self.namedData[i].Pack(builder))
-            ProgramStartNamedDataVector(builder, len(self.namedData))
-            for i in reversed(range(len(self.namedData))):
-                builder.PrependUOffsetTRelative(namedDatalist[i])
-            namedData = builder.EndVector()
-        ProgramStart(builder)
-        ProgramAddVersion(builder, self.version)
-        if self.executionPlan is not None:
-            ProgramAddExecutionPlan(builder, executionPlan)
-        if self.constantBuffer is not None:
-            ProgramAddConstantBuffer(builder, constantBuffer)
-        if self.backendDelegateData is not None:
-            ProgramAddBackendDelegateData(builder, backendDelegateData)
-        if self.segments is not None:
-            ProgramAddSegments(builder, segments)
-        if self.constantSegment is not None:
-            ProgramAddConstantSegment(builder, constantSegment)
-        if self.mutableDataSegments is not None:
-            ProgramAddMutableDataSegments(builder, mutableDataSegments)
-        if self.namedData is not None:
-            ProgramAddNamedData(builder, namedData)
-        program = ProgramEnd(builder)
-        return program
 
 
