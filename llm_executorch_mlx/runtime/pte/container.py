@@ -13,8 +13,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ._schema import executorch_program as ep
 from ..errors import PteError
+from ._schema import executorch_program as ep
 
 _EXTENDED_HEADER_MAGIC = b"eh"
 _EXTENDED_HEADER_OFFSET = 8

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import struct
 
-from ._schema import mlx_delegate as md
 from ..errors import PteError
+from ._schema import mlx_delegate as md
 
 HEADER_LENGTH = 24
 MAGIC = b"MLX0"
