@@ -154,7 +154,7 @@ def bind_blas_and_import_mlx(choice: str) -> dict:
     mlx_first = "mlx.core" in sys.modules  # only if something imported it before main()
     if choice != "auto":
         os.environ[BLAS_ENV] = choice
-    from llm_executorch_mlx.runtime import blas
+    from llm_executorch_mlx.runtime.cpu import blas
 
     assert blas.ENV_VAR == BLAS_ENV, blas.ENV_VAR
     status = blas.load_fast_blas()
@@ -416,6 +416,7 @@ class Ours:
         self.name = name
         self.route = compute
         self.program = load_program(pte, compute=compute)
+        self.program.prepare_cpu_kernels()  # as the plugin does before a generation
         self.compute_dtype = self.program.compute_dtype
         self.sampler = Sampler(temperature=0.0)
         self.last_timings = None
@@ -436,14 +437,10 @@ class Ours:
         return self.program.new_cache(capacity=capacity)
 
     def info(self) -> dict:
-        from llm_executorch_mlx.runtime import attention_kernel
-        from llm_executorch_mlx.runtime.dtypes import on_cpu
-
-        kernel = "not used off the CPU"
-        if on_cpu():
-            kernel = "in use" if attention_kernel.load() else attention_kernel.unavailable_reason
+        kernels = self.program.cpu_kernels
         return {
-            "cpu_attention_kernel": kernel,
+            "cpu_attention_kernel": "in use" if kernels.attention.on else kernels.attention.why,
+            "cpu_gemv": "in use" if kernels.gemv.on else kernels.gemv.why,
             "compute_route": self.route,
             "compute_dtype": self.compute_dtype,
             "stored_dtype": self.program.metadata.activation_dtype,

@@ -384,7 +384,7 @@ a = mx.ones((256, 256))
 mx.eval(a @ a)
 t2, c2 = time.perf_counter(), time.process_time()
 try:
-    from llm_executorch_mlx.runtime import blas
+    from llm_executorch_mlx.runtime.cpu import blas
     bound = blas.global_sgemm_library()
 except ImportError:
     bound = None

@@ -86,7 +86,7 @@ def unpack(out: pathlib.Path, seed: int) -> None:
     import mlx.core as mx
     import numpy as np
 
-    from llm_executorch_mlx.runtime.container import PteFile
+    from llm_executorch_mlx.runtime.pte.container import PteFile
 
     pte_path = out / "model.pte"
     with gzip.open(out / "model.pte.gz", "rb") as src, open(pte_path, "wb") as dst:

@@ -122,9 +122,12 @@ def stored_weight_bytes(program) -> int:
 def bound_blas() -> str | None:
     """The optimized BLAS the runtime bound into MLX, if this runtime binds one."""
     try:
-        from llm_executorch_mlx.runtime import blas
+        from llm_executorch_mlx.runtime.cpu import blas
     except ImportError:
-        return None
+        try:  # a runtime from before the cpu/ folder
+            from llm_executorch_mlx.runtime import blas
+        except ImportError:
+            return None
     return blas.global_sgemm_library()
 
 
@@ -139,6 +142,8 @@ def run_ours(args) -> dict:
     # The library's default compute route unless --compute names one (older
     # runtimes have no such argument).
     program = load_program(args.pte, **({"compute": args.compute} if args.compute else {}))
+    if hasattr(program, "prepare_cpu_kernels"):  # as the plugin does before a generation
+        program.prepare_cpu_kernels()
     meta = program.metadata
     compute_dtype = getattr(program, "compute_dtype", None) or meta.activation_dtype
     # As the plugin's Turn builds it: capacity = max context, the model's

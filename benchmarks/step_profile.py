@@ -31,7 +31,6 @@ import pathlib
 import statistics
 import sys
 import time
-import types
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -49,8 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class StepClock:
-    """Wraps ``forward.execute`` and the decode loop's ``mx.async_eval`` and
-    sums the host time each takes in decode steps (token ids come as a device
+    """Wraps ``forward.execute`` and ``forward.submit`` (the decode loop's
+    queueing of a step) and sums the host time each takes in decode steps (token ids come as a device
     array only there; prefill chunks come from the host).
 
     ``generate_tokens`` starts its decode clock after the first decode build,
@@ -60,7 +59,8 @@ class StepClock:
     def __init__(self, forward, mx):
         self.forward, self.mx = forward, mx
         self.n_inputs = forward.n_inputs
-        self.build = self.submit = 0.0
+        self.wait = forward.wait
+        self.build = self.submit_seconds = 0.0
         self.builds = self.submits = 0
         self._decoding = False
 
@@ -74,11 +74,11 @@ class StepClock:
             self.builds += 1
         return out
 
-    def async_eval(self, *arrays):
+    def submit(self, *arrays):
         t0 = time.perf_counter()
-        self.mx.async_eval(*arrays)
+        self.forward.submit(*arrays)
         if self._decoding:
-            self.submit += time.perf_counter() - t0
+            self.submit_seconds += time.perf_counter() - t0
             self.submits += 1
 
 
@@ -92,21 +92,15 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
     clock = StepClock(program.load_method("forward", cache=cache), mx)
     sampler = Sampler(temperature=0.0)
     timings = generate.Timings()
-    # The loop's own module sees the wrapped async_eval; everything else is mx.
-    generate.mx = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
-    generate.mx.async_eval = clock.async_eval
-    try:
-        steps = generate.generate_tokens(
-            clock, cache, prompt, 0, cache.max_write or program.metadata.prefill_chunk or len(prompt),
-            lambda logits, history: sampler.sample(logits), new_tokens, timings,
-        )
-        tokens = [s.token for s in steps]
-        mx.synchronize()
-    finally:
-        generate.mx = mx
+    steps = generate.generate_tokens(
+        clock, cache, prompt, 0, cache.max_write or program.metadata.prefill_chunk or len(prompt),
+        lambda logits, history: sampler.sample(logits), new_tokens, timings,
+    )
+    tokens = [s.token for s in steps]
+    mx.synchronize()
     per_step = timings.decode_seconds / timings.decode_tokens
     build = clock.build / (clock.builds - 1)
-    submit = clock.submit / clock.submits
+    submit = clock.submit_seconds / clock.submits
     return {
         "decode_tps": 1 / per_step,
         "step_ms": 1e3 * per_step,
@@ -139,6 +133,7 @@ def main(argv=None) -> None:
     import numpy as np
 
     program = load_program(args.pte, compute=args.compute)
+    program.prepare_cpu_kernels()  # as the plugin does before a generation
     vocab = program.metadata.vocab_size or 1000
     prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
     profile_once(program, prompt, 8)  # warm-up: kernels compiled, shapes traced

@@ -173,7 +173,7 @@ def step_weight_bytes(model_dir: pathlib.Path, dtype_bytes: int) -> int:
 def delegated_backends(path: pathlib.Path) -> dict[str, int]:
     """How many delegate calls of each backend the program holds (a check that
     the export really went to XNNPACK), from the flatbuffer alone."""
-    from llm_executorch_mlx.runtime.container import PteFile
+    from llm_executorch_mlx.runtime.pte.container import PteFile
 
     counts: dict[str, int] = {}
     pte = PteFile(path)

@@ -12,6 +12,7 @@ from .mlx_backend import require_for_command
 from .registry import (
     MODEL_PREFIX, NAME_RE, Entry, RegistryError, find_entry, layers_text, load_entries, save_entries,
 )
+
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
@@ -27,21 +28,28 @@ def _load(path: str):
 
 def _runtime_facts() -> dict:
     """Where this machine runs a program: MLX's device and, on a CPU, the
-    BLAS bound, and how attention and a decode step's products run (without
-    building the kernel)."""
+    BLAS bound, and how attention and a decode step's products run
+    (``runtime.cpu.kernels()``, which builds nothing)."""
     import mlx.core as mx
 
     from .mlx_backend import describe
-    from .runtime import attention_kernel, blas
+    from .runtime import cpu
     from .runtime.dtypes import on_cpu
 
     facts = {"mlx": describe(), "device": mx.default_device().type.name}
     if on_cpu():
-        status = blas.load_fast_blas()
-        facts["blas"] = {"library": status.library, "reason": status.reason}
-        facts["attention"] = attention_kernel.state()
-        compiled = facts["attention"].startswith("compiled kernel")
-        facts["decode_products"] = "the compiled kernel's gemv, the host thread helping" if compiled else "BLAS"
+        k = cpu.kernels()
+        facts["blas"] = {"library": k.blas.library, "reason": k.blas.reason}
+        if k.attention.on:
+            facts["attention"] = f"compiled kernel ({k.attention.why})"
+        elif k.attention.needs_build:
+            facts["attention"] = f"compiled kernel, {k.attention.why}"
+        else:
+            facts["attention"] = f"MLX ops ({k.attention.why})"
+        if k.gemv.on or k.gemv.needs_build:
+            facts["decode_products"] = "the compiled kernel's gemv, the host thread helping"
+        else:
+            facts["decode_products"] = f"BLAS ({k.gemv.why})"
     return facts
 
 

@@ -466,7 +466,7 @@ def _verify(path: pathlib.Path, capture: "_ExporterLog", info: SourceInfo):
 
 def _cache_ops(plan) -> int:
     """How many UpdateAndAttend nodes the MLX program holds."""
-    from .runtime.graph import decode_graph, node_name
+    from .runtime.pte.graph import decode_graph, node_name
 
     return sum(
         node_name(i) == "UpdateAndAttendNode"

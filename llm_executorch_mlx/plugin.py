@@ -130,8 +130,8 @@ class PteModel(llm.Model):
 
 def _advise_on_blas_once() -> None:
     """Tell a CPU user once (per llm user dir and message) that MLX runs on
-    its slow reference BLAS, and how to fix it (runtime/blas.py)."""
-    from .runtime import blas
+    its slow reference BLAS, and how to fix it (runtime/cpu/blas.py)."""
+    from .runtime.cpu import blas
     from .runtime.dtypes import on_cpu
 
     advice = blas.load_fast_blas().advice

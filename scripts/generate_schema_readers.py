@@ -1,4 +1,4 @@
-"""Regenerate the flatbuffer readers in llm_executorch_mlx/runtime/_schema.
+"""Regenerate the flatbuffer readers in llm_executorch_mlx/runtime/pte/_schema.
 
 The readers come from the schemas of the installed executorch (the source of
 truth for the .pte and MLX program formats), compiled with the flatc binary
@@ -20,13 +20,22 @@ import subprocess
 import sys
 import tempfile
 
-OUT = pathlib.Path(__file__).resolve().parent.parent / "llm_executorch_mlx" / "runtime" / "_schema"
+OUT = pathlib.Path(__file__).resolve().parent.parent / "llm_executorch_mlx" / "runtime" / "pte" / "_schema"
 
-# (output module, schema files relative to the executorch package)
+# output module: (schema files relative to the executorch package, extra flatc flags).
+# The MLX program is decoded into flatc's object API (``...T`` classes), which
+# the tests also build programs with; the .pte container is only read.
 READERS = {
-    "mlx_delegate.py": ["backends/mlx/serialization/schema.fbs"],
-    "executorch_program.py": ["exir/_serialize/program.fbs", "exir/_serialize/scalar_type.fbs"],
+    "mlx_delegate.py": (["backends/mlx/serialization/schema.fbs"], ["--gen-object-api"]),
+    "executorch_program.py": (["exir/_serialize/program.fbs", "exir/_serialize/scalar_type.fbs"], []),
 }
+README = """\
+Generated: flatc readers for the .pte container (executorch_program.py) and
+the MLX delegate's program (mlx_delegate.py), compiled from the installed
+executorch's schemas by scripts/generate_schema_readers.py. Do not edit;
+rerun the script after upgrading executorch (tests/test_schema_readers.py
+fails while they are stale).
+"""
 
 
 def executorch_root() -> pathlib.Path:
@@ -42,10 +51,10 @@ def generate(out_dir: pathlib.Path) -> dict[str, str]:
     flatc = root / "data" / "bin" / "flatc"
     version = importlib.metadata.version("executorch")
     sources = {}
-    for module, schemas in READERS.items():
+    for module, (schemas, flags) in READERS.items():
         with tempfile.TemporaryDirectory() as tmp:
             subprocess.run(
-                [str(flatc), "--python", "--gen-onefile", "--gen-object-api", "-o", tmp]
+                [str(flatc), "--python", "--gen-onefile", *flags, "-o", tmp]
                 + [str(root / s) for s in schemas],
                 check=True,
             )
@@ -62,7 +71,8 @@ def generate(out_dir: pathlib.Path) -> dict[str, str]:
 def main() -> None:
     argparse.ArgumentParser(description=__doc__).parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "__init__.py").write_text('"""flatc readers for the .pte and MLX program schemas (generated)."""\n')
+    (OUT / "__init__.py").write_text('"""flatc readers for the .pte and MLX program schemas (generated: see README)."""\n')
+    (OUT / "README").write_text(README)
     for module, source in generate(OUT).items():
         (OUT / module).write_text(source)
         print(f"wrote {OUT / module}")

@@ -17,9 +17,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
-from llm_executorch_mlx.runtime.graph import decode_graph, encode_graph
-from llm_executorch_mlx.runtime.interpreter import GraphExecutor
+from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph
+from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
 
 NP_TO_SCALAR_TYPE = {
     np.dtype(np.uint8): 0, np.dtype(np.int8): 1, np.dtype(np.int16): 2,
@@ -194,9 +195,12 @@ class OpGraph:
         constants = [a if isinstance(a, mx.array) else mx.array(np.asarray(a)) for _, a in self._constants]
         return g, constants
 
-    def executor(self, cache=None, init_chain: int = -1) -> GraphExecutor:
+    def executor(self, cache=None, init_chain: int = -1, kernels=None) -> GraphExecutor:
+        """``kernels``: the CPU kernels to build with; by default this
+        machine's, as a generation would use them (built if need be)."""
         graph, constants = self.build(init_chain)
-        return GraphExecutor(decode_graph(encode_graph(graph)), constants, cache=cache)
+        kernels = cpu.kernels(build=True) if kernels is None else kernels
+        return GraphExecutor(decode_graph(encode_graph(graph)), constants, cache=cache, kernels=kernels)
 
     def run(self, inputs=None, cache=None) -> list:
         """Build, round-trip through the wire format, and execute once."""

@@ -19,12 +19,19 @@ import pytest
 # (Accelerate on macOS).
 OPENBLAS_WHEEL = sys.platform.startswith("linux")
 MKL_WHEEL = OPENBLAS_WHEEL and platform.machine() == "x86_64"
-ROUTE_SOURCE = pathlib.Path(__file__).parents[1] / "llm_executorch_mlx" / "runtime" / "gemv_route.py"
+CPU_PACKAGE = pathlib.Path(__file__).parents[1] / "llm_executorch_mlx" / "runtime" / "cpu"
+# sgemm_route.py and the native.py it uses, loaded without the package (whose
+# import binds a BLAS): the folder (argv[1]) as a bare package named cpu.
+LOAD_ROUTE = """
+import importlib, sys, types
+package = types.ModuleType("cpu"); package.__path__ = [sys.argv[1]]; sys.modules["cpu"] = package
+route = importlib.import_module("cpu.sgemm_route")
+"""
 
 PROBE = """
 import json
 import numpy as np
-from llm_executorch_mlx.runtime import blas
+from llm_executorch_mlx.runtime.cpu import blas
 import mlx.core as mx
 
 a = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
@@ -90,7 +97,7 @@ def test_a_named_library_goes_behind_the_route_prefixed_symbols_too():
     library = pip_openblas()  # its functions are scipy_cblas_*
     facts, _ = probe(LLM_PTE_BLAS=library)
     assert facts["library"] == library and "one-row products through its sgemv" in facts["reason"]
-    assert pathlib.Path(facts["global_sgemm"]).name.startswith("gemv_route-")
+    assert pathlib.Path(facts["global_sgemm"]).name.startswith("sgemm_route-")
     assert facts["max_err"] < 1e-4
 
 
@@ -119,10 +126,8 @@ def test_a_failed_route_build_falls_back_to_binding_directly(tmp_path):
 # every form of one-row product MLX may send (both operand layouts, a strided
 # row or column, a transposed operand, addmm's alpha and beta) and one that is
 # not: results against numpy, calls from MKL's log.
-ROUTE_PROBE = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("gemv_route", sys.argv[1])
-route = importlib.util.module_from_spec(spec); spec.loader.exec_module(route)
+ROUTE_PROBE = LOAD_ROUTE + """
+import json
 shim, how = route.build()
 route.bind(shim, sys.argv[2], "")
 import numpy as np
@@ -155,7 +160,7 @@ def test_the_route_sends_one_row_products_to_sgemv_and_the_rest_to_sgemm():
 
     mkl = next(str(f.locate()) for f in importlib.metadata.files("mkl") if f.name.startswith("libmkl_rt.so"))
     result = subprocess.run(
-        [sys.executable, "-c", ROUTE_PROBE, str(ROUTE_SOURCE), mkl], capture_output=True, text=True,
+        [sys.executable, "-c", ROUTE_PROBE, str(CPU_PACKAGE), mkl], capture_output=True, text=True,
         timeout=120, env={**os.environ, "MKL_VERBOSE": "1"},
     )
     assert result.returncode == 0, result.stderr
@@ -189,11 +194,9 @@ def test_unopenable_library_is_reported_not_fatal(tmp_path):
 # beta 0 over a C of NaNs (which must not leak) and beta 0.5; and a product
 # of several rows, forwarded to sgemm. Padding columns of C must stay as
 # they were.
-SHIM_PROBE = """
-import importlib.util, json, sys, ctypes
+SHIM_PROBE = LOAD_ROUTE + """
+import json, ctypes
 import numpy as np
-spec = importlib.util.spec_from_file_location("gemv_route", sys.argv[1])
-route = importlib.util.module_from_spec(spec); spec.loader.exec_module(route)
 shim, _ = route.build()
 route.bind(shim, sys.argv[2], sys.argv[3])
 sgemm = ctypes.CDLL(str(shim)).cblas_sgemm
@@ -228,7 +231,7 @@ def test_the_route_maps_every_cblas_argument_onto_sgemv_and_sgemm(tmp_path):
     if not OPENBLAS_WHEEL:
         pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
     result = subprocess.run(
-        [sys.executable, "-c", SHIM_PROBE, str(ROUTE_SOURCE), pip_openblas(), "scipy_"],
+        [sys.executable, "-c", SHIM_PROBE, str(CPU_PACKAGE), pip_openblas(), "scipy_"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)},
     )
     assert result.returncode == 0, result.stderr

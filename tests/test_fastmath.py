@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime import fastmath
+from llm_executorch_mlx.runtime.cpu import fastmath
 
 
 def test_exp_is_accurate_to_float32_over_its_whole_range():

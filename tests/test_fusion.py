@@ -9,7 +9,7 @@ models' parity tests (test_parity.py) cover the same rewrite end to end.
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from opgraph import OpGraph
 
 H, T, D = 3, 5, 8

@@ -10,10 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime import attention_kernel, load_program
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
-from llm_executorch_mlx.runtime.graph import decode_graph, encode_graph
-from llm_executorch_mlx.runtime.layout import for_blas, matmul_weights
+from llm_executorch_mlx.runtime import cpu, load_program
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph
+from llm_executorch_mlx.runtime.interp.layout import for_blas, matmul_weights
 from opgraph import OpGraph
 
 
@@ -71,7 +71,7 @@ def test_relaid_weights_compute_the_same_products():
     graph, constants = g.build()
     graph = decode_graph(encode_graph(graph))
     laid = [for_blas(c) if i in matmul_weights(graph) else c for i, c in enumerate(constants)]
-    from llm_executorch_mlx.runtime.interpreter import GraphExecutor
+    from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
 
     outs = GraphExecutor(graph, laid).execute([x])
     for w, y in zip(ws, outs):
@@ -81,14 +81,10 @@ def test_relaid_weights_compute_the_same_products():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_gemv(exported, arch, monkeypatch):
     _, pte = exported(arch)
-    monkeypatch.setenv(attention_kernel.ENV_VAR, "0")
-    attention_kernel.load.cache_clear()
-    try:
-        program = load_program(pte)
-        constants = program._load_constants("forward", program._graph("forward"))
-    finally:
-        monkeypatch.undo()
-        attention_kernel.load.cache_clear()
+    monkeypatch.setenv(cpu.GEMV_FLAG, "0")
+    program = load_program(pte)
+    assert not program.prepare_cpu_kernels().gemv.on
+    constants = program._load_constants("forward", program._graph("forward"))
     graph = program._graph("forward")
     linear = matmul_weights(graph)
     # q, k, v, o, gate, up, down per layer (+ the LM head when untied)
@@ -102,9 +98,9 @@ def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_gemv(
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_linear_weights_stay_row_major_for_the_compiled_gemv(exported, arch):
     """Its dot-product loops read each output's weights as one contiguous row."""
-    assert attention_kernel.shared_gemv() is not None, attention_kernel.unavailable_reason
     _, pte = exported(arch)
     program = load_program(pte)
+    assert program.prepare_cpu_kernels().gemv.on, program.cpu_kernels.gemv.why
     graph = program._graph("forward")
     constants = program._load_constants("forward", graph)
     linear = matmul_weights(graph)

@@ -8,7 +8,7 @@ import torch
 from opgraph import OpGraph
 from test_ops_shape import Values, close, executor_with_values, iov, rand, run_graph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError, UnsupportedNodeError
 
 T = torch.from_numpy

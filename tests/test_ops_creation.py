@@ -8,7 +8,7 @@ import pytest
 import torch
 from opgraph import OpGraph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
 
 FP32, INT32 = 6, 3

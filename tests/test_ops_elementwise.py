@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from opgraph import OpGraph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from opgraph import OpGraph
 from test_ops_shape import Values, close, executor_with_values, rand, run_graph, stray_tid
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
-from llm_executorch_mlx.runtime.ops.nn import _cpu_rms_norm
+from llm_executorch_mlx.runtime.interp.ops.nn import _cpu_rms_norm
 
 T = torch.from_numpy
 

@@ -14,7 +14,7 @@ import torch
 from opgraph import OpGraph
 from test_ops_shape import Values, close, iov, rand, run_graph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 
 T = torch.from_numpy
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

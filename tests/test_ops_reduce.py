@@ -7,7 +7,7 @@ import pytest
 import torch
 from opgraph import OpGraph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
 
 # Odd sizes everywhere, so every median is a middle element in MLX and torch.

@@ -7,7 +7,7 @@ import pytest
 import torch
 from opgraph import OpGraph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1

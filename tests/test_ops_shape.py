@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from opgraph import OpGraph
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
-from llm_executorch_mlx.runtime.graph import decode_graph, encode_graph
-from llm_executorch_mlx.runtime.interpreter import GraphExecutor
+from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph
+from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
 
 INT64_MAX = 2**63 - 1
 rng = np.random.default_rng(0)

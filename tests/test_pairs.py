@@ -9,7 +9,7 @@ the first node's output.
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime._schema import mlx_delegate as md
+from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from opgraph import OpGraph
 
 H, D = 3, 4

@@ -20,7 +20,7 @@ import models
 from models import make_tokenizer
 
 from llm_executorch_mlx.registry import registry_path
-from llm_executorch_mlx.runtime import blas
+from llm_executorch_mlx.runtime.cpu import blas
 from llm_executorch_mlx.text import turn as turn_module
 
 
@@ -86,9 +86,13 @@ def test_register_list_info_remove(tiny):
 
 def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch):
     register(tiny, "tiny")
-    monkeypatch.setenv("LLM_PTE_ATTENTION_KERNEL", "0")
+    monkeypatch.setenv("LLM_PTE_CPU_ATTENTION", "0")
     info = invoke("pte", "info", "tiny").output
-    assert "attention: MLX ops (LLM_PTE_ATTENTION_KERNEL=0)" in info and "decode products: BLAS" in info
+    assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info
+    assert "decode products: the compiled kernel's gemv" in info  # its own flag
+    monkeypatch.setenv("LLM_PTE_CPU_GEMV", "0")
+    info = invoke("pte", "info", "tiny").output
+    assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info and "decode products: BLAS" in info
 
 
 def test_refused_registrations_leave_the_registry_unchanged(tiny, tmp_path):

@@ -1,6 +1,7 @@
 """load_program: the public API, metadata, and refusal of bad input."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from llm_executorch_mlx.runtime import PteError, load_program
-from llm_executorch_mlx.runtime.graph import decode_graph, encode_graph
-from llm_executorch_mlx.runtime.interpreter import GraphExecutor
+from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph
+from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +256,22 @@ def test_close_unmaps_the_file_and_loaded_methods_keep_working(llama):
     program.close()
     out = forward.execute([np.array([[1, 2]]), np.arange(2)])[0]
     assert np.isfinite(np.array(out)).all()
+
+
+def test_loading_builds_no_cpu_kernels_and_prepare_does(llama, tmp_path):
+    """``llm pte register`` loads a method: that must not compile the
+    extension (~30 s); a generation's ``prepare_cpu_kernels()`` does."""
+    _, pte = llama
+    code = (
+        "import sys; from llm_executorch_mlx.runtime import load_program; "
+        f"p = load_program({str(pte)!r}); p.load_method('forward', cache=p.new_cache(capacity=8)); "
+        "print(p.cpu_kernels.attention.on, p.cpu_kernels.gemv.needs_build, flush=True); "
+        "print('PREPARE', file=sys.stderr, flush=True); k = p.prepare_cpu_kernels(); "
+        "print(k.attention.on, k.gemv.on)"
+    )
+    # a compiler that fails: the attempt shows, without 30 s of compiling
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "false"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["False True", "False False"]
+    loading, preparing = out.stderr.split("PREPARE")
+    assert "building the CPU kernels" not in loading and "building the CPU kernels" in preparing

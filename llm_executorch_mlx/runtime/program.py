@@ -7,10 +7,8 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from ._schema import mlx_delegate as md
-from .attention_kernel import shared_gemv
 from .cache import LayerGeometry, SequenceCache, parse_windows
-from .container import Plan, PteFile, TensorValue
+from .cpu import CpuKernels, kernels
 from .dtypes import (
     KV_DTYPES,
     array_from_buffer,
@@ -21,10 +19,13 @@ from .dtypes import (
     scalar_type_name,
 )
 from .errors import PteError
-from .graph import decode_graph, node_name
-from .interpreter import GraphExecutor
-from .layout import for_blas, matmul_weights
-from .metadata import ForwardSignature, ModelMetadata, read_metadata
+from .interp.interpreter import GraphExecutor
+from .interp.layout import for_blas, matmul_weights
+from .pte._schema import mlx_delegate as md
+from .pte.container import Plan, PteFile, TensorValue
+from .pte.graph import decode_graph, node_name
+from .pte.metadata import ForwardSignature, ModelMetadata, read_metadata
+from .steps import PLAIN, Steps, steps_for
 
 MLX_BACKEND = "MLXBackend"
 LLM_METADATA = (
@@ -50,13 +51,20 @@ def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
 
 
 class Method:
-    """A loaded method; ``execute(inputs)`` returns its outputs as a list."""
+    """A loaded method; ``execute(inputs)`` returns its outputs as a list.
 
-    def __init__(self, name: str, run, n_inputs: int, op_names: tuple[str, ...] = ()):
+    ``submit(*arrays)`` queues arrays computed from its outputs (as
+    ``mx.async_eval``) and ``wait(array)`` returns once one is computed: on
+    the CPU with the shared GEMV, the host thread helps run the step
+    meanwhile (``steps.py``).
+    """
+
+    def __init__(self, name: str, run, n_inputs: int, op_names: tuple[str, ...] = (), steps: Steps = PLAIN):
         self.name = name
         self._run = run
         self.n_inputs = n_inputs
         self.op_names = op_names  # the ops one call runs, after load-time fusion
+        self.submit, self.wait = steps
 
     def execute(self, inputs: list | tuple = (), last_position_only: bool = False) -> list:
         """Run once. Inputs may be numpy arrays, mx arrays, torch tensors or
@@ -84,6 +92,8 @@ class Program:
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
         self._constants: dict[str, list[mx.array]] = {}
+        # Decided once here, never built here: prepare_cpu_kernels() builds.
+        self.cpu_kernels: CpuKernels = kernels()
         raw = {}
         for name, plan in pte.plans.items():
             if not plan.delegates and not plan.kernel_calls:
@@ -94,6 +104,18 @@ class Program:
         self.metadata: ModelMetadata = read_metadata(raw, forward)
 
     # -- methods --------------------------------------------------------------
+
+    def prepare_cpu_kernels(self) -> CpuKernels:
+        """Build the CPU kernel extension if it is not built yet (once per
+        machine, ~30 s, with a notice on stderr), so that methods loaded from
+        now on use it; return what they will use. A generation calls this
+        before loading its methods; loading alone never builds.
+        """
+        prepared = kernels(build=True)
+        if prepared != self.cpu_kernels:
+            self._constants.clear()  # the weight layout follows the GEMV decision
+        self.cpu_kernels = prepared
+        return prepared
 
     def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:
         """Prepare a method to run; delegated methods decode their program now.
@@ -116,9 +138,11 @@ class Program:
         if cache is not None and uses_cache:
             self._check_cache(cache)
         executor = GraphExecutor(
-            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map
+            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
+            self.cpu_kernels,
         )
-        return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names))
+        return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names),
+                      steps_for(self.cpu_kernels))
 
     def _plan(self, name: str) -> Plan:
         try:
@@ -184,8 +208,8 @@ class Program:
                 names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
         metas = graph.tensorMeta or []
         # On the CPU, linear weights take the layout BLAS streams fastest,
-        # unless the compiled extension runs one-row products: it reads rows.
-        blas_weights = matmul_weights(graph) if on_cpu() and shared_gemv() is None else set()
+        # unless the extension's GEMV runs one-row products: it reads rows.
+        blas_weights = matmul_weights(graph) if on_cpu() and not self.cpu_kernels.gemv.on else set()
         constants = []
         for tid in range(graph.numConstantTensors):
             key = names.get(tid)

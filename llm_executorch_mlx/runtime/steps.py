@@ -1,34 +1,36 @@
-"""Queue a step's graph and wait for its result, the host thread helping.
+"""How a method's step is queued and awaited: plain, or with the host thread helping.
 
-On the CPU, with the compiled extension loaded (``attention_kernel.py``), a
-step's one-row products are ``gemv`` nodes whose rows the stream thread
-shares with whichever host thread is inside ``submit`` or ``wait`` (see
-``attention_kernel.cpp``). Elsewhere these are ``mx.async_eval`` and a
-plain wait.
+On the CPU, with the shared GEMV in use (``cpu.kernels()``), a decode step's
+one-row products are ``gemv`` nodes whose rows the stream thread shares with
+whichever host thread is inside ``submit`` or ``wait`` (``cpu/gemv.cpp``).
+Otherwise ``submit`` is ``mx.async_eval`` and ``wait`` returns at once
+(reading the array waits). Chosen once per method, at load.
 """
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import mlx.core as mx
 
-from . import attention_kernel
+from .cpu import CpuKernels
 
 
-def _helping_kernel():
-    return attention_kernel.load() if mx.default_device() == mx.cpu else None
+class Steps(NamedTuple):
+    submit: Callable[..., None]  # mx.async_eval(*arrays)
+    wait: Callable[[mx.array], None]  # returns once a submitted array is computed
 
 
-def submit(*arrays: mx.array) -> None:
-    """``mx.async_eval(*arrays)``."""
-    kernel = _helping_kernel()
-    if kernel is None:
-        mx.async_eval(*arrays)
-    else:
-        kernel.submit_helping(list(arrays))
+def _no_wait(array: mx.array) -> None:
+    pass
 
 
-def wait(array: mx.array) -> None:
-    """Return once a submitted ``array`` is computed."""
-    kernel = _helping_kernel()
-    if kernel is not None:
-        kernel.wait_helping(array)
+PLAIN = Steps(mx.async_eval, _no_wait)
+
+
+def steps_for(kernels: CpuKernels) -> Steps:
+    """Plain steps, or helped ones where ``kernels`` use the shared GEMV."""
+    if not kernels.gemv.on:
+        return PLAIN
+    helping = kernels.extension
+    return Steps(lambda *arrays: helping.submit_helping(list(arrays)), helping.wait_helping)

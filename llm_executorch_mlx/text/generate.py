@@ -1,8 +1,8 @@
 """The decode loop: chunked prefill, then one token per step with look-ahead.
 
 ``generate_tokens`` yields token ids only; text, stops and stats live a level
-up. Each decode step is queued (``runtime.steps.submit``, ``mx.async_eval``
-with the CPU's host thread helping to run the step) before the previous
+up. Each decode step is queued (``forward.submit``: ``mx.async_eval``, on
+the CPU with the host thread helping to run the step) before the previous
 token is read on the host, so the host waits on the device at most once per
 token and builds step N+1's graph while step N runs (as mlx-lm does). Token
 ids go to ``forward`` as device arrays and positions as host arrays, so no
@@ -21,8 +21,6 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 import numpy as np
-
-from ..runtime import steps
 
 
 @dataclass
@@ -98,7 +96,7 @@ def generate_tokens(
     logits = prefill(forward, cache, tail, start, chunk)
     history = list(prompt)
     y = sample(logits, history)
-    steps.submit(y)
+    forward.submit(y)
     position = len(prompt)
     t_first = None
     for produced in range(1, max_tokens + 1):
@@ -106,7 +104,7 @@ def generate_tokens(
         if fed:  # queue the step that feeds y before reading y on the host
             logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
             position += 1
-        steps.wait(y)
+        forward.wait(y)
         token = y.item()
         now = time.perf_counter()
         if t_first is None:
@@ -118,7 +116,7 @@ def generate_tokens(
         if fed:
             history.append(token)
             y = sample(logits, history)
-            steps.submit(y)
+            forward.submit(y)
         yield Step(token, fed)
         if not fed:
             return

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..runtime import blas, load_program
+from ..runtime import load_program
 from .conversation import encode_conversation
 from .detokenize import StreamDecoder
 from .errors import TextError
@@ -55,7 +55,9 @@ def get_program(path: str, compute: str = "auto"):
             _generated.pop(old, None)
             for cut_key in [c for c in _truncations if c[0] == old]:
                 del _truncations[cut_key]
-        _programs[key] = load_program(path, compute=compute)
+        program = load_program(path, compute=compute)
+        program.prepare_cpu_kernels()  # builds them at the first generation, before a method loads
+        _programs[key] = program
     return key, _programs[key]
 
 
@@ -288,7 +290,7 @@ class Turn:
             "kv_bytes_allocated": cache.nbytes,
             "device": mx.default_device().type.name,
             "compute_dtype": self.program.compute_dtype,
-            "blas": blas.load_fast_blas().library,
+            "blas": self.program.cpu_kernels.blas.library,
             "mlx_active_bytes": mx.get_active_memory(),
             "mlx_peak_bytes": mx.get_peak_memory(),
         }

@@ -1,1 +1,0 @@
-"""flatc readers for the .pte and MLX program schemas (generated)."""

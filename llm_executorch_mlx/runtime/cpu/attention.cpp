@@ -1,0 +1,462 @@
+// Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32,
+// bf16 or fp16 keys and values (a half-precision cache is widened as it is read).
+//
+// MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
+// them) with a BLAS call per kv head for each product and a scalar exp, which
+// for a decode step costs ~0.5 ms a layer on a 2-core x86 machine, ten times
+// the work, and for a 128-query prefill chunk 2-11 ms. This primitive does the
+// whole thing as one op, with a polynomial exp eight lanes wide:
+// - a few queries (a decode step): per query row it scores the keys of its kv
+//   head four at a time and accumulates the values in registers (the rows
+//   sharing a kv head each read it; it stays in cache between them);
+// - from 8 queries a head (a prefill chunk): GEMM-style register tiles over K
+//   packed into panels, then over V (below).
+// Causal or not, optionally a sliding window; any strides (the cache hands
+// over slices of its pools). extension.py builds it into the CPU kernel
+// extension (nanobind, in MLX's type domain) once per machine and checks it
+// against MLX before use.
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "simd.h"
+
+namespace llm_pte {
+namespace {
+
+using llm_pte::load8;  // simd.h's, overloaded below for bf16 and fp16
+
+// bf16 keys and values (a cache stored in bf16 under fp32 compute), widened
+// as they are read: a bf16 is the top half of an fp32.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+inline f8 load8(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const i8 bits = __builtin_convertvector(h, i8) << 16;
+  f8 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// fp16 keys and values (a cache stored in fp16), widened with integer
+// operations only, so no F16C or _Float16 is asked of the compiler: move
+// exponent and mantissa into fp32's fields and rebias the exponent, then fix
+// the two exponents that do not rebias: all ones (inf, NaN) and zero (zeros
+// and subnormals, renormalised by subtracting 2^-14 in fp32).
+struct Half {
+  uint16_t bits;
+};
+
+constexpr int32_t kHalfExponent = 0x7c00 << 13;  // fp16's exponent field, moved to fp32's place
+constexpr int32_t kRebias = (127 - 15) << 23;
+constexpr int32_t kInfRebias = (128 - 16) << 23;
+constexpr int32_t kTwoToMinus14 = 113 << 23;
+
+inline f8 as_f8(i8 bits) {
+  f8 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline i8 as_i8(f8 x) {
+  i8 bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+
+inline f8 load8(const Half* p) {
+  u16x8 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const i8 h = __builtin_convertvector(raw, i8);
+  i8 bits = (h & 0x7fff) << 13;
+  const i8 exponent = bits & kHalfExponent;
+  const i8 all_ones = exponent == kHalfExponent, zero = exponent == 0;  // -1 where true
+  bits += kRebias + (all_ones & kInfRebias) + (zero & (1 << 23));
+  const f8 x = as_f8(bits) - as_f8(zero & kTwoToMinus14);  // minus 0.0 where not zero
+  return as_f8(as_i8(x) | ((h & 0x8000) << 16));
+}
+
+inline float widen(Half half) {  // load8's steps on one value
+  const int32_t h = half.bits;
+  int32_t bits = (h & 0x7fff) << 13;
+  const int32_t exponent = bits & kHalfExponent;
+  const int32_t all_ones = -(exponent == kHalfExponent), zero = -(exponent == 0);
+  bits += kRebias + (all_ones & kInfRebias) + (zero & (1 << 23));
+  const float x = std::bit_cast<float>(bits) - std::bit_cast<float>(zero & kTwoToMinus14);
+  return std::bit_cast<float>(std::bit_cast<int32_t>(x) | ((h & 0x8000) << 16));
+}
+
+// mask ? a : b lane by lane, mask from a vector comparison (all ones or
+// zeros). Spelled with bit operations: Clang has no vector ?: in C++.
+inline f8 select8(i8 mask, f8 a, f8 b) {
+  i8 x, y;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  const i8 bits = (mask & x) | (~mask & y);
+  f8 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
+
+// e^x for x <= 0 (a softmax's shifted scores), eight at a time: Cody-Waite
+// reduction to 2^n e^r with |r| <= ln2/2 and Cephes' degree-6 polynomial,
+// ~1 ulp. Adding 1.5 * 2^23 rounds to the nearest integer.
+inline f8 exp8_nonpositive(f8 x) {
+  x = max8(x, splat(-87.0f));  // 2^n stays a normal float
+  const f8 round = splat(12582912.0f);
+  const f8 n = (x * 1.44269504088896341f + round) - round;
+  const f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f8 e = p * r * r + r + 1.0f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  f8 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return e * two_n;
+}
+
+// row[j] = e^(row[j] - max) for j < n, and 0 up to n rounded up to 8 (the
+// row has room for them); returns their sum.
+inline float softmax_numerators(float* row, int n) {
+  const int n8 = (n + 7) / 8 * 8;
+  std::fill(row + n, row + n8, -INFINITY);
+  f8 m = splat(-INFINITY);
+  for (int j = 0; j < n8; j += 8) m = max8(m, load8(row + j));
+  const float top = std::max(std::max(std::max(m[0], m[1]), std::max(m[2], m[3])),
+                             std::max(std::max(m[4], m[5]), std::max(m[6], m[7])));
+  const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  f8 sum = {};
+  for (int j = 0; j < n8; j += 8) {
+    f8 e = exp8_nonpositive(load8(row + j) - top);
+    e = select8(lane < n - j, e, f8{});  // past the row's end
+    store8(row + j, e);
+    sum += e;
+  }
+  return sum8(sum);
+}
+
+struct Geometry {
+  int B, Hq, Hkv, T, S, D;
+  bool causal;
+  int window;  // > 0: a query sees only the last `window` of its keys
+  float scale;
+  mx::Strides q, k, v;  // in elements
+
+  // Query t sees keys [first_key(t), end_key(t)).
+  int end_key(int t) const { return causal ? S - T + t + 1 : S; }
+  int first_key(int t) const { return window > 0 ? std::max(0, end_key(t) - window) : 0; }
+};
+
+// s[j] = q . k_j for j < n, keys of D (a multiple of 8) contiguous floats
+// `stride` apart: four keys at a time, so four dot products are in flight.
+template <typename KV>
+void scores_of_row(const float* q, const KV* k, int64_t stride, int n, int D, float* s) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const KV *k0 = k + j * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int d = 0; d < D; d += 8) {
+      const f8 x = load8(q + d);
+      a0 += x * load8(k0 + d);
+      a1 += x * load8(k1 + d);
+      a2 += x * load8(k2 + d);
+      a3 += x * load8(k3 + d);
+    }
+    s[j] = sum8(a0), s[j + 1] = sum8(a1), s[j + 2] = sum8(a2), s[j + 3] = sum8(a3);
+  }
+  for (; j < n; ++j) {
+    f8 a = {};
+    for (int d = 0; d < D; d += 8) a += load8(q + d) * load8(k + j * stride + d);
+    s[j] = sum8(a);
+  }
+}
+
+// out = sum_j p[j] v_j for j < n, accumulated 64 columns at a time in registers.
+template <typename KV>
+void weighted_values(const float* p, const KV* v, int64_t stride, int n, int D, float* out) {
+  for (int c = 0; c < D; c += 64) {
+    const int w = std::min(64, D - c);  // a multiple of 8
+    f8 a[8] = {};
+    for (int j = 0; j < n; ++j) {
+      const KV* vj = v + j * stride + c;
+      const f8 pj = f8{} + p[j];
+      for (int i = 0; i < w / 8; ++i) a[i] += pj * load8(vj + 8 * i);
+    }
+    for (int i = 0; i < w / 8; ++i) std::memcpy(out + c + 8 * i, &a[i], sizeof(f8));
+  }
+}
+
+// out[b, h, t, :] = softmax(scale * q[b, h, t] . k[b, h / rep, j]) v[...] over
+// the keys j query t sees (Geometry::first_key, end_key).
+template <typename KV>
+void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
+  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D, S = g.S;
+  const bool fast = D % 8 == 0 && g.k[3] == 1 && g.v[3] == 1;
+  std::vector<float> scores((S + 7) / 8 * 8), qrow(D), acc(D);
+  for (int b = 0; b < g.B; ++b) {
+    for (int h = 0; h < g.Hkv; ++h) {
+      const KV* kh = k + b * g.k[0] + h * g.k[1];
+      const KV* vh = v + b * g.v[0] + h * g.v[1];
+      for (int r = 0; r < rows; ++r) {
+        const int head = h * rep + r / g.T, t = r % g.T;
+        const int j0 = g.first_key(t), n = g.end_key(t) - j0;
+        const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
+        const float* src = q + b * g.q[0] + head * g.q[1] + t * g.q[2];
+        for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
+        if (fast) {
+          scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
+        } else {
+          for (int j = 0; j < n; ++j) {
+            float s = 0.0f;
+            for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
+            scores[j] = s;
+          }
+        }
+        const float sum = softmax_numerators(scores.data(), n);
+        if (fast) {
+          weighted_values(scores.data(), vr, g.v[2], n, D, acc.data());
+        } else {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int j = 0; j < n; ++j)
+            for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
+        }
+        float* o = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D;
+        const float inv = 1.0f / sum;
+        for (int d = 0; d < D; ++d) o[d] = acc[d] * inv;
+      }
+    }
+  }
+}
+
+// ---- Many queries (a prefill chunk): register-tiled products.
+//
+// Per kv head the rep*T query rows form one [rows, D] x [D, S] product, then
+// one [rows, S] x [S, D]. K is packed into 16-key panels once per kv head.
+// Each query head's T rows go in blocks of kRows consecutive queries; a
+// block's scores are computed kRows x 16 keys at a time (each step: two
+// panel loads, a broadcast per row, 2*kRows FMAs, as a GEMM micro-kernel
+// does), normalised exactly (max, exp, sum over the whole row), then
+// multiplied into V 16 columns at a time. A block works on the keys from
+// its first row's first (a window) to its last row's last (causal). One
+// thread: a second one, measured in a 135M model's prefill, lost 10-20% to
+// the BLAS threads sharing the two cores.
+
+constexpr int kRows = 6;
+constexpr int kPanel = 16;
+// From this many queries a head the tiled path is the faster (a decode
+// step's one query reads K once; packing it would read it twice).
+constexpr int kTiledMinQueries = 8;
+
+// s[r][c] = q[r] . k_c for the R rows and the panel's 16 keys.
+template <int R>
+void score_panel(const float* q, int D, const float* panel, float* s, int64_t s_stride) {
+  f8 a[R][2] = {};
+  for (int d = 0; d < D; ++d) {
+    const f8 k0 = load8(panel + d * kPanel), k1 = load8(panel + d * kPanel + 8);
+    for (int r = 0; r < R; ++r) {
+      const f8 x = splat(q[r * D + d]);
+      a[r][0] += x * k0;
+      a[r][1] += x * k1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(s + r * s_stride, &a[r][0], sizeof(f8));
+    std::memcpy(s + r * s_stride + 8, &a[r][1], sizeof(f8));
+  }
+}
+
+// o[r][c0:c0+16] = sum_{j<n} p[r][j] v_j[c0:c0+16] for the R rows.
+template <int R, typename KV>
+void weigh_values(const float* p, int64_t p_stride, const KV* v, int64_t v_stride, int n,
+                  float* o, int64_t o_stride) {
+  f8 a[R][2] = {};
+  for (int j = 0; j < n; ++j) {
+    const f8 v0 = load8(v + j * v_stride), v1 = load8(v + j * v_stride + 8);
+    for (int r = 0; r < R; ++r) {
+      const f8 w = splat(p[r * p_stride + j]);
+      a[r][0] += w * v0;
+      a[r][1] += w * v1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    std::memcpy(o + r * o_stride, &a[r][0], sizeof(f8));
+    std::memcpy(o + r * o_stride + 8, &a[r][1], sizeof(f8));
+  }
+}
+
+// Rows r < R see keys [lo[r], hi[r]); the block works on keys from the
+// first panel any of them needs to the last key any of them sees.
+template <int R, typename KV>
+void attend_block(const float* q, const float* panels, const KV* v, int64_t v_stride,
+                  const int* lo, const int* hi, int D, float* s, int64_t s_stride, float* o) {
+  const int j0 = *std::min_element(lo, lo + R) / kPanel * kPanel;
+  const int n = *std::max_element(hi, hi + R) - j0;
+  float inv[R];
+  for (int j = 0; j < n; j += kPanel)
+    score_panel<R>(q, D, panels + static_cast<int64_t>(j0 + j) * D, s + j, s_stride);
+  for (int r = 0; r < R; ++r) {
+    float* row = s + r * s_stride;
+    const int first = lo[r] - j0, count = hi[r] - lo[r];
+    std::fill(row, row + first, 0.0f);
+    inv[r] = 1.0f / softmax_numerators(row + first, count);
+    for (int j = first + (count + 7) / 8 * 8; j < n; ++j) row[j] = 0.0f;  // keys of later rows
+  }
+  for (int c = 0; c < D; c += kPanel)
+    weigh_values<R, KV>(s, s_stride, v + j0 * v_stride + c, v_stride, n, o + c, D);
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < D; d += 8) store8(o + r * D + d, load8(o + r * D + d) * inv[r]);
+}
+
+template <typename KV>
+void attend_tiled(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
+  const int rep = g.Hq / g.Hkv, D = g.D, S = g.S;
+  const int S_pad = (S + kPanel - 1) / kPanel * kPanel;
+  // a row's exp writes up to 7 keys past its last (softmax_numerators)
+  const int s_stride = S_pad + 8;
+  std::vector<float> panels(static_cast<size_t>(S_pad) * D), qs(kRows * D), o(kRows * D),
+      scores(kRows * static_cast<size_t>(s_stride));
+  int lo[kRows], hi[kRows];
+  for (int b = 0; b < g.B; ++b) {
+    for (int h = 0; h < g.Hkv; ++h) {
+      // this kv head's K as panels [S_pad / 16][D][16], zero past S
+      const KV* kh = k + b * g.k[0] + h * g.k[1];
+      for (int j = 0; j < S_pad; ++j)
+        for (int d = 0; d < D; ++d)
+          panels[(static_cast<size_t>(j) / kPanel * D + d) * kPanel + j % kPanel] =
+              j < S ? widen(kh[j * g.k[2] + d]) : 0.0f;
+      const KV* vh = v + b * g.v[0] + h * g.v[1];
+      for (int head = h * rep; head < (h + 1) * rep; ++head) {
+        for (int t0 = 0; t0 < g.T; t0 += kRows) {
+          const int R = std::min(kRows, g.T - t0);
+          for (int r = 0; r < R; ++r) {
+            const float* src = q + b * g.q[0] + head * g.q[1] + (t0 + r) * g.q[2];
+            for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
+            lo[r] = g.first_key(t0 + r), hi[r] = g.end_key(t0 + r);
+          }
+          auto block = attend_block<1, KV>;
+          switch (R) {
+            case 6: block = attend_block<6, KV>; break;
+            case 5: block = attend_block<5, KV>; break;
+            case 4: block = attend_block<4, KV>; break;
+            case 3: block = attend_block<3, KV>; break;
+            case 2: block = attend_block<2, KV>; break;
+          }
+          block(qs.data(), panels.data(), vh, g.v[2], lo, hi, D, scores.data(), s_stride, o.data());
+          float* dst = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t0) * D;
+          std::memcpy(dst, o.data(), static_cast<size_t>(R) * D * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+class FusedAttention : public mx::Primitive {
+ public:
+  FusedAttention(mx::Stream stream, float scale, bool causal, int window)
+      : mx::Primitive(stream), scale_(scale), causal_(causal), window_(window) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(q);
+    encoder.set_input_array(k);
+    encoder.set_input_array(v);
+    encoder.set_output_array(out);
+    Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
+               causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
+    if (k.dtype() == mx::bfloat16) {
+      dispatch(encoder, q.data<float>(), k.data<uint16_t>(), v.data<uint16_t>(), out.data<float>(), g);
+    } else if (k.dtype() == mx::float16) {
+      dispatch(encoder, q.data<float>(), reinterpret_cast<const Half*>(k.data<mx::float16_t>()),
+               reinterpret_cast<const Half*>(v.data<mx::float16_t>()), out.data<float>(), g);
+    } else {
+      dispatch(encoder, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), g);
+    }
+  }
+
+  template <typename KV>
+  static void dispatch(mx::cpu::CommandEncoder& encoder, const float* q, const KV* k, const KV* v,
+                       float* out, const Geometry& g) {
+    encoder.dispatch([=]() {
+      const bool tiled = g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1;
+      (tiled ? attend_tiled<KV> : attend<KV>)(q, k, v, out, g);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("FusedAttention runs on the CPU only");
+  }
+
+  const char* name() const override { return "FusedAttention"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const FusedAttention&>(other);
+    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_;
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+  int window_;
+};
+
+}  // namespace
+
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, int window, mx::StreamOrDevice s) {
+  std::ostringstream err;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
+    err << "q, k and v must be 4-D, got " << q.shape() << ", " << k.shape() << ", " << v.shape();
+  } else if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
+             (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16 && k.dtype() != mx::float16)) {
+    err << "q must be float32, k and v both float32, bfloat16 or float16";
+  } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
+             k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
+    err << "incompatible shapes q " << q.shape() << ", k " << k.shape() << ", v " << v.shape();
+  } else if (k.shape(2) == 0) {
+    err << "no keys to attend to";
+  } else if (causal && q.shape(2) > k.shape(2)) {
+    err << "causal attention with more queries than keys";
+  } else if (window < 0) {
+    err << "window must be 0 (none) or positive, got " << window;
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);  // the CPU unless asked otherwise
+  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
+  if (!err.str().empty()) throw std::invalid_argument("attention: " + err.str());
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<FusedAttention>(stream, scale, causal, window), {q, k, v});
+}
+
+}  // namespace llm_pte

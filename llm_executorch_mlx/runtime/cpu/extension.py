@@ -1,0 +1,187 @@
+"""Build and load the CPU kernel extension: CPU attention and the shared GEMV as MLX ops.
+
+MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
+can. One module, ``cpu_kernels``, holds both parts: ``attention.cpp`` (fused
+attention) and ``gemv.cpp`` (one-row products shared with the host thread,
+and the helped submission of a step), bound by ``module.cpp``. It is compiled
+once per source, compiler, MLX (version and install), nanobind, Python and
+CPU into the user's cache directory (``native.py``), with nanobind's own
+sources (the ``cpu`` extra installs nanobind) and MLX's headers from its
+wheel, then checked against MLX's ops on small cases.
+
+``find()`` only loads a build already in the cache; ``build()`` compiles it
+first when it is missing (~30 s, once, with a notice on stderr). Anything
+missing or wrong (no C++ compiler, no nanobind, a nanobind whose ABI differs
+from the one MLX was built with, a failed build or check) leaves no module,
+and the caller runs MLX ops and BLAS instead. Which part is used where is
+``selection.py``'s decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import pathlib
+import platform
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import mlx.core as mx
+
+from . import native
+
+HERE = pathlib.Path(__file__).parent
+SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "module.cpp"))
+HEADERS = tuple(HERE / name for name in ("kernels.h", "simd.h"))
+MODULE = "cpu_kernels"
+NOT_BUILT = "built on the first prompt (~30 s, once)"
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The loaded extension module, or why there is none."""
+
+    module: ModuleType | None = field(repr=False)
+    why: str  # the built file, or why it is not loaded
+    needs_build: bool = False  # absent only because it has not been built yet
+
+
+_settled: Extension | None = None  # once loaded or failed, the answer for this process
+
+
+def find() -> Extension:
+    """The extension if it is built already; never compiles."""
+    return _load(build=False)
+
+
+def build() -> Extension:
+    """The extension, compiled first if it is not built yet."""
+    return _load(build=True)
+
+
+def _load(build: bool) -> Extension:
+    global _settled
+    if _settled is None:
+        found = _look(build)
+        if not found.needs_build:
+            _settled = found
+        return found
+    return _settled
+
+
+def _look(build: bool) -> Extension:
+    plan = _plan()
+    if isinstance(plan, str):
+        return Extension(None, plan)
+    command, target, failed = plan
+    if not target.exists() and failed.exists():  # a compile error: not retried every command
+        return Extension(None, f"{failed.read_text()} (remove {failed} to retry)")
+    if not target.exists() and not build:
+        return Extension(None, NOT_BUILT, needs_build=True)
+    try:
+        if not target.exists():
+            try:
+                native.compile_to(command, target, timeout=300,
+                                  notice="building the CPU kernels (attention, gemv; once, ~30 s)")
+            except subprocess.CalledProcessError as exc:
+                why = f"building it failed: {exc.stderr.decode(errors='replace').strip()[-300:]}"
+                if exc.returncode > 0 and "No space left" not in why:
+                    failed.write_text(why)  # a compile error, not a passing condition
+                return Extension(None, why)
+        module = _import(target)
+        if not _agrees_with_mlx(module):
+            return Extension(None, "the built extension disagrees with MLX")
+    except (OSError, ImportError, subprocess.SubprocessError) as exc:
+        return Extension(None, f"building or loading it failed ({type(exc).__name__}: {exc})")
+    except (TypeError, RuntimeError, ValueError) as exc:
+        # a nanobind ABI other than MLX's: its ops do not accept mlx arrays
+        return Extension(None, f"it does not work with this MLX ({type(exc).__name__}: {exc})")
+    return Extension(module, str(target))
+
+
+def _vector_flags() -> list[str]:
+    """AVX2 and FMA where this x86 CPU has them (the exp and dot loops
+    vectorise 8 wide); other machines get the compiler's default target."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    try:
+        flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+
+
+def _command(cxx: str, nanobind) -> list[str]:
+    """The compile command, less its output path."""
+    nb_root = pathlib.Path(nanobind.__file__).parent
+    mlx_root = pathlib.Path(mx.__file__).parent
+    command = [
+        cxx, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
+        *_vector_flags(), "-DNB_DOMAIN=mlx", "-DNDEBUG",
+        f"-I{nanobind.include_dir()}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}",
+        *map(str, SOURCES), str(nb_root / "src" / "nb_combined.cpp"),
+        f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}",
+    ]
+    if sys.platform == "darwin":
+        command.append("-Wl,-undefined,dynamic_lookup")  # Python's symbols come from the interpreter
+    return command
+
+
+def _plan():
+    """``(command, library, failure marker)`` for this machine, or why there
+    is no extension to build here."""
+    cxx = native.find_compiler(native.CXX_COMPILERS)
+    try:
+        import nanobind
+    except ImportError:
+        nanobind = None
+    if cxx is None or nanobind is None:
+        return "no C++ compiler" if cxx is None else "nanobind is not installed"
+    command = _command(cxx, nanobind)
+    # The command names MLX's directory (the library links that libmlx), the
+    # include paths and flags; the versions cover what the paths do not.
+    key = hashlib.sha256(b"\0".join(
+        part.encode() if isinstance(part, str) else part
+        for part in (*(f.read_bytes() for f in SOURCES + HEADERS), *command, mx.__version__,
+                     importlib.metadata.version("nanobind"), platform.machine())
+    )).hexdigest()[:16]
+    target = native.cache_dir() / f"{MODULE}-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+    return command, target, target.with_name(f"{MODULE}-{key}.failed")
+
+
+def _import(path: pathlib.Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _agrees_with_mlx(module: ModuleType) -> bool:
+    """Both parts against MLX's own ops. Attention: grouped-query cases with
+    strided keys, two queries (the kernel's row loops), thirteen (its tiled
+    path, a partial block), and thirteen with a window of five. GEMV: one row
+    against a row-major weight."""
+    pool = mx.random.normal((2, 1, 2, 24, 16), key=mx.random.key(1))
+    k, v = pool[0][:, :, :20], pool[1][:, :, :20]
+    for T, window in ((2, 0), (13, 0), (13, 5)):
+        q = mx.random.normal((1, 4, T, 16), key=mx.random.key(T))
+        ours = module.attention(q, k, v, 0.25, True, window=window, stream=mx.cpu)
+        last = mx.arange(20 - T, 20)[:, None]
+        mask = mx.arange(20)[None] <= last
+        if window:
+            mask = mask & (mx.arange(20)[None] > last - window)
+        with mx.stream(mx.cpu):
+            scores = mx.where(mask, (q * 0.25) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2), -mx.inf)
+            reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)
+            if not mx.allclose(ours, reference, atol=1e-5, rtol=1e-5):
+                return False
+    x, w = mx.random.normal((1, 1, 24), key=mx.random.key(2)), mx.random.normal((40, 24), key=mx.random.key(3))
+    with mx.stream(mx.cpu):
+        return mx.allclose(module.gemv(x, w.T, stream=mx.cpu), x @ w.T, atol=1e-4, rtol=1e-5).item()

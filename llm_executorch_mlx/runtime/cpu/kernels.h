@@ -1,0 +1,33 @@
+// The extension's two parts as module.cpp binds them: CPU attention
+// (attention.cpp) and the one-row product shared with the host thread
+// (gemv.cpp). Each is one MLX op on the CPU stream.
+
+#pragma once
+
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace llm_pte {
+
+namespace mx = mlx::core;
+
+// softmax(scale * q k^T) v for q [B, Hq, T, D] (fp32) and k, v [B, Hkv, S, D]
+// (fp32, bf16 or fp16); window > 0: each query sees only the last `window`
+// keys up to its own.
+mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                    bool causal, int window, mx::StreamOrDevice s);
+
+// x @ w for one fp32 row x [..., K] and w [K, N]; the host thread helps run
+// it while it is in submit_helping or wait_helping.
+mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s);
+
+// mx.async_eval(outputs), queued a slice at a time for a graph with gemv
+// nodes, the host running posted gemv chunks meanwhile.
+void submit_helping(const std::vector<mx::array>& outputs);
+
+// Wait until the queued array `a` is computed, running posted gemv chunks meanwhile.
+void wait_helping(const mx::array& a);
+
+}  // namespace llm_pte

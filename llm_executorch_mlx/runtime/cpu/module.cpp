@@ -1,0 +1,27 @@
+// The CPU kernel extension's Python module: attention.cpp's and gemv.cpp's
+// ops, bound with nanobind in MLX's type domain (extension.py builds it).
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "kernels.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(cpu_kernels, m) {
+  m.def("attention", &llm_pte::attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a = false,
+        nb::kw_only(), "window"_a = 0, "stream"_a = nb::none(),
+        "softmax(scale * q k^T) v for q [B, Hq, T, D] (fp32) and k, v [B, Hkv, S, D] (fp32, bf16 or\n"
+        "fp16), on the CPU.\n"
+        "causal: the T queries are the last T of the S positions; window > 0: each query sees\n"
+        "only the last `window` keys up to its own.");
+  m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ w for one fp32 row x [..., K] and w [K, N] on the CPU; the host thread helps\n"
+        "while it is in submit_helping or wait_helping.");
+  m.def("submit_helping", &llm_pte::submit_helping, "outputs"_a,
+        "mx.async_eval(outputs), queued a slice at a time, running posted gemv chunks meanwhile.");
+  m.def("wait_helping", &llm_pte::wait_helping, "a"_a,
+        "Wait until the queued array `a` is computed, running posted gemv chunks meanwhile.");
+}

@@ -1,0 +1,28 @@
+// Eight-lane float helpers shared by the extension's two parts (attention.cpp,
+// gemv.cpp): GCC/Clang vector extensions, AVX or NEON registers.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace llm_pte {
+
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+inline f8 load8(const float* p) {
+  f8 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store8(float* p, f8 x) { std::memcpy(p, &x, sizeof x); }
+
+inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
+
+inline float sum8(f8 x) {
+  return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+}  // namespace llm_pte

@@ -1,0 +1,556 @@
+"""Runs an MLX program: each node prepared once, each call a list of closures.
+
+A call works on a *frame*, one Python list holding every slot the program
+names: tensors at their Tid (constants, inputs, outputs, mutable buffers,
+temps), then scalar values at ``num_tensors + vid``, then literals the nodes
+carry (so a node reads a literal and a dynamic value the same way), then host
+copies of inputs. At load each node becomes a closure ``run(frame)`` with its
+slot indices and literals already resolved; a call copies the template frame,
+binds inputs, and runs the closures. Building the MLX graph is lazy: nothing
+here waits on the device except the nodes whose semantics need a host value
+(``ItemIntNode``, an ``UpdateAndAttendNode`` whose position is not an input).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from ..dtypes import mlx_dtype, scalar_type_name
+from ..errors import PteError
+from ..pte._schema import mlx_delegate as md
+from ..pte.graph import node_name, tensor_fields
+from .fusion import GROUP, plan_swiglu, try_fuse
+from .int32 import clamp_int32
+from .ops import BUILDERS
+from .ops.nn import build_addmm_last_row
+from .pairs import try_fuse_pair
+
+Run = Callable[[list], None]
+
+class BuildContext:
+    """What a node builder sees at load: slot resolution and shared services.
+
+    Builders (``ops``) call these to turn schema fields into frame indices, so
+    the closures they return only index a list.
+    """
+
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), kernels=None):
+        self.graph = graph
+        self.constants = list(constants)  # for load-time rewrites (fusion.py)
+        self.cache = cache
+        self.kernels = kernels  # the program's cpu.CpuKernels; None: MLX ops and BLAS only
+        self.dtype_map = dtype_map or {}  # the compute route's substitutions
+        self.num_constants = graph.numConstantTensors
+        self.num_tensors = (
+            graph.numConstantTensors + graph.numInputTensors + graph.numOutputTensors
+            + graph.numMutableBufferTensors + graph.numTempTensors
+        )
+        self.num_values = graph.numValues
+        self.extra: list = []  # literal and host-shadow slots, after the values
+        self._literal_slots: dict[tuple[type, object], int] = {}
+        self.input_tids = {
+            s.idx for s in (graph.inputMap or []) if s.slotType == md.SlotType.TensorSlot
+        }
+        self.host_slots: dict[int, int] = {}  # input tid -> frame slot of its host copy
+        self.chains: dict[int, list[tuple[str, Run]]] = {}
+        self.in_init_chain = False
+        self.current_node = "?"
+        self._writes: list[tuple[str, object]] = []  # every node built, in order
+        self._constants_written: set[int] | None = None  # see fixed_constant
+        self._shared_slots: dict = {}
+        self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
+
+    # -- slots ------------------------------------------------------------
+
+    @property
+    def frame_size(self) -> int:
+        return self.num_tensors + self.num_values + len(self.extra)
+
+    def t(self, tid) -> int:
+        """Frame index of a required tensor slot (a ``TidT``)."""
+        if tid is None:
+            raise PteError(f"{self.current_node}: a required tensor slot is missing")
+        if not 0 <= tid.idx < self.num_tensors:
+            raise PteError(
+                f"{self.current_node}: tensor slot {tid.idx} out of range "
+                f"(the program has {self.num_tensors} tensor slots)"
+            )
+        return tid.idx
+
+    def t_opt(self, tid) -> int | None:
+        """Frame index of an optional tensor slot, or None when absent."""
+        return None if tid is None else self.t(tid)
+
+    def out(self, tid) -> int:
+        """Frame index of a tensor slot the node writes."""
+        i = self.t(tid)
+        if i < self.num_constants and not self.in_init_chain:
+            raise PteError(f"{self.current_node}: writes constant tensor slot {i}")
+        return i
+
+    def v(self, vid) -> int:
+        """Frame index of a scalar value slot (a ``VidT``)."""
+        if vid is None:
+            raise PteError(f"{self.current_node}: a required value slot is missing")
+        if not 0 <= vid.idx < self.num_values:
+            raise PteError(
+                f"{self.current_node}: value slot {vid.idx} out of range "
+                f"(the program has {self.num_values} value slots)"
+            )
+        return self.num_tensors + vid.idx
+
+    def scratch_slot(self) -> int:
+        """A fresh frame slot for a value one op hands to a later one."""
+        slot = self.frame_size
+        self.extra.append(None)
+        return slot
+
+    def fixed_constant(self, i: int) -> mx.array | None:
+        """Constant slot ``i``'s array when no chain ever writes it (an init
+        chain may fill constants at load), else None."""
+        if i >= min(self.num_constants, len(self.constants)) or self.in_init_chain:
+            return None
+        if self._constants_written is None:
+            self._constants_written = {
+                slot
+                for chain in self.graph.instructionChains or []
+                for instr in chain.instructions or []
+                for slot in tensor_fields(instr.op)[1]
+                if slot < self.num_constants
+            }
+        return None if i in self._constants_written else self.constants[i]
+
+    def shared_scratch_slot(self, key) -> int:
+        """One scratch slot per ``key``: ops that build the same per-call
+        value (RoPE tables) share it; it starts empty in every call."""
+        slot = self._shared_slots.get(key)
+        if slot is None:
+            slot = self._shared_slots[key] = self.scratch_slot()
+        return slot
+
+    def literal(self, value) -> int:
+        """Frame index of a slot holding a constant (ints, floats, arrays...)."""
+        key = (type(value), value if isinstance(value, (int, float, bool, str)) else id(value))
+        slot = self._literal_slots.get(key)
+        if slot is None:
+            slot = self.frame_size
+            self.extra.append(value)
+            self._literal_slots[key] = slot
+        return slot
+
+    def int_(self, iov) -> int:
+        """Frame index of an ``IntOrVid``: its value slot or a literal slot."""
+        if iov is None:
+            raise PteError(f"{self.current_node}: a required int field is missing")
+        return self.v(iov.vid) if iov.isVid else self.literal(clamp_int32(iov.literal))
+
+    def float_(self, fov) -> int:
+        """Frame index of a ``FloatOrVid``."""
+        if fov is None:
+            raise PteError(f"{self.current_node}: a required float field is missing")
+        return self.v(fov.vid) if fov.isVid else self.literal(float(fov.literal))
+
+    def static_int(self, iov) -> int | None:
+        """The literal of an ``IntOrVid``, or None when it is dynamic."""
+        return None if iov.isVid else clamp_int32(iov.literal)
+
+    def ints(self, iovs) -> Callable[[list], list[int]]:
+        """A getter for a list of ``IntOrVid`` (constant when all are literal)."""
+        iovs = iovs or []
+        if all(not x.isVid for x in iovs):
+            const = [clamp_int32(x.literal) for x in iovs]
+            return lambda f: const
+        idx = [self.int_(x) for x in iovs]
+        return lambda f: [f[i] for i in idx]
+
+    def dtype(self, scalar_type: int) -> mx.Dtype:
+        """The MLX dtype a node computes in, after the compute route."""
+        try:
+            dtype = mlx_dtype(scalar_type)
+        except PteError:
+            raise PteError(
+                f"{self.current_node}: unsupported dtype {scalar_type_name(scalar_type)}"
+            ) from None
+        return self.dtype_map.get(dtype, dtype)
+
+    def host_int(self, tid) -> Callable[[list], int]:
+        """A getter for element 0 of an integer tensor, read on the host.
+
+        When the tensor is a program input, the caller's host copy is used and
+        the device is not touched; otherwise this evaluates the tensor (a sync).
+        """
+        return self.host_int_of(self._host_source(self.t(tid)))
+
+    def host_int_of(self, i: int) -> Callable[[list], int]:
+        """``host_int`` for tensor slot ``i`` (already traced to its source)."""
+        if i in self.input_tids:
+            slot = self.host_slots.get(i)
+            if slot is None:
+                slot = self.frame_size
+                self.extra.append(None)
+                self.host_slots[i] = slot
+            return lambda f: f[slot]
+
+        def read(f):
+            return int(f[i].reshape(-1)[0].item())
+
+        return read
+
+    @property
+    def writes_so_far(self) -> int:
+        """How many nodes have been built: the ``step`` of the next one."""
+        return len(self._writes)
+
+    def record_write(self, name: str, node) -> None:
+        """Remember which node wrote each slot, in order (for ``_host_source``)."""
+        self._writes.append((name, node))
+        step = len(self._writes) - 1
+        out = getattr(node, "out", None)
+        written = [out] if hasattr(out, "idx") else []
+        for many in ("outs", "outputs"):
+            written += getattr(node, many, None) or []
+        for t in written:
+            self._writers.setdefault(t.idx, []).append(step)
+
+    def writer_before(self, i: int, step: int):
+        """The last node that wrote slot ``i`` before write number ``step``."""
+        for s in reversed(self._writers.get(i, [])):
+            if s < step:
+                return s, self._writes[s]
+        return None, ("opaque", None)
+
+    def _host_source(self, i: int) -> int:
+        """Follow ``i`` back through nodes that keep element [0, ..., 0] in
+        place (reshapes, transposes, casts, index-0 takes and slices) to the
+        program input it came from; return ``i`` itself when it did not."""
+        return self.host_source_at(i, len(self._writes))
+
+    def host_source_at(self, i: int, step: int) -> int:
+        """``_host_source`` as of write number ``step``."""
+        while i not in self.input_tids:
+            step, (name, node) = self.writer_before(i, step)
+            if step is None or not _keeps_first_element(name, node):
+                return i
+            i = node.x.idx
+        return i
+
+    def chain(self, index: int) -> Run:
+        """A closure running instruction chain ``index`` on the same frame."""
+        chains = self.graph.instructionChains
+        if not 0 <= index < len(chains):
+            raise PteError(f"{self.current_node}: instruction chain {index} out of range")
+        if index not in self.chains:
+            self.chains[index] = []  # placeholder stops a chain that calls itself
+            self.chains[index] = build_chain(self, index)
+        ops = self.chains[index]
+        return lambda f: run_ops(ops, f)
+
+
+def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
+    ops = []
+    instructions = ctx.graph.instructionChains[index].instructions or []
+    deferred: dict[int, Run] = {}  # instruction index -> its fused replacement
+    # Fusions drop intermediates that only later nodes of this chain could
+    # read; the init chain and sub-chains share the frame with other chains.
+    fusing = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
+    i = 0
+    while i < len(instructions):
+        fused = try_fuse(ctx, instructions, i) if fusing else None
+        if fused is not None:
+            ops.append(fused)
+            for instr in instructions[i : i + len(GROUP)]:
+                ctx.record_write(node_name(instr), instr.op)
+            i += len(GROUP)
+            continue
+        pair = None
+        if fusing and not {i, i + 1} & deferred.keys():
+            pair = try_fuse_pair(ctx, instructions, i)
+        if pair is not None:
+            ops.append(pair)
+            for instr in instructions[i : i + 2]:
+                ctx.record_write(node_name(instr), instr.op)
+            i += 2
+            continue
+        instr = instructions[i]
+        swiglu = plan_swiglu(ctx, instructions, i) if fusing else None
+        if swiglu is not None:
+            silu_run, j, deferred[j] = swiglu
+            ops.append(("SiluNode", silu_run))
+            ctx.record_write("SiluNode", instr.op)
+            i += 1
+            continue
+        if i in deferred:
+            ops.append(("SwiGLUFused", deferred.pop(i)))
+            ctx.record_write(node_name(instr), instr.op)
+            i += 1
+            continue
+        i += 1
+        name = node_name(instr)
+        builder = BUILDERS.get(name)
+        if builder is None:
+            raise PteError(f"{name} is not supported by this runtime")
+        outer, ctx.current_node = ctx.current_node, name
+        try:
+            ops.append((name, builder(instr.op, ctx)))
+            ctx.record_write(name, instr.op)
+        finally:
+            ctx.current_node = outer
+    return ops
+
+
+_LAYOUT_NODES = {
+    "ExpandDimsNode", "ReshapeNode", "SqueezeNode", "AsTypeNode", "IdCopyNode",
+    "ContiguousNode", "TransposeNode", "BroadcastToNode",
+}
+
+
+def _keeps_first_element(name: str, node) -> bool:
+    if name in _LAYOUT_NODES:
+        return True
+    if name == "TakeNode":
+        return node.index.kind == 0 and node.index.literal == 0
+    if name == "SliceNode":
+        return not node.start.isVid and node.start.literal == 0 and node.step > 0
+    return False
+
+
+def run_ops(ops: list[tuple[str, Run]], frame: list) -> None:
+    for name, run in ops:
+        run(frame)
+
+
+def run_ops_checked(ops: list[tuple[str, Run]], frame: list) -> None:
+    """Run a chain, turning any failure into a ``PteError`` naming the node."""
+    for i, (name, run) in enumerate(ops):
+        try:
+            run(frame)
+        except PteError:
+            raise
+        except Exception as e:
+            raise PteError(f"{name} (instruction {i}) failed: {e}") from None
+
+
+class GraphExecutor:
+    """One loaded MLX program: constants, mutable buffers, prepared chains.
+
+    Args:
+        graph: the decoded program.
+        constants: an array per constant slot, in Tid order.
+        cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
+        dtype_map: dtype substitutions of the compute route (constants must
+            already be converted).
+        kernels: the CPU kernels to build nodes with (``cpu.kernels()``, as
+            the program decided at load); None: MLX ops and BLAS only.
+    """
+
+    def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None,
+                 kernels=None):
+        if len(constants) != graph.numConstantTensors:
+            raise PteError(
+                f"program has {graph.numConstantTensors} constants, got {len(constants)}"
+            )
+        self.graph = graph
+        ctx = BuildContext(graph, cache, dtype_map, constants, kernels)
+        self._ctx = ctx
+        chains = graph.instructionChains
+        if not 0 <= graph.mainChainIdx < len(chains):
+            raise PteError(f"main chain index {graph.mainChainIdx} out of range")
+
+        self.input_slots = [_slot_index(ctx, s) for s in graph.inputMap or []]
+        self.output_slots = [_slot_index(ctx, s) for s in graph.outputMap or []]
+        self.input_meta = [_tensor_meta(graph, s) for s in graph.inputMap or []]
+        self.output_meta = [_tensor_meta(graph, s) for s in graph.outputMap or []]
+        self._mutable = []
+        for s in graph.mutableBufferMap or []:
+            if s.slotType != md.SlotType.TensorSlot:
+                raise PteError("a mutable buffer is not a tensor slot")
+            self._mutable.append(ctx.t(_tid(s.idx)))
+
+        init = None
+        if graph.initChainIdx >= 0:
+            ctx.in_init_chain = True
+            init = ctx.chain(graph.initChainIdx)
+            ctx.in_init_chain = False
+        self._main = build_chain(ctx, graph.mainChainIdx)
+        self._main_last_row = self._last_row_variant()
+        self.node_names = [name for name, _ in self._main]
+
+        template = [None] * ctx.frame_size
+        template[: len(constants)] = constants
+        for tid in self._mutable:
+            meta = _meta_of(graph, tid)
+            shape = [d.value for d in meta.shape or []]
+            if any(d < 0 for d in shape):
+                raise PteError(f"mutable buffer {tid} has a dynamic shape")
+            template[tid] = mx.zeros(shape, dtype=ctx.dtype(meta.scalarType))
+        template[ctx.num_tensors + ctx.num_values :] = ctx.extra
+        self._template = template
+        self._host_slots = [(i, ctx.host_slots.get(i)) for i in self.input_slots]
+        if init is not None:
+            run_guarded(init, template, "init chain")
+            mx.eval([t for t in template[: ctx.num_constants] if t is not None])
+
+    @property
+    def constants(self) -> list[mx.array]:
+        return self._template[: self._ctx.num_constants]
+
+    def _last_row_variant(self) -> list[tuple[str, Run]] | None:
+        """The main chain computing its first output for the last position only.
+
+        Offered when the chain ends in the ``AddmmNode`` that writes that
+        output from rows of positions (an LLM's LM head): a matmul's rows are
+        independent, so the last row of the product is the product of the
+        last row. A caller that reads one position's logits then skips the
+        rest: in a 128-token prefill chunk of the 135M Llama, 7 of ~34 GFLOP.
+        Only for outputs of 3+ dimensions ([batch, positions, vocab]): a 2-D
+        output's rows may be flattened batch and positions.
+        """
+        instructions = self.graph.instructionChains[self.graph.mainChainIdx].instructions or []
+        if not instructions or not self._main or not self.output_slots:
+            return None
+        last, meta = instructions[-1], self.output_meta[0]
+        if node_name(last) != "AddmmNode" or self._main[-1][0] != "AddmmNode":
+            return None
+        if last.op.out.idx != self.output_slots[0] or meta is None or len(meta.shape or []) < 3:
+            return None
+        if last.op.bias is not None:
+            metas = self.graph.tensorMeta or []
+            bias = last.op.bias.idx
+            if bias >= len(metas) or metas[bias] is None or len(metas[bias].shape or []) != 1:
+                return None
+        return self._main[:-1] + [("AddmmNode", build_addmm_last_row(last.op, self._ctx))]
+
+    def execute(self, inputs: list, last_position_only: bool = False) -> list:
+        """Run the main chain; tensors come back as lazy ``mx.array``s.
+
+        ``last_position_only``: the caller reads the first output at the last
+        position only, so where the program allows (``_last_row_variant``)
+        that output is computed, and returned, for that position alone.
+        """
+        if len(inputs) != len(self.input_slots):
+            raise PteError(
+                f"the program takes {len(self.input_slots)} inputs, got {len(inputs)}"
+            )
+        f = self._template.copy()
+        for k, ((slot, host_slot), meta, x) in enumerate(
+            zip(self._host_slots, self.input_meta, inputs)
+        ):
+            if meta is None:  # a scalar value slot
+                f[slot] = int(x)
+                continue
+            arr, host = to_mlx(x, meta, k, self._ctx.dtype_map)
+            f[slot] = arr
+            if host_slot is not None:
+                f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
+                    arr.reshape(-1)[0].item()
+                )
+        ops = self._main
+        if last_position_only and self._main_last_row is not None:
+            ops = self._main_last_row
+        cache = self._ctx.cache
+        if cache is None:
+            run_ops_checked(ops, f)
+        else:
+            cache.begin_step()
+            try:
+                run_ops_checked(ops, f)
+            except BaseException:  # Ctrl-C included: no half-written step survives
+                cache.abort_step()
+                raise
+        for tid in self._mutable:
+            self._template[tid] = f[tid]
+        outs = []
+        for slot in self.output_slots:
+            value = f[slot]
+            if value is None:
+                raise PteError(f"the program never wrote its output slot {slot}")
+            outs.append(value)
+        return outs
+
+
+def run_guarded(run: Run, frame: list, what: str) -> None:
+    try:
+        run(frame)
+    except PteError:
+        raise
+    except Exception as e:
+        raise PteError(f"{what} failed: {e}") from None
+
+
+def _tid(idx: int):
+    t = md.TidT()
+    t.idx = idx
+    return t
+
+
+def _slot_index(ctx: BuildContext, slot) -> int:
+    if slot.slotType == md.SlotType.TensorSlot:
+        return ctx.t(_tid(slot.idx))
+    v = md.VidT()
+    v.idx = slot.idx
+    return ctx.v(v)
+
+
+def _meta_of(graph, tid: int):
+    metas = graph.tensorMeta or []
+    if tid >= len(metas) or metas[tid] is None:
+        raise PteError(f"tensor slot {tid} has no metadata")
+    return metas[tid]
+
+
+def _tensor_meta(graph, slot):
+    if slot.slotType != md.SlotType.TensorSlot:
+        return None
+    return _meta_of(graph, slot.idx)
+
+
+def to_mlx(x, meta, position: int, dtype_map=None):
+    """Convert a caller's input to the MLX array the program expects.
+
+    Returns ``(array, host)``, ``host`` being a numpy copy when the input came
+    from the host (so a position can be read without a device sync).
+    """
+    want = mlx_dtype(meta.scalarType)
+    want = (dtype_map or {}).get(want, want)
+    host = None
+    if isinstance(x, mx.array):
+        arr = x
+    else:
+        if type(x).__module__.startswith("torch"):
+            x = x.detach().cpu()
+            if str(x.dtype) == "torch.bfloat16":
+                x = x.float()
+            x = x.numpy()
+        host = np.asarray(x)
+        if host.dtype == np.float64:
+            host = host.astype(np.float32)
+        arr = mx.array(host)
+    if arr.dtype != want:
+        same_kind = mx.issubdtype(arr.dtype, mx.integer) == mx.issubdtype(want, mx.integer)
+        if not same_kind:
+            raise PteError(
+                f"input {position} has dtype {arr.dtype}, the program expects {want}"
+            )
+        arr = arr.astype(want)
+    dims = meta.shape or []
+    if arr.ndim != len(dims):
+        raise PteError(
+            f"input {position} has {arr.ndim} dimensions {tuple(arr.shape)}, "
+            f"the program expects {len(dims)}"
+        )
+    for d, (size, dim) in enumerate(zip(arr.shape, dims)):
+        if dim.value >= 0 and size != dim.value:
+            raise PteError(
+                f"input {position} dimension {d} is {size}, the program expects {dim.value}"
+            )
+        # Only the upper bound binds: torch.export records a lower bound of 2
+        # for dynamic dims (it specializes 0 and 1), yet a 1-token step is valid.
+        if dim.value < 0 and dim.maxValue >= 0 and size > dim.maxValue:
+            raise PteError(
+                f"input {position} dimension {d} is {size}, the program accepts at "
+                f"most {dim.maxValue}"
+            )
+    return arr, host

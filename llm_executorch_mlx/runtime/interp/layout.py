@@ -1,0 +1,77 @@
+"""Which way round a linear layer's weight is stored for the CPU's BLAS.
+
+An exported linear layer is a constant ``W [out, in]`` that a ``TransposeNode``
+turns into the right operand of an ``AddmmNode``. On the CPU, MLX hands that
+product to BLAS as one SGEMM; at decode it has one row, so BLAS runs a
+matrix-vector product, which streams the weight once and is as fast as its
+longest contiguous run. Storing ``W`` row-major makes the ``in`` dimension
+contiguous; storing it column-major (``W^T`` contiguous) makes ``out``
+contiguous. GB/s of weight read on the 135M Llama's shapes (2-core EPYC,
+row-major / column-major), for MKL's one-row SGEMM and for OpenBLAS's SGEMV,
+which ``cpu/sgemm_route.c`` sends one-row products to::
+
+                          MKL          OpenBLAS 0.3.21
+    q, o   576 x 576      6.4 /  8.0   10.0-11.4 /  9.6-12.1
+    k, v   192 x 576      5.8 /  4.1    9.1-10.2 /  5.8-6.5
+    gate   1536 x 576     6.8 / 12.6   14.2-15.8 / 16.8-17.6
+    down   576 x 1536    10.9 /  6.7   17.4-21.3 / 13.4-13.5
+    head   49152 x 576    6.6 / 13.6   14.9-15.4 / 20.6-22.9
+
+so for both a weight with ``out >= in`` is stored column-major and the
+others stay as they are. This applies only where one-row products do reach
+BLAS: with the extension's GEMV in use (``cpu.kernels()``), a decode
+step's products are its ``gemv``, whose dot loops read each output's weights
+as one contiguous row, so weights stay row-major as exported
+(``program.py``). Many-row products (prefill) run at the same speed either way. Only
+the strides change: every reader sees the same logical tensor, so nothing
+else in the program needs to know.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..pte._schema import mlx_delegate as md
+from ..pte.graph import node_name, tensor_fields
+
+
+def matmul_weights(graph: md.MLXGraphT) -> set[int]:
+    """Constant slots read only as ``W^T`` by a matmul (the linear layers).
+
+    A constant qualifies when a ``TransposeNode`` swaps its two axes and the
+    next instruction touching the transpose's output reads it as ``mat2`` of an
+    ``AddmmNode``.
+    """
+    found = set()
+    for chain in graph.instructionChains or []:
+        instructions = chain.instructions or []
+        for i, instr in enumerate(instructions):
+            if node_name(instr) != "TransposeNode":
+                continue
+            n = instr.op
+            if n.x.idx >= graph.numConstantTensors or [int(p) for p in n.perm] != [1, 0]:
+                continue
+            if _next_use_is_mat2(instructions[i + 1 :], n.out.idx):
+                found.add(n.x.idx)
+    return found
+
+
+def _next_use_is_mat2(rest: list, slot: int) -> bool:
+    for instr in rest:
+        reads, writes = tensor_fields(instr.op)
+        if slot in reads:
+            op = instr.op
+            return node_name(instr) == "AddmmNode" and op.mat2.idx == slot and op.mat1.idx != slot
+        if slot in writes:
+            return False
+    return False
+
+
+def for_blas(weight: mx.array) -> mx.array:
+    """``weight`` stored the way one-row SGEMM reads it fastest (see above)."""
+    if weight.ndim != 2 or weight.dtype != mx.float32:
+        return weight  # only float32 matmuls reach BLAS
+    rows, cols = weight.shape
+    if rows < cols:
+        return weight
+    return mx.contiguous(weight.T).T

@@ -1,0 +1,1 @@
+"""flatc readers for the .pte and MLX program schemas (generated: see README)."""

@@ -1,0 +1,301 @@
+"""The extension's CPU attention (runtime/cpu/attention.cpp) against
+PyTorch's scaled_dot_product_attention, the route that picks it, and how the
+extension is built, opted out of and remembered (runtime/cpu/extension.py)."""
+
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+import torch
+
+from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.interp.ops.attention import cpu_attention
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    found = cpu.kernels(build=True)
+    # The suite runs where the `test` extra put nanobind and a C++ compiler
+    # exists: the kernel must build there, or the CPU speed claims are void.
+    assert found.attention.on, found.attention.why
+    return found
+
+
+@pytest.fixture(scope="module")
+def kernel(kernels):
+    return kernels.extension
+
+
+def torch_attention(q, k, v, scale, causal, window=0):
+    q, k, v = (torch.from_numpy(np.array(x)) for x in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    T, S = q.shape[2], k.shape[2]
+    # query t's last key: the T queries are the last T of the S positions
+    last = torch.arange(S - T, S)[:, None] if causal else torch.full((T, 1), S - 1)
+    mask = None
+    if causal or window:
+        mask = torch.arange(S)[None, :] <= last
+        if window:  # and only the `window` keys up to it
+            mask &= torch.arange(S)[None, :] > last - window
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).numpy()
+
+
+def pools(rng, B, H, S, D, slots):
+    """k and v as the cache hands them over: the first S of `slots` rows."""
+    k = mx.array(rng.standard_normal((B, H, slots, D)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, H, slots, D)).astype(np.float32))
+    return k[:, :, :S, :], v[:, :, :S, :]
+
+
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, T, S, D, causal",
+    [
+        (1, 9, 3, 1, 600, 64, False),  # a SmolLM-shaped decode step
+        (1, 32, 8, 1, 300, 128, False),
+        (1, 4, 2, 3, 17, 8, True),  # a chunk's tail of three queries
+        (2, 6, 6, 4, 9, 24, True),  # batch, no grouping, a D that is not 64 wide
+        (1, 2, 1, 1, 5, 12, False),  # D not a multiple of 8: the plain loops
+        (1, 4, 4, 2, 2, 16, True),  # as many queries as keys
+        # from 8 queries a head: the tiled path (blocks of 6 rows, 16-key panels)
+        (1, 9, 3, 128, 512, 64, True),  # a SmolLM-shaped prefill chunk
+        (1, 4, 2, 8, 8, 16, True),  # a first chunk: as many queries as keys
+        (1, 6, 2, 13, 37, 80, True),  # rows and keys that fill no block
+        (2, 4, 4, 9, 21, 32, False),  # batch, no grouping, not causal
+        (1, 2, 1, 10, 30, 24, True),  # D not a multiple of 16: the row loops
+    ],
+)
+def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
+    rng = np.random.default_rng(S + D)
+    q = mx.array(rng.standard_normal((B, Hq, T, D)).astype(np.float32) * 2)
+    k, v = pools(rng, B, Hkv, S, D, S + 7)
+    out = kernel.attention(q, k, v, D**-0.5, causal)
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, D**-0.5, causal), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "Hq, Hkv, T, S, D, causal, window",
+    [
+        (4, 2, 1, 40, 16, False, 16),  # a ring's decode step: the last 16 keys
+        (4, 2, 3, 40, 16, True, 7),  # a few queries
+        (9, 3, 128, 639, 64, True, 512),  # a prefill chunk of a 512-window layer
+        (6, 2, 20, 50, 32, True, 16),  # blocks whose rows start in different panels
+        (2, 1, 12, 30, 24, True, 5),  # D not a multiple of 16: the row loops
+        (4, 4, 9, 20, 16, True, 40),  # a window wider than the keys: plain causal
+    ],
+)
+def test_sliding_window_matches_torch(kernel, Hq, Hkv, T, S, D, causal, window):
+    rng = np.random.default_rng(S + window)
+    q = mx.array(rng.standard_normal((1, Hq, T, D)).astype(np.float32) * 2)
+    k, v = pools(rng, 1, Hkv, S, D, S + 3)
+    out = kernel.attention(q, k, v, D**-0.5, causal, window=window)
+    expected = torch_attention(q, k, v, D**-0.5, causal, window)
+    np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(
+    "T, D, causal, window",
+    [(1, 32, False, 0), (3, 32, True, 0), (40, 32, True, 0), (40, 32, True, 24), (2, 12, True, 0), (9, 20, True, 0)],
+)
+def test_half_precision_keys_and_values_are_read_as_stored(kernel, dtype, T, D, causal, window):
+    # a bf16 or fp16 cache under fp32 compute: the kernel widens K and V as it
+    # reads them (vector loads, and the scalar tails of a D that is not a
+    # multiple of 8 or 16); the reference attends over the same values
+    # widened to fp32
+    rng = np.random.default_rng(T + D)
+    q = mx.array(rng.standard_normal((1, 6, T, D)).astype(np.float32))
+    k, v = (x.astype(dtype) for x in pools(rng, 1, 2, 70, D, 80))
+    out = kernel.attention(q, k, v, 0.2, causal, window=window)
+    expected = torch_attention(q, k.astype(mx.float32), v.astype(mx.float32), 0.2, causal, window)
+    np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T, strided", [(1, False), (8, False), (1, True)])
+def test_every_fp16_value_is_widened_exactly(kernel, T, strided):
+    # One key: its softmax weight is exactly 1, so each output is the value
+    # as the kernel widened it. Every one of the 65,536 fp16 bit patterns
+    # (subnormals, infinities, NaNs) against numpy's conversion, through the
+    # row loops' and the tiled path's vector loads, and (values strided in
+    # their last axis) the scalar one.
+    values = np.arange(65536, dtype=np.uint16).view(np.float16).reshape(1, 4096, 1, 16)
+    v = mx.array(values.transpose(0, 3, 2, 1).copy()).swapaxes(1, 3) if strided else mx.array(values)
+    q, k = mx.zeros((1, 4096, T, 16)), mx.zeros((1, 4096, 1, 16), dtype=mx.float16)
+    out = np.array(kernel.attention(q, k, v, 1.0, False))[:, :, -1:, :]
+    np.testing.assert_array_equal(out, values.astype(np.float32))  # NaN equals NaN here
+
+
+def test_queries_as_a_transposed_view(kernel):
+    # in the model q arrives as the head split's view, not contiguous
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.standard_normal((1, 3, 6, 32)).astype(np.float32)).swapaxes(1, 2)  # [1, 6, 3, 32]
+    k, v = pools(rng, 1, 2, 50, 32, 64)
+    out = kernel.attention(q, k, v, 0.2, True)
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.2, True), atol=2e-6, rtol=1e-5)
+
+
+def test_keys_strided_in_their_last_axis(kernel):
+    # a transposed view: the kernel's general loops, not the vector ones
+    rng = np.random.default_rng(1)
+    q = mx.array(rng.standard_normal((1, 2, 1, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((1, 2, 16, 11)).astype(np.float32)).swapaxes(2, 3)
+    v = mx.array(rng.standard_normal((1, 2, 16, 11)).astype(np.float32)).swapaxes(2, 3)
+    out = kernel.attention(q, k, v, 0.3, False)
+    np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.3, False), atol=2e-6, rtol=1e-5)
+
+
+def test_large_scores_do_not_overflow(kernel):
+    # scores of +-1e4 after scaling: the softmax must subtract the row max
+    q = mx.full((1, 1, 1, 8), 100.0)
+    k = mx.concatenate([mx.full((1, 1, 1, 8), 12.5), mx.full((1, 1, 1, 8), -12.5)], axis=2)
+    v = mx.array(np.arange(16, dtype=np.float32).reshape(1, 1, 2, 8))
+    out = kernel.attention(q, k, v, 1.0, False)
+    np.testing.assert_allclose(np.array(out)[0, 0, 0], np.arange(8, dtype=np.float32), atol=1e-6)
+
+
+def test_bad_inputs_are_refused_with_the_reason(kernel):
+    q = mx.zeros((1, 3, 1, 8))
+    k = v = mx.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        kernel.attention(q, k, v, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.attention(q.astype(mx.bfloat16), k, v, 1.0)
+    with pytest.raises(ValueError, match="both float32, bfloat16 or float16"):
+        kernel.attention(q, k.astype(mx.int32), v.astype(mx.int32), 1.0)
+    with pytest.raises(ValueError, match="both float32, bfloat16 or float16"):
+        kernel.attention(q, k.astype(mx.float16), v.astype(mx.bfloat16), 1.0)
+    with pytest.raises(ValueError, match="no keys"):
+        kernel.attention(mx.zeros((1, 2, 1, 8)), k[:, :, :0], v[:, :, :0], 1.0)
+    with pytest.raises(ValueError, match="window must be 0"):
+        kernel.attention(mx.zeros((1, 2, 1, 8)), k, v, 1.0, window=-1)
+
+
+def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernels, kernel, monkeypatch):
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[2])
+        return real(*args, **kwargs)
+
+    real = kernel.attention
+    monkeypatch.setattr(kernel, "attention", spy)
+    rng = np.random.default_rng(2)
+    sdpa = cpu_attention(kernels=kernels)
+    k, v = pools(rng, 1, 2, 40, 16, 64)
+    for T, mask in ((1, None), (4, "causal"), (32, "causal")):
+        q = mx.array(rng.standard_normal((1, 4, T, 16)).astype(np.float32))
+        out = sdpa(q, k, v, scale=0.25, mask=mask)
+        np.testing.assert_allclose(np.array(out), torch_attention(q, k, v, 0.25, mask == "causal"),
+                                   atol=2e-6, rtol=1e-5)
+    assert calls == [1, 4, 32]
+    # a band mask (an array) with no window goes to the MLX ops, which apply it
+    band = mx.array(np.tril(np.ones((2, 40), bool), 38) & ~np.tril(np.ones((2, 40), bool), 30))[None, None]
+    q = mx.array(rng.standard_normal((1, 4, 2, 16)).astype(np.float32))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        *(torch.from_numpy(np.array(x)) for x in (q, mx.repeat(k, 2, axis=1), mx.repeat(v, 2, axis=1))),
+        attn_mask=torch.from_numpy(np.array(band)), scale=0.25,
+    ).numpy()
+    np.testing.assert_allclose(np.array(sdpa(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
+    assert calls == [1, 4, 32]  # the band mask went to the MLX ops
+    # and so do half-precision queries (cast to the keys' dtype by MLX's ops)
+    out = sdpa(*[x.astype(mx.bfloat16) for x in (q, k, v)], scale=0.25, mask="causal")
+    assert out.dtype == mx.bfloat16 and calls == [1, 4, 32]
+    # bf16 and fp16 keys under fp32 queries are the kernel's, uncast
+    for half in (mx.bfloat16, mx.float16):
+        out = sdpa(q, k.astype(half), v.astype(half), scale=0.25, mask="causal")
+        np.testing.assert_allclose(np.array(out), torch_attention(q, k.astype(half).astype(mx.float32),
+                                                                  v.astype(half).astype(mx.float32), 0.25, True),
+                                   atol=2e-6, rtol=1e-5)
+    assert calls == [1, 4, 32, 2, 2]
+    # a ring layer's route knows its window (8: the band above), so the kernel takes it
+    windowed = cpu_attention(window=8, kernels=kernels)
+    np.testing.assert_allclose(np.array(windowed(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
+    assert calls == [1, 4, 32, 2, 2, 2]
+
+
+KERNELS = (
+    "from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(build=True); "
+    "print(k.attention.on, k.gemv.on, k.extension is not None, k.attention.why)"
+)
+
+
+def test_each_part_opts_out_on_its_own():
+    runs = {}
+    for flags in ({cpu.ATTENTION_FLAG: "0"}, {cpu.GEMV_FLAG: "0"}, {cpu.ATTENTION_FLAG: "0", cpu.GEMV_FLAG: "0"}):
+        env = {**os.environ, **flags}
+        out = subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, check=True)
+        runs[tuple(flags)] = out.stdout.strip()
+    assert runs[(cpu.ATTENTION_FLAG,)] == f"False True True {cpu.ATTENTION_FLAG}=0"
+    assert runs[(cpu.GEMV_FLAG,)].startswith("True False True ")
+    # neither part wanted: the extension is not even loaded
+    assert runs[(cpu.ATTENTION_FLAG, cpu.GEMV_FLAG)] == f"False False False {cpu.ATTENTION_FLAG}=0"
+
+
+def test_it_is_built_only_when_asked(tmp_path):
+    code = (
+        "from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(); "
+        "print(k.attention.on, k.attention.needs_build, k.gemv.needs_build)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False True True"
+    assert "building" not in out.stderr
+    assert not list(tmp_path.glob("llm-executorch-mlx/cpu_kernels-*"))
+
+
+def test_a_failed_build_is_remembered_and_not_retried(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "false"}
+    runs = [subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert "building the CPU kernels" in runs[0].stderr  # tried once
+    assert "building the CPU kernels" not in runs[1].stderr  # not again
+    assert all(r.stdout.startswith("False False False building it failed") for r in runs)
+    assert len(list(tmp_path.glob("llm-executorch-mlx/cpu_kernels-*.failed"))) == 1
+
+
+def test_a_failed_marker_does_not_hide_a_built_kernel(kernel, tmp_path):
+    # another process may have built it after this one failed
+    code = (
+        "import pathlib, shutil; from llm_executorch_mlx.runtime import cpu; "
+        f"src = pathlib.Path({str(kernel.__file__)!r}); "
+        f"dst = pathlib.Path({str(tmp_path)!r}) / 'llm-executorch-mlx' / src.name; dst.parent.mkdir(exist_ok=True); "
+        "shutil.copy(src, dst); dst.with_name(dst.name.split('.')[0] + '.failed').write_text('old failure'); "
+        "print(cpu.kernels().attention.on)"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    assert "building" not in out.stderr
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kernels, kernel, monkeypatch,
+                                                                           available):
+    # the op as a model runs it (test_cache's side-by-side with ExecuTorch's
+    # reference cache), routed through the kernel or, without it, MLX ops
+    from test_cache import run_side_by_side
+
+    calls = []
+    real = kernel.attention
+    monkeypatch.setattr(kernel, "attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    if not available:
+        kernels = dataclasses.replace(kernels, attention=cpu.Use(False, "off for this test"))
+    run = functools.partial(run_side_by_side, kernels=kernels)
+    run([0], [5, 1, 1, 3, 8])
+    assert calls == ([5, 1, 1, 3, 8] if available else [])
+    # a flat layer and a ring of window 6 past its window (band masks, wraps),
+    # then a ring of window 12 taking chunks of 8-10 (the tiled path) as it wraps
+    for windows, steps, max_write in (([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], 6), ([12, 0], [9, 1, 10, 8, 1, 9], 10)):
+        calls.clear()
+        run(windows, steps, max_write=max_write)
+        assert calls == ([T for T in steps for _ in windows] if available else [])
+    # bf16 and fp16 caches under fp32 compute, read as stored
+    for dtype in ("bf16", "fp16"):
+        calls.clear()
+        run([0, 12], [9, 1, 1, 10], dtype=dtype, max_write=10, atol=2e-3)
+        assert calls == ([T for T in (9, 1, 1, 10) for _ in range(2)] if available else [])
