@@ -123,7 +123,7 @@ def test_fp32_export_registers_and_matches_transformers_greedy(exported, arch):
         assert n_prompt > 16
     out = invoke("-m", f"pte:{arch}", PROMPT, "-o", "max_tokens", 16, "--no-log")
     assert out.exit_code == 0, out.output
-    assert out.output.rstrip("\n") == expected
+    assert out.stdout.rstrip("\n") == expected
 
 
 def test_4bit_export_runs_and_can_be_registered_by_hand(exported, monkeypatch):

@@ -138,9 +138,9 @@ def test_prompt_output_equals_transformers_greedy(tiny):
     ids, expected = hf_greedy(tiny, [{"role": "user", "content": "Why is the sky blue?"}], 12)
     r = invoke("-m", "pte:tiny", "Why is the sky blue?", "-o", "max_tokens", "12", "--no-log")
     assert r.exit_code == 0, r.output
-    assert r.output.rstrip("\n") == expected
+    assert r.stdout.rstrip("\n") == expected
     r2 = invoke("-m", "pte:tiny", "Why is the sky blue?", "-o", "max_tokens", "12", "--no-stream", "--no-log")
-    assert r2.output == r.output
+    assert r2.stdout == r.stdout
 
 
 def test_system_prompt_goes_through_the_template(tiny):
