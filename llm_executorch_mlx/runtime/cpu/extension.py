@@ -1,4 +1,4 @@
-"""Build and load the CPU kernel extension: CPU attention and the shared GEMV as MLX ops.
+"""Build and load the CPU kernel extension: CPU attention and the shared GEMV (fp32 and quantized) as MLX ops.
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. One module, ``cpu_kernels``, holds both parts: ``attention.cpp`` (fused
@@ -37,7 +37,7 @@ from . import native
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "module.cpp"))
-HEADERS = tuple(HERE / name for name in ("kernels.h", "simd.h"))
+HEADERS = tuple(HERE / name for name in ("kernels.h", "simd.h", "quantized_rows.h"))
 MODULE = "cpu_kernels"
 NOT_BUILT = "built on the first prompt (~30 s, once)"
 
@@ -167,7 +167,7 @@ def _agrees_with_mlx(module: ModuleType) -> bool:
     """Both parts against MLX's own ops. Attention: grouped-query cases with
     strided keys, two queries (the kernel's row loops), thirteen (its tiled
     path, a partial block), and thirteen with a window of five. GEMV: one row
-    against a row-major weight."""
+    against a row-major weight; two rows against 4- and 8-bit weights."""
     pool = mx.random.normal((2, 1, 2, 24, 16), key=mx.random.key(1))
     k, v = pool[0][:, :, :20], pool[1][:, :, :20]
     for T, window in ((2, 0), (13, 0), (13, 5)):
@@ -184,4 +184,12 @@ def _agrees_with_mlx(module: ModuleType) -> bool:
                 return False
     x, w = mx.random.normal((1, 1, 24), key=mx.random.key(2)), mx.random.normal((40, 24), key=mx.random.key(3))
     with mx.stream(mx.cpu):
-        return mx.allclose(module.gemv(x, w.T, stream=mx.cpu), x @ w.T, atol=1e-4, rtol=1e-5).item()
+        if not mx.allclose(module.gemv(x, w.T, stream=mx.cpu), x @ w.T, atol=1e-4, rtol=1e-5).item():
+            return False
+        x, w = mx.random.normal((1, 2, 64), key=mx.random.key(4)), mx.random.normal((8, 64), key=mx.random.key(5))
+        for bits in (4, 8):
+            q, scales, biases = mx.quantize(w, group_size=32, bits=bits)
+            ours = module.quantized_gemv(x, q, scales, biases, 32, bits, stream=mx.cpu)
+            if not mx.allclose(ours, mx.quantized_matmul(x, q, scales, biases, True, 32, bits), atol=1e-4).item():
+                return False
+        return True

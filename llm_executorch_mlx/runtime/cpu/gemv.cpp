@@ -30,6 +30,7 @@
 #include <nanobind/nanobind.h>
 
 #include "kernels.h"
+#include "quantized_rows.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -41,12 +42,16 @@ namespace nb = nanobind;
 namespace llm_pte {
 namespace {
 
+// One product, split into chunks of output rows that any helping thread may run.
 struct RowsJob {
+  void (*rows)(const RowsJob&, int64_t lo, int64_t hi);  // y for W's rows [lo, hi)
+  // an fp32 product (fp32_rows)
   const float* x;
   const float* w;
   float* y;
   int64_t K, N;
   int64_t w_row, w_col;  // strides of W [N, K] (W^T is the op's [K, N] operand)
+  QuantizedRows q;  // a quantized product (quantized_rows)
   int64_t chunk;
   int chunks;
   std::atomic<int> next{0}, done{0};
@@ -66,7 +71,7 @@ inline void relax() {
 // y[n] = W[n, :] . x for n in [lo, hi): four rows at a time when each row is
 // contiguous (how layout.py leaves linear weights when this op runs them),
 // a plain strided loop otherwise.
-void dot_rows(const RowsJob& j, int64_t lo, int64_t hi) {
+void fp32_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   const int64_t K = j.K;
   if (j.w_col != 1) {
     for (int64_t n = lo; n < hi; ++n) {
@@ -105,12 +110,27 @@ void dot_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   }
 }
 
+template <int BITS, int M>
+void quantized_job_rows(const RowsJob& j, int64_t lo, int64_t hi) {
+  quantized_rows<BITS, M>(j.q, lo, hi);
+}
+
+template <int BITS>
+auto quantized_rows_for(int M) -> void (*)(const RowsJob&, int64_t, int64_t) {
+  switch (M) {
+    case 1: return quantized_job_rows<BITS, 1>;
+    case 2: return quantized_job_rows<BITS, 2>;
+    case 3: return quantized_job_rows<BITS, 3>;
+    default: return quantized_job_rows<BITS, 4>;
+  }
+}
+
 // Run chunks of `j` until none is left unclaimed.
 void take_chunks(RowsJob& j) {
   if (j.next.load(std::memory_order_relaxed) >= j.chunks) return;  // all claimed: no needless RMW
   for (int c; (c = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
     const int64_t lo = c * j.chunk;
-    dot_rows(j, lo, std::min(j.N, lo + j.chunk));
+    j.rows(j, lo, std::min(j.N, lo + j.chunk));
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -177,11 +197,16 @@ bool read_ahead() {
   return false;
 }
 
+// x @ W^T run in chunks shared with the host thread: W fp32 ([K, N] as the
+// op's operand), or affine-quantized as MLX stores it (bits > 0: W [N, K]
+// packed, with scales and biases).
 class SharedGemv : public mx::Primitive {
  public:
-  explicit SharedGemv(mx::Stream stream) : mx::Primitive(stream) {}
+  SharedGemv(mx::Stream stream, int bits = 0, int group = 0)
+      : mx::Primitive(stream), bits_(bits), group_(group) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    if (bits_) return eval_quantized(inputs, outputs);
     const auto &x = inputs[0], &w = inputs[1];
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -211,6 +236,7 @@ class SharedGemv : public mx::Primitive {
         xs = packed.data();
       }
       RowsJob j;
+      j.rows = fp32_rows;
       j.x = xs, j.w = wp, j.y = yp, j.K = K, j.N = N, j.w_row = w_row, j.w_col = w_col;
       // ~8k weights (32 KB) a chunk, whole groups of four rows: small enough
       // to share a 576-row product, large enough to stream
@@ -228,11 +254,54 @@ class SharedGemv : public mx::Primitive {
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(1);
+    shape.back() = bits_ ? inputs[1].shape(0) : inputs[1].shape(1);
     return {shape};
   }
 
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const SharedGemv&>(other);
+    return bits_ == o.bits_ && group_ == o.group_;
+  }
+
+ private:
+  int bits_, group_;
+
+  // x [..., M, K] (M <= 4 rows) against W [N, K] stored as MLX's affine
+  // quantization, read as stored (quantized_rows.h).
+  void eval_quantized(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    const auto &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t K = x.shape(-1), N = w.shape(0), M = x.size() / K;
+    const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
+    const float* xp = x.data<float>();
+    const uint32_t* wp = w.data<uint32_t>();
+    const float *sp = scales.data<float>(), *bp = biases.data<float>();
+    float* yp = out.data<float>();
+    const int bits = bits_, group = group_;
+    auto started = std::make_shared<std::atomic<bool>>(false);
+    auto queued_here = unstarted;
+    queued_here->fetch_add(1);
+    drop_started();
+    upcoming.push_back({started, w, reinterpret_cast<const char*>(wp), w.nbytes(), 0});
+    encoder.dispatch([=]() {
+      started->store(true, std::memory_order_relaxed);
+      queued_here->fetch_sub(1, std::memory_order_release);
+      std::vector<float> permuted(M * K), sums(M * (K / group));
+      permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
+      RowsJob j;
+      j.rows = bits == 4 ? quantized_rows_for<4>(int(M)) : quantized_rows_for<8>(int(M));
+      j.q = {wp, sp, bp, permuted.data(), sums.data(), yp, K, N, group};
+      j.N = N;
+      // ~32 KB of packed weights a chunk, as the fp32 product's chunks
+      j.chunk = std::max<int64_t>(4, 32768 / std::max<int64_t>(w.shape(1) * 4, 1) / 4 * 4);
+      j.chunks = int((N + j.chunk - 1) / j.chunk);
+      run_shared(j);
+    });
+  }
 };
 
 // On the host thread, GIL released: run posted chunks while `busy()` holds.
@@ -293,6 +362,37 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
   auto shape = x.shape();
   shape.back() = w.shape(1);
   return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream), {x, w});
+}
+
+mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  std::ostringstream err;
+  const int64_t K = x.ndim() ? x.shape(-1) : 0;
+  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
+      biases.dtype() != mx::float32) {
+    err << "x, scales and biases must be float32 and w uint32";
+  } else if (bits != 4 && bits != 8) {
+    err << "bits must be 4 or 8, not " << bits;
+  } else if (group_size != 32 && group_size != 64 && group_size != 128) {
+    err << "group_size must be 32, 64 or 128, not " << group_size;
+  } else if (w.ndim() != 2 || K == 0 || w.shape(1) * 32 / bits != K || K % group_size ||
+             K % block_values(bits) || scales.shape() != mx::Shape{w.shape(0), int(K / group_size)} ||
+             biases.shape() != scales.shape()) {
+    err << "needs x [..., K], w [N, K * bits / 32] and scales, biases [N, K / group_size] with K a "
+        << "multiple of " << block_values(bits) << ", got " << x.shape() << ", " << w.shape() << ", "
+        << scales.shape();
+  } else if (x.size() / K > 4 || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
+    err << "takes at most 4 rows in its last two axes, got " << x.shape();
+  } else if (!w.flags().row_contiguous || !scales.flags().row_contiguous || !biases.flags().row_contiguous) {
+    err << "w, scales and biases must be row-contiguous";
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
+  if (!err.str().empty()) throw std::invalid_argument("quantized_gemv: " + err.str());
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream, bits, group_size),
+                   {x, w, scales, biases});
 }
 
 // Wait until `a` is computed, helping while a product is posted or any

@@ -20,6 +20,11 @@ NB_MODULE(cpu_kernels, m) {
   m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ w for one fp32 row x [..., K] and w [K, N] on the CPU; the host thread helps\n"
         "while it is in submit_helping or wait_helping.");
+  m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 4) and w MLX's affine\n"
+        "quantization (4 or 8 bits, groups of 32/64/128, fp32 scales and biases), on the CPU,\n"
+        "read as stored; the host thread helps as with gemv.");
   m.def("submit_helping", &llm_pte::submit_helping, "outputs"_a,
         "mx.async_eval(outputs), queued a slice at a time, running posted gemv chunks meanwhile.");
   m.def("wait_helping", &llm_pte::wait_helping, "a"_a,

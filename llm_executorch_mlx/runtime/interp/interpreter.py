@@ -26,6 +26,7 @@ from .fusion import GROUP, plan_swiglu, try_fuse
 from .int32 import clamp_int32
 from .ops import BUILDERS
 from .ops.nn import build_addmm_last_row
+from .ops.quant import build_quantized_matmul_last_row
 from .pairs import try_fuse_pair
 
 Run = Callable[[list], None]
@@ -400,8 +401,9 @@ class GraphExecutor:
     def _last_row_variant(self) -> list[tuple[str, Run]] | None:
         """The main chain computing its first output for the last position only.
 
-        Offered when the chain ends in the ``AddmmNode`` that writes that
-        output from rows of positions (an LLM's LM head): a matmul's rows are
+        Offered when the chain ends in the ``AddmmNode`` (or, quantized, the
+        ``QuantizedMatmulNode``) that writes that output from rows of
+        positions (an LLM's LM head): a matmul's rows are
         independent, so the last row of the product is the product of the
         last row. A caller that reads one position's logits then skips the
         rest: in a 128-token prefill chunk of the 135M Llama, 7 of ~34 GFLOP.
@@ -412,10 +414,13 @@ class GraphExecutor:
         if not instructions or not self._main or not self.output_slots:
             return None
         last, meta = instructions[-1], self.output_meta[0]
-        if node_name(last) != "AddmmNode" or self._main[-1][0] != "AddmmNode":
+        kind = node_name(last)
+        if kind not in ("AddmmNode", "QuantizedMatmulNode") or self._main[-1][0] != kind:
             return None
         if last.op.out.idx != self.output_slots[0] or meta is None or len(meta.shape or []) < 3:
             return None
+        if kind == "QuantizedMatmulNode":
+            return self._main[:-1] + [(kind, build_quantized_matmul_last_row(last.op, self._ctx))]
         if last.op.bias is not None:
             metas = self.graph.tensorMeta or []
             bias = last.op.bias.idx

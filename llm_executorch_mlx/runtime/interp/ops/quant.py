@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .table import op
+from ...dtypes import on_cpu
 from .shape import text
+from .table import op
+
+# What the extension's quantized GEMV takes (cpu/quantized_rows.h): rows of
+# x, bits, group sizes; K a multiple of 256 / bits (one block of 8 words).
+QUANTIZED_GEMV_ROWS = 4
+QUANTIZED_GEMV_BITS = (4, 8)
+QUANTIZED_GEMV_GROUPS = (32, 64, 128)
 
 
 def _opt(f, slot):
@@ -25,16 +32,55 @@ def _sorted_flag(n, ctx):
 
 @op("QuantizedMatmulNode")
 def build_quantized_matmul(n, ctx):
+    return _quantized_matmul(n, ctx, last_row=False)
+
+
+def build_quantized_matmul_last_row(n, ctx):
+    """``QuantizedMatmulNode`` on the last row of ``x`` only (a quantized LM
+    head; see ``GraphExecutor``'s ``last_position_only``)."""
+    return _quantized_matmul(n, ctx, last_row=True)
+
+
+def _quantized_matmul(n, ctx, last_row: bool):
+    """On the CPU, MLX's ``quantized_matmul`` is scalar code (~10x slower than
+    an fp32 product): a few rows (decode, short chunks) run as the
+    extension's quantized GEMV, reading the weights as stored; more rows
+    dequantize the weight and use BLAS, whose cost the rows share."""
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
     transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
     qmm = mx.quantized_matmul
+    if not (on_cpu() and transpose and mode == "affine" and biases is not None):
+        def run(f):  # the decode hot path: no helper calls
+            xs = f[x]
+            if last_row and xs.shape[-2] > 1:
+                xs = xs[..., -1:, :]
+            f[out] = qmm(
+                xs, f[w], f[scales], None if biases is None else f[biases],
+                transpose, group_size, bits, mode,
+            )
 
-    def run(f):  # the decode hot path: no helper calls
-        f[out] = qmm(
-            f[x], f[w], f[scales], None if biases is None else f[biases],
-            transpose, group_size, bits, mode,
-        )
+        return run
+    kernels = ctx.kernels
+    gemv = kernels.extension.quantized_gemv if kernels is not None and kernels.gemv.on else None
+    if bits not in QUANTIZED_GEMV_BITS or group_size not in QUANTIZED_GEMV_GROUPS:
+        gemv = None
+    dequantize = mx.dequantize
+
+    def run(f):
+        xs, ws, s, b = f[x], f[w], f[scales], f[biases]
+        k = xs.shape[-1]
+        m = xs.size // k
+        if last_row and m > 1:
+            # a prefill chunk's LM head: one row, without the host's help,
+            # which would take a core from BLAS during prefill (steps.py)
+            f[out] = qmm(xs[..., -1:, :], ws, s, b, True, group_size, bits, mode)
+        elif m > QUANTIZED_GEMV_ROWS:
+            f[out] = xs @ dequantize(ws, s, b, group_size, bits, mode).T
+        elif gemv and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0:
+            f[out] = gemv(xs, ws, s, b, group_size, bits)
+        else:
+            f[out] = qmm(xs, ws, s, b, True, group_size, bits, mode)
 
     return run
 

@@ -1,0 +1,92 @@
+// Dot products of a few fp32 rows x with MLX affine-quantized weight rows,
+// read as stored: w = scale * q + bias per group of `group` values along K,
+// q packed little-end first into uint32 words (4 bits: 8 values a word,
+// 8 bits: 4). gemv.cpp runs these as its quantized products.
+//
+// A block is 8 words, one 8-lane vector: lane j holds values vpw*j ..
+// vpw*j + vpw - 1 of the block (vpw = 32 / BITS). Shifting the block by
+// BITS*s and masking gives, in lane j, value vpw*j + s; so x is permuted
+// once per product (`permute_x`) to match, and each row costs one load,
+// then a shift, mask, convert and FMA per vpw values, in registers. The
+// scale multiplies a block's partial sums, the bias a group's sum of x
+// (computed once per product): sum_k x_k (s q_k + b) = s (x . q) + b sum x.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"
+
+namespace llm_pte {
+
+typedef uint32_t u8v __attribute__((vector_size(32)));
+
+struct QuantizedRows {
+  const uint32_t* w;  // [N, K * BITS / 32]
+  const float *scales, *biases;  // [N, K / group]
+  const float* xp;  // M rows of permute_x's output, K apart
+  const float* xsum;  // M rows of K / group sums of x
+  float* y;  // M rows of N
+  int64_t K, N;
+  int group;
+};
+
+constexpr int block_values(int bits) { return 8 * (32 / bits); }
+
+// x's M rows in the lane order of a block (see above), and their sums per group.
+inline void permute_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int bits, int group,
+                      float* xp, float* xsum) {
+  const int vpw = 32 / bits, B = block_values(bits);
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + m * x_row;
+    float* pm = xp + m * K;
+    for (int64_t b = 0; b < K; b += B)
+      for (int s = 0; s < vpw; ++s)
+        for (int j = 0; j < 8; ++j) pm[b + s * 8 + j] = xm[(b + vpw * j + s) * x_col];
+    for (int64_t g = 0; g < K / group; ++g) {
+      float sum = 0.f;
+      for (int k = 0; k < group; ++k) sum += xm[(g * group + k) * x_col];
+      xsum[m * (K / group) + g] = sum;
+    }
+  }
+}
+
+// y[m, n] for weight rows n in [lo, hi) and the M rows of x; K is a whole
+// number of blocks and of groups.
+template <int BITS, int M>
+void quantized_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
+  constexpr int vpw = 32 / BITS, B = block_values(BITS);
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  const int64_t words = r.K / vpw, groups = r.K / r.group;
+  for (int64_t n = lo; n < hi; ++n) {
+    const uint32_t* w = r.w + n * words;
+    const float *scale = r.scales + n * groups, *bias = r.biases + n * groups;
+    f8 acc[M] = {};
+    for (int64_t b = 0; b < r.K; b += B) {
+      u8v v;
+      std::memcpy(&v, w + b / vpw, sizeof v);
+      f8 part[M] = {};
+      for (int s = 0; s < vpw; ++s) {
+        const f8 q = __builtin_convertvector((i8)((v >> (BITS * s)) & mask), f8);
+        for (int m = 0; m < M; ++m) part[m] += q * load8(r.xp + m * r.K + b + s * 8);
+      }
+      f8 sc;
+      if (B <= r.group) {
+        sc = splat(scale[b / r.group]);
+      } else {  // 4 bits, group 32: lanes 0-3 are one group, 4-7 the next
+        const float s0 = scale[b / r.group], s1 = scale[b / r.group + 1];
+        sc = f8{s0, s0, s0, s0, s1, s1, s1, s1};
+      }
+      for (int m = 0; m < M; ++m) acc[m] += sc * part[m];
+    }
+    for (int m = 0; m < M; ++m) {
+      float total = sum8(acc[m]);
+      const float* xs = r.xsum + m * groups;
+      for (int64_t g = 0; g < groups; ++g) total += bias[g] * xs[g];
+      r.y[m * r.N + n] = total;
+    }
+  }
+}
+
+}  // namespace llm_pte

@@ -1,0 +1,136 @@
+"""The extension's quantized product (``quantized_gemv``, runtime/cpu/
+quantized_rows.h) and the quantized matmul node's CPU routes, against MLX's
+own ``quantized_matmul`` and against numpy on weights dequantized by hand
+from MLX's packing (4 and 8 bits, groups of 32, 64 and 128, 1 to 4 rows,
+strided rows), with and without the extension.
+
+Tolerance: the kernel sums in fp32 in another order than MLX, so results
+agree to ~1e-6 of the output's scale; the tests allow 1e-5 of
+sqrt(K) * max|x| * max|w|, the size of one product's rounding.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.interp.ops import quant
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = cpu.kernels(build=True)
+    assert found.gemv.on, found.gemv.why
+    return found.extension
+
+
+def quantized(rng, N, K, bits, group):
+    w = mx.array(rng.standard_normal((N, K)).astype(np.float32))
+    return mx.quantize(w, group_size=group, bits=bits)
+
+
+def by_hand(q, scales, biases, bits, group) -> np.ndarray:
+    """MLX's affine dequantization written out in numpy: values packed
+    least-significant bits first into uint32 words."""
+    words = np.array(q).astype(np.uint64)
+    per_word = 32 // bits
+    shifts = np.arange(per_word, dtype=np.uint64) * bits
+    values = (words[..., None] >> shifts) & ((1 << bits) - 1)
+    values = values.reshape(words.shape[0], -1).astype(np.float32)
+    s = np.repeat(np.array(scales), group, axis=1)
+    b = np.repeat(np.array(biases), group, axis=1)
+    return values * s + b
+
+
+def tolerance(x, w_hand):
+    return 1e-5 * np.sqrt(x.shape[-1]) * np.abs(x).max() * np.abs(w_hand).max()
+
+
+CASES = [
+    (bits, group, N, K)
+    for bits in (4, 8)
+    for group in (32, 64, 128)
+    for N, K in ((576, 576), (192, 576), (576, 1536), (7, 256), (1, 128))
+    if K % group == 0
+]
+
+
+@pytest.mark.parametrize("bits, group, N, K", CASES)
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
+def test_matches_numpy_and_mlx_on_the_stored_weights(kernel, bits, group, N, K, M):
+    rng = np.random.default_rng(bits * 1000 + group + N + K + M)
+    q, scales, biases = quantized(rng, N, K, bits, group)
+    x = rng.standard_normal((1, M, K)).astype(np.float32)
+    y = kernel.quantized_gemv(mx.array(x), q, scales, biases, group, bits)
+    assert y.shape == (1, M, N) and y.dtype == mx.float32
+    w_hand = by_hand(q, scales, biases, bits, group)
+    np.testing.assert_allclose(np.array(y), x @ w_hand.T, rtol=0, atol=tolerance(x, w_hand))
+    ref = mx.quantized_matmul(mx.array(x), q, scales, biases, True, group, bits)
+    np.testing.assert_allclose(np.array(y), np.array(ref), rtol=0, atol=tolerance(x, w_hand))
+
+
+def test_a_strided_row_is_read_as_it_is(kernel):
+    rng = np.random.default_rng(5)
+    q, scales, biases = quantized(rng, 64, 256, 4, 32)
+    wide = mx.array(rng.standard_normal((2, 512)).astype(np.float32))
+    x = wide[:, ::2]  # two rows, every other column
+    y = kernel.quantized_gemv(x, q, scales, biases, 32, 4)
+    w_hand = by_hand(q, scales, biases, 4, 32)
+    np.testing.assert_allclose(np.array(y), np.array(x) @ w_hand.T, rtol=0, atol=tolerance(np.array(x), w_hand))
+
+
+@pytest.mark.parametrize("args, message", [
+    (lambda q, s, b, x: (x, q, s, b, 32, 3), "bits must be 4 or 8"),
+    (lambda q, s, b, x: (x, q, s, b, 16, 4), "group_size must be 32, 64 or 128"),
+    (lambda q, s, b, x: (x[..., :128], q, s, b, 32, 4), r"needs x \[\.\.\., K\]"),
+    (lambda q, s, b, x: (mx.concatenate([x] * 5, axis=1), q, s, b, 32, 4), "at most 4 rows"),
+    (lambda q, s, b, x: (x.astype(mx.bfloat16), q, s, b, 32, 4), "must be float32"),
+])
+def test_bad_inputs_are_refused_with_the_reason(kernel, args, message):
+    rng = np.random.default_rng(9)
+    q, scales, biases = quantized(rng, 8, 256, 4, 32)
+    x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32))
+    with pytest.raises(ValueError, match=message):
+        kernel.quantized_gemv(*args(q, scales, biases, x))
+
+
+class _Node:
+    """The fields of a ``QuantizedMatmulNode`` the builder reads."""
+
+    def __init__(self, group, bits):
+        slot = lambda i: type("Slot", (), {"idx": i})()  # noqa: E731
+        self.x, self.w, self.scales, self.biases, self.out = (slot(i) for i in range(5))
+        self.transpose, self.groupSize, self.bits, self.mode = True, group, bits, b"affine"
+
+
+class _Context:
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def t(self, slot):
+        return slot.idx
+
+    t_opt = out = t
+
+
+@pytest.mark.parametrize("with_extension", [True, False])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 37])
+@pytest.mark.parametrize("last_row", [False, True])
+def test_every_cpu_route_of_the_node_equals_mlx(kernel, with_extension, rows, last_row):
+    """The node's routes: the quantized GEMV (up to 4 rows), a dequantized
+    weight and BLAS (more), MLX's own op (no extension), and the LM head's
+    last-row variant, which during a prefill chunk computes only the last row."""
+    kernels = cpu.kernels(build=True)
+    if not with_extension:
+        kernels = type(kernels)(kernels.attention, cpu.Use(False, "off for the test"), kernels.blas)
+    node = _Node(32, 4)
+    run = (quant.build_quantized_matmul_last_row if last_row else quant.build_quantized_matmul)(node, _Context(kernels))
+    rng = np.random.default_rng(rows)
+    q, scales, biases = quantized(rng, 96, 256, 4, 32)
+    x = mx.array(rng.standard_normal((1, rows, 256)).astype(np.float32))
+    frame = [x, q, scales, biases, None]
+    run(frame)
+    expected = mx.quantized_matmul(x[:, -1:] if last_row else x, q, scales, biases, True, 32, 4)
+    w_hand = by_hand(q, scales, biases, 4, 32)
+    assert frame[4].shape == expected.shape
+    np.testing.assert_allclose(np.array(frame[4]), np.array(expected), rtol=0, atol=tolerance(np.array(x), w_hand))
