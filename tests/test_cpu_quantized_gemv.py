@@ -134,3 +134,14 @@ def test_every_cpu_route_of_the_node_equals_mlx(kernel, with_extension, rows, la
     w_hand = by_hand(q, scales, biases, 4, 32)
     assert frame[4].shape == expected.shape
     np.testing.assert_allclose(np.array(frame[4]), np.array(expected), rtol=0, atol=tolerance(np.array(x), w_hand))
+
+
+@pytest.mark.parametrize("bits, group, N, K", CASES)
+def test_dequantize_matches_numpy_and_mlx(kernel, bits, group, N, K):
+    rng = np.random.default_rng(bits + group + N + K)
+    q, scales, biases = quantized(rng, N, K, bits, group)
+    ours = kernel.dequantize(q, scales, biases, group, bits)
+    np.testing.assert_allclose(np.array(ours), by_hand(q, scales, biases, bits, group), rtol=1e-6, atol=1e-6)
+    # one rounding apart at most: a fused multiply-add where MLX rounds the product first
+    np.testing.assert_allclose(np.array(ours), np.array(mx.dequantize(q, scales, biases, group, bits)),
+                               rtol=1e-6, atol=1e-6)

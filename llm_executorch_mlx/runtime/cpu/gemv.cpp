@@ -364,13 +364,13 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
   return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream), {x, w});
 }
 
-mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+// The checks quantized_gemv and dequantize share: "" when w, scales, biases
+// are a layout the row loops read.
+std::string check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t K,
+                            int group_size, int bits) {
   std::ostringstream err;
-  const int64_t K = x.ndim() ? x.shape(-1) : 0;
-  if (x.dtype() != mx::float32 || w.dtype() != mx::uint32 || scales.dtype() != mx::float32 ||
-      biases.dtype() != mx::float32) {
-    err << "x, scales and biases must be float32 and w uint32";
+  if (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
+    err << "scales and biases must be float32 and w uint32";
   } else if (bits != 4 && bits != 8) {
     err << "bits must be 4 or 8, not " << bits;
   } else if (group_size != 32 && group_size != 64 && group_size != 128) {
@@ -379,12 +379,24 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
              K % block_values(bits) || scales.shape() != mx::Shape{w.shape(0), int(K / group_size)} ||
              biases.shape() != scales.shape()) {
     err << "needs x [..., K], w [N, K * bits / 32] and scales, biases [N, K / group_size] with K a "
-        << "multiple of " << block_values(bits) << ", got " << x.shape() << ", " << w.shape() << ", "
+        << "multiple of " << block_values(bits) << ", got K " << K << ", w " << w.shape() << ", scales "
         << scales.shape();
-  } else if (x.size() / K > 4 || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
-    err << "takes at most 4 rows in its last two axes, got " << x.shape();
   } else if (!w.flags().row_contiguous || !scales.flags().row_contiguous || !biases.flags().row_contiguous) {
     err << "w, scales and biases must be row-contiguous";
+  }
+  return err.str();
+}
+
+mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  std::ostringstream err;
+  const int64_t K = x.ndim() ? x.shape(-1) : 0;
+  if (x.dtype() != mx::float32) {
+    err << "x must be float32";
+  } else if (std::string why = check_quantized(w, scales, biases, K, group_size, bits); !why.empty()) {
+    err << why;
+  } else if (x.size() / K > 4 || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
+    err << "takes at most 4 rows in its last two axes, got " << x.shape();
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
@@ -393,6 +405,54 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
   shape.back() = w.shape(0);
   return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream, bits, group_size),
                    {x, w, scales, biases});
+}
+
+// MLX's affine dequantization (4 or 8 bits, fp32 scales and biases) on the
+// CPU, vectorised: what a prefill chunk's quantized products multiply with BLAS.
+class Dequantize : public mx::UnaryPrimitive {
+ public:
+  Dequantize(mx::Stream stream, int bits, int group) : mx::UnaryPrimitive(stream), bits_(bits), group_(group) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr,
+                    nullptr, out.shape(1), out.shape(0), group_};
+    float* wp = out.data<float>();
+    const int bits = bits_;
+    encoder.dispatch([=]() {
+      if (bits == 4) dequantize_rows<4>(r, wp, 0, r.N);
+      else dequantize_rows<8>(r, wp, 0, r.N);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("Dequantize runs on the CPU only");
+  }
+
+  const char* name() const override { return "Dequantize"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const Dequantize&>(other);
+    return bits_ == o.bits_ && group_ == o.group_;
+  }
+
+ private:
+  int bits_, group_;
+};
+
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                     int bits, mx::StreamOrDevice s) {
+  std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
+                                    group_size, bits);
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("dequantize: " + err);
+  return mx::array({w.shape(0), int(w.shape(1) * 32 / bits)}, mx::float32,
+                   std::make_shared<Dequantize>(stream, bits, group_size), {w, scales, biases});
 }
 
 // Wait until `a` is computed, helping while a product is posted or any

@@ -29,6 +29,10 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s);
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s);
 
+// mx.dequantize(w, scales, biases) for the layouts quantized_gemv takes, vectorised.
+mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                     int bits, mx::StreamOrDevice s);
+
 // mx.async_eval(outputs), queued a slice at a time for a graph with gemv
 // nodes, the host running posted gemv chunks meanwhile.
 void submit_helping(const std::vector<mx::array>& outputs);

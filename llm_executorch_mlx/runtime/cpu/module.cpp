@@ -25,6 +25,10 @@ NB_MODULE(cpu_kernels, m) {
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 4) and w MLX's affine\n"
         "quantization (4 or 8 bits, groups of 32/64/128, fp32 scales and biases), on the CPU,\n"
         "read as stored; the host thread helps as with gemv.");
+  m.def("dequantize", &llm_pte::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        nb::kw_only(), "stream"_a = nb::none(),
+        "mx.dequantize(w, scales, biases, group_size, bits) for 4- or 8-bit affine weights with\n"
+        "fp32 scales and biases, on the CPU, vectorised.");
   m.def("submit_helping", &llm_pte::submit_helping, "outputs"_a,
         "mx.async_eval(outputs), queued a slice at a time, running posted gemv chunks meanwhile.");
   m.def("wait_helping", &llm_pte::wait_helping, "a"_a,

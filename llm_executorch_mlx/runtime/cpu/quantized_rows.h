@@ -89,4 +89,26 @@ void quantized_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
   }
 }
 
+// W's rows [lo, hi) dequantized into w_out [N, K] (fp32, natural order):
+// one word gives 8 (4 bits) or, with the next, 8 (8 bits) consecutive values.
+template <int BITS>
+void dequantize_rows(const QuantizedRows& r, float* w_out, int64_t lo, int64_t hi) {
+  constexpr int vpw = 32 / BITS;
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  const int64_t words = r.K / vpw, groups = r.K / r.group;
+  const u8v shifts = BITS == 4 ? u8v{0, 4, 8, 12, 16, 20, 24, 28} : u8v{0, 8, 16, 24, 0, 8, 16, 24};
+  for (int64_t n = lo; n < hi; ++n) {
+    const uint32_t* w = r.w + n * words;
+    const float *scale = r.scales + n * groups, *bias = r.biases + n * groups;
+    float* out = w_out + n * r.K;
+    for (int64_t k = 0; k < r.K; k += 8) {
+      const uint32_t a = w[k / vpw], b = BITS == 4 ? a : w[k / vpw + 1];
+      const u8v v = BITS == 4 ? u8v{a, a, a, a, a, a, a, a} : u8v{a, a, a, a, b, b, b, b};
+      const f8 q = __builtin_convertvector((i8)((v >> shifts) & mask), f8);
+      const int64_t g = k / r.group;  // 8 values never straddle a group (group >= 32)
+      store8(out + k, q * splat(scale[g]) + splat(bias[g]));
+    }
+  }
+}
+
 }  // namespace llm_pte

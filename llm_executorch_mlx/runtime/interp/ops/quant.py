@@ -62,10 +62,10 @@ def _quantized_matmul(n, ctx, last_row: bool):
 
         return run
     kernels = ctx.kernels
-    gemv = kernels.extension.quantized_gemv if kernels is not None and kernels.gemv.on else None
+    extension = kernels.extension if kernels is not None and kernels.gemv.on else None
     if bits not in QUANTIZED_GEMV_BITS or group_size not in QUANTIZED_GEMV_GROUPS:
-        gemv = None
-    dequantize = mx.dequantize
+        extension = None
+    gemv, dequantize = (extension.quantized_gemv, extension.dequantize) if extension else (None, None)
 
     def run(f):
         xs, ws, s, b = f[x], f[w], f[scales], f[biases]
@@ -75,12 +75,13 @@ def _quantized_matmul(n, ctx, last_row: bool):
             # a prefill chunk's LM head: one row, without the host's help,
             # which would take a core from BLAS during prefill (steps.py)
             f[out] = qmm(xs[..., -1:, :], ws, s, b, True, group_size, bits, mode)
+        elif not (extension and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0):
+            f[out] = (xs @ mx.dequantize(ws, s, b, group_size, bits, mode).T if m > QUANTIZED_GEMV_ROWS
+                      else qmm(xs, ws, s, b, True, group_size, bits, mode))
         elif m > QUANTIZED_GEMV_ROWS:
-            f[out] = xs @ dequantize(ws, s, b, group_size, bits, mode).T
-        elif gemv and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0:
-            f[out] = gemv(xs, ws, s, b, group_size, bits)
+            f[out] = xs @ dequantize(ws, s, b, group_size, bits).T
         else:
-            f[out] = qmm(xs, ws, s, b, True, group_size, bits, mode)
+            f[out] = gemv(xs, ws, s, b, group_size, bits)
 
     return run
 
