@@ -48,8 +48,11 @@ def _runtime_facts() -> dict:
             facts["attention"] = f"MLX ops ({k.attention.why})"
         if k.gemv.on or k.gemv.needs_build:
             facts["decode_products"] = "the compiled kernel's gemv, the host thread helping"
+            facts["quantized_products"] = ("4/8-bit weights read as stored by the compiled kernel's gemv "
+                                           "(up to 4 rows), dequantized by it for BLAS (more)")
         else:
             facts["decode_products"] = f"BLAS ({k.gemv.why})"
+            facts["quantized_products"] = f"MLX's quantized_matmul (up to 4 rows), MLX's dequantize + BLAS (more) ({k.gemv.why})"
     return facts
 
 
@@ -231,4 +234,5 @@ def register_commands(cli):
             click.echo(f"        BLAS: {blas['library'] or 'MLX reference BLAS (slow)'} ({blas['reason']})")
             click.echo(f"        attention: {runtime['attention']}")
             click.echo(f"        decode products: {runtime['decode_products']}")
+            click.echo(f"        quantized products: {runtime['quantized_products']}")
     add_export_commands(pte)  # llm pte export, llm pte demo

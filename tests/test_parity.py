@@ -20,6 +20,7 @@ def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto"):
     import mlx.core as mx
 
     program = load_program(pte, compute=compute)
+    program.prepare_cpu_kernels()  # as a generation does: the CPU kernels, built if need be
     cache = program.new_cache(capacity=128, dtype=kv_dtype)
     forward = program.load_method("forward", cache=cache)
     chunk = program.metadata.prefill_chunk
@@ -129,7 +130,12 @@ def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch):
     assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()
 
 
-def test_4bit_linear_matches_torchao_reference(exported):
+@pytest.mark.parametrize("gemv", ["1", "0"], ids=["quantized-gemv", "mlx-quantized-matmul"])
+def test_4bit_linear_matches_torchao_reference(exported, gemv, monkeypatch):
+    """Both CPU routes of a quantized product: the extension's (weights read
+    as stored, dequantized for BLAS in prefill) and MLX's own ops, which a
+    machine without a C++ compiler runs."""
+    monkeypatch.setenv("LLM_PTE_CPU_GEMV", gemv)
     model_dir, pte = exported("llama", trained=True, dtype="fp32", qlinear="4w")
     tokens, ours = greedy(pte, prompt_for(2), NEW_TOKENS, kv_dtype="fp32")
     ref = reference_logits(model_dir, tokens[:-1], quantize="4w")

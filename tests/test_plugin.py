@@ -80,6 +80,7 @@ def test_register_list_info_remove(tiny):
     assert info_json["runtime"]["blas"]["library"] == blas.load_fast_blas().library
     assert info_json["runtime"]["attention"].startswith("compiled kernel")
     assert "decode products: the compiled kernel's gemv" in info
+    assert "quantized products: 4/8-bit weights read as stored by the compiled kernel's gemv" in info
     assert invoke("pte", "remove", "tiny").exit_code == 0
     assert json.loads(invoke("pte", "models", "--json").output) == []
 
@@ -93,6 +94,7 @@ def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch):
     monkeypatch.setenv("LLM_PTE_CPU_GEMV", "0")
     info = invoke("pte", "info", "tiny").output
     assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info and "decode products: BLAS" in info
+    assert "quantized products: MLX's quantized_matmul (up to 4 rows)" in info
 
 
 def test_refused_registrations_leave_the_registry_unchanged(tiny, tmp_path):
