@@ -228,7 +228,7 @@ def test_interleaved_conversations_keep_their_own_sessions(tiny):
     b1 = b.prompt("Numbers like 42", max_tokens=6).text()
     ra = a.prompt("Tell me a story", max_tokens=6)
     rb = b.prompt("and questions", max_tokens=6)
-    assert ra.text() and rb.text() is not None
+    assert ra.text() and rb.text()
     assert ra.response_json["cache_path"] == "hit" and rb.response_json["cache_path"] == "hit"
     assert ra.text() == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": a1},
                                   {"role": "user", "content": "Tell me a story"}], 6)
@@ -412,7 +412,7 @@ def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
         messages.append({"role": "user", "content": text})
         assert run_cold(messages, 10) == reply
         messages.append({"role": "assistant", "content": reply})
-    assert paths[0] == "cold" and all(p in ("hit", "trim", "reset") for p in paths[1:])
+    assert paths == ["cold", "hit", "hit"]  # each turn reuses the ring-layered cache
 
 
 def test_interrupted_turn_leaves_the_session_consistent(tiny):

@@ -156,7 +156,7 @@ def test_truncated_file(llama, tmp_path, fraction):
     data = llama[1].read_bytes()
     p = tmp_path / "cut.pte"
     p.write_bytes(data[: int(len(data) * fraction)])
-    with pytest.raises(PteError):
+    with pytest.raises(PteError, match=r"truncated file: segment \d+ ends at byte \d+, the file has \d+"):
         program = load_program(p)
         program.load_method("forward", cache=program.new_cache())
 
