@@ -236,3 +236,54 @@ def test_the_route_maps_every_cblas_argument_onto_sgemv_and_sgemm(tmp_path):
     assert len(errors) == 24
     bad = {case: err for case, err in errors.items() if not 0 <= err < 1e-4}  # -1: padding written
     assert not bad
+
+
+LATE_PROBE = """
+import ctypes, json
+import numpy as np
+import mlx.core as mx  # first: libmlx binds the wheel's reference BLAS as it loads
+from llm_executorch_mlx.runtime.cpu import blas, got
+
+a = np.random.default_rng(0).standard_normal((64, 48)).astype(np.float32)
+b = np.random.default_rng(1).standard_normal((48, 40)).astype(np.float32)
+product = np.array(mx.array(a) @ mx.array(b))
+status = blas.load_fast_blas()
+sgemm = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+print("PROBE " + json.dumps({
+    "library": status.library,
+    "reason": status.reason,
+    "libmlx_calls_global_sgemm": got.bound_to(str(blas._libmlx()), "cblas_sgemm") == [sgemm],
+    "max_err": float(np.abs(product - a @ b).max()),
+}))
+"""
+
+
+def late_probe(**env):
+    result = subprocess.run([sys.executable, "-c", LATE_PROBE], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, **env})
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("PROBE "))
+    return json.loads(line[len("PROBE "):]), result.stdout, result.stderr
+
+
+def test_importing_mlx_first_still_gets_the_route():
+    """A script that imports mlx.core before the runtime: libmlx's BLAS
+    import is pointed at the one-row route afterwards."""
+    if not OPENBLAS_WHEEL:
+        pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
+    facts, _, stderr = late_probe()
+    assert "openblas" in facts["library"]
+    assert facts["reason"].endswith("rebound in libmlx, which mlx.core had loaded first")
+    assert facts["libmlx_calls_global_sgemm"] and "RuntimeWarning" not in stderr
+    assert facts["max_err"] < 1e-4
+
+
+def test_importing_mlx_first_reaches_mkl_too():
+    """Without a compiler MKL is bound directly: its own log shows MLX's
+    products arriving after the late rebinding."""
+    if not MKL_WHEEL:
+        pytest.fail("this check needs mkl's wheel (x86-64 Linux)")
+    facts, stdout, _ = late_probe(MKL_VERBOSE="1", PATH="/nonexistent", CC="")
+    assert "libmkl_rt" in facts["library"] and facts["libmlx_calls_global_sgemm"]
+    assert "SGEMM(" in stdout
+    assert facts["max_err"] < 1e-4

@@ -14,15 +14,12 @@ OpenBLAS's sgemm is slow at them, so the route hands those to its sgemv. On
 the project's 2-core EPYC that made prefill 1.16-1.21x and decode 1.04-1.13x
 faster than MKL, whose sgemm and sgemv both read 6-12 GB/s there.
 
-This must run before the first ``import mlx.core`` in the process, and so
-it runs at import: ``runtime/cpu/__init__.py`` calls it before importing
-anything that imports mlx.core, and every path into the package's MLX code
-(the runtime, and the text layer, whose ``__init__`` imports the runtime first)
-comes through there. An explicit call would have to come before the first
-``import mlx.core`` of every entry point (the plugin's generation, each
-``llm pte`` command, each test and benchmark), which nothing checks; the
-import order is the one place that guarantees it. Binding it regardless of
-order (patching libmlx's GOT) is future work.
+This runs at import (``runtime/cpu/__init__.py`` calls it before anything
+imports mlx.core), so that on every path into the package's MLX code libmlx
+binds the library as it loads. A program that imported ``mlx.core`` first
+(a Python user's script) has libmlx bound to the reference BLAS already: the
+library is chosen the same way, then libmlx's imports are pointed at it
+(``got.py``); where that cannot be done, a RuntimeWarning says so once.
 
 ``LLM_PTE_BLAS`` overrides the search: a library path (put behind the route
 too, when it can be built), or ``reference`` to keep the wheel's own BLAS.
@@ -38,11 +35,13 @@ import importlib.util
 import os
 import pathlib
 import sys
+import warnings
 from dataclasses import dataclass
 
-from . import sgemm_route
+from . import got, sgemm_route
 
 ENV_VAR = "LLM_PTE_BLAS"
+REBOUND = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # what MLX's CPU backend calls
 KEEP_REFERENCE = "reference"
 
 # OpenBLAS builds for the one-row route (sgemm_route.py), best first, with the
@@ -112,8 +111,16 @@ def _decide() -> BlasStatus:
     bound = global_sgemm_library()
     if bound is not None:
         return BlasStatus(bound, "already loaded (LD_PRELOAD or the host program)")
-    if "mlx.core" in sys.modules:
-        return BlasStatus(None, "mlx.core was imported before the runtime; its BLAS is already bound")
+    late = "mlx.core" in sys.modules  # libmlx is bound to its reference BLAS already
+    status = _select(choice)
+    if late and status.library is not None:
+        status = _rebind_loaded_mlx(status)
+    return status
+
+
+def _select(choice: str) -> BlasStatus:
+    """Open the chosen or best library in the global scope (behind the
+    one-row route where it can be built)."""
     if choice:
         return _bind_chosen(choice)
     routed, route_note = _route(_openblas_libraries(), "found")
@@ -126,6 +133,37 @@ def _decide() -> BlasStatus:
             continue
         return BlasStatus(path, f"found{route_note}")
     return BlasStatus(None, f"no optimized BLAS found{route_note}", HINT)
+
+
+def _rebind_loaded_mlx(status: BlasStatus) -> BlasStatus:
+    """mlx.core loaded before the runtime: point libmlx's BLAS imports at what
+    the global scope now defines (``got.py``). Where that fails, say so once,
+    loudly: MLX's matmuls stay several times slower."""
+    process = ctypes.CDLL(None)
+    addresses = {}
+    for name in REBOUND:
+        try:
+            addresses[name] = ctypes.cast(getattr(process, name), ctypes.c_void_p).value
+        except AttributeError:  # the route defines cblas_sgemm only
+            continue
+    try:
+        written = got.rebind(str(_libmlx()), addresses)
+    except (got.GotError, OSError, ValueError) as exc:
+        reason = f"mlx.core was imported before the runtime, and its BLAS could not be rebound ({exc})"
+        advice = f"{reason}; MLX uses its slow reference BLAS: import llm_executorch_mlx.runtime before mlx.core"
+        warnings.warn(advice, RuntimeWarning, stacklevel=4)
+        return BlasStatus(None, reason, advice)
+    if written == 0:
+        return _refused("mlx.core was imported before the runtime, and libmlx imports no BLAS to rebind")
+    return BlasStatus(status.library, f"{status.reason}; rebound in libmlx, which mlx.core had loaded first")
+
+
+def _libmlx() -> pathlib.Path:
+    spec = importlib.util.find_spec("mlx")
+    for location in spec.submodule_search_locations or []:
+        for path in sorted(pathlib.Path(location, "lib").glob("libmlx.so*")):
+            return path
+    raise got.GotError("libmlx.so not found beside mlx")
 
 
 def _bind_chosen(path: str) -> BlasStatus:
