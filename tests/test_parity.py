@@ -12,6 +12,8 @@ import torch
 import transformers
 
 from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime.dtypes import mlx_dtype
+from llm_executorch_mlx.runtime.interp.layout import weights_read_only_by_matmuls
 
 PROMPT_LEN, NEW_TOKENS = 40, 20
 
@@ -113,15 +115,31 @@ def test_bf16_native_matches_transformers_bf16(exported, arch):
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL)
 
 
+@pytest.mark.parametrize("gemv", ["1", "0"], ids=["bf16-linears-as-stored", "all-widened"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch):
-    """The CPU route: the bf16 weights widened to fp32 at load compute exactly
-    what transformers computes in fp32 on the same bf16-rounded weights."""
+def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv, monkeypatch):
+    """The CPU route: a bf16 program computes in fp32 exactly what
+    transformers computes in fp32 on the same bf16-rounded weights, whether
+    its linear weights stay bf16 for the extension's GEMV (which widens them
+    as it reads them, and prefill per product) or, without it, everything is
+    widened at load."""
+    monkeypatch.setenv("LLM_PTE_CPU_GEMV", gemv)
     model_dir, pte = exported(arch, trained=True, dtype="bf16")
     program = load_program(pte, compute="fp32")
     assert program.compute_dtype == "fp32"
-    stored = program.weight_bytes(as_stored=True)
-    assert stored < program.weight_bytes() <= 2 * stored  # half-precision weights doubled
+    kernels = program.prepare_cpu_kernels()
+    assert kernels.gemv.on == (gemv == "1")
+    program.load_method("forward", cache=program.new_cache(capacity=8))
+    held = sum(a.nbytes for a in program._constants["forward"])  # what MLX holds
+    graph = program._graph("forward")
+    linear = weights_read_only_by_matmuls(graph)
+    assert linear  # the model's linear layers
+    expected = 0
+    for tid, meta in enumerate(graph.tensorMeta[: graph.numConstantTensors]):
+        n = int(np.prod([d.value for d in meta.shape]))
+        bf16 = meta.scalarType == 15
+        expected += n * (2 if bf16 and kernels.gemv.on and tid in linear else 4 if bf16 else mlx_dtype(meta.scalarType).size)
+    assert held == expected == program.weight_bytes()
     tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="fp32")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
     scale = np.abs(ref).max()

@@ -20,7 +20,7 @@ from .dtypes import (
 )
 from .errors import PteError
 from .interp.interpreter import GraphExecutor
-from .interp.layout import for_blas, matmul_weights
+from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
 from .pte.graph import decode_graph, node_name
@@ -210,6 +210,7 @@ class Program:
         # On the CPU, linear weights take the layout BLAS streams fastest,
         # unless the extension's GEMV runs one-row products: it reads rows.
         blas_weights = matmul_weights(graph) if on_cpu() and not self.cpu_kernels.gemv.on else set()
+        as_stored = self._bf16_kept(graph)
         constants = []
         for tid in range(graph.numConstantTensors):
             key = names.get(tid)
@@ -227,7 +228,7 @@ class Program:
                     f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"
                 )
             array = array_from_buffer(data[:nbytes], shape, dtype)
-            array = array.astype(self._dtype_map.get(dtype, dtype))
+            array = array.astype(self._held_dtype(tid, dtype, as_stored))
             if tid in blas_weights:
                 array = for_blas(array)
             mx.eval(array)  # one tensor at a time: no second full copy at load
@@ -341,13 +342,28 @@ class Program:
             if not plan.delegates or plan.delegates[0].backend_id != MLX_BACKEND:
                 continue
             graph = self._graph(name)
-            for meta in (graph.tensorMeta or [])[: graph.numConstantTensors]:
+            kept = self._bf16_kept(graph)
+            for tid, meta in enumerate((graph.tensorMeta or [])[: graph.numConstantTensors]):
                 n = int(np.prod([d.value for d in meta.shape or []], dtype=np.int64))
                 dtype = mlx_dtype(meta.scalarType)
                 if not as_stored:
-                    dtype = self._dtype_map.get(dtype, dtype)
+                    dtype = self._held_dtype(tid, dtype, kept)
                 total += n * dtype.size
         return total
+
+    def _bf16_kept(self, graph: md.MLXGraphT) -> set[int]:
+        """Constants a program widened to fp32 keeps in bf16 on the CPU: its
+        linear weights, when the extension's GEMV runs its one-row products
+        (it widens them as it loads them; prefill widens per product,
+        interp/ops/nn.py). Half the memory, half a decode step's reads."""
+        if not (on_cpu() and self.cpu_kernels.gemv.on and self._dtype_map.get(mx.bfloat16, mx.bfloat16) == mx.float32):
+            return set()
+        return weights_read_only_by_matmuls(graph)
+
+    def _held_dtype(self, tid: int, dtype: mx.Dtype, bf16_kept: set[int]) -> mx.Dtype:
+        if dtype == mx.bfloat16 and tid in bf16_kept:
+            return dtype
+        return self._dtype_map.get(dtype, dtype)
 
     @property
     def prefill_chunk(self) -> int | None:

@@ -34,29 +34,8 @@
 namespace llm_pte {
 namespace {
 
-using llm_pte::load8;  // simd.h's, overloaded below for bf16 and fp16
-
-// bf16 keys and values (a cache stored in bf16 under fp32 compute), widened
-// as they are read: a bf16 is the top half of an fp32.
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-
-inline f8 load8(const uint16_t* p) {
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  const i8 bits = __builtin_convertvector(h, i8) << 16;
-  f8 x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
-
-inline float widen(float x) { return x; }
-
-inline float widen(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
+using llm_pte::load8;  // simd.h's, for fp32 and bf16, overloaded below for fp16
+using llm_pte::widen;
 
 // fp16 keys and values (a cache stored in fp16), widened with integer
 // operations only, so no F16C or _Float16 is asked of the compiler: move

@@ -45,9 +45,9 @@ namespace {
 // One product, split into chunks of output rows that any helping thread may run.
 struct RowsJob {
   void (*rows)(const RowsJob&, int64_t lo, int64_t hi);  // y for W's rows [lo, hi)
-  // an fp32 product (fp32_rows)
+  // a dense product (dense_rows): W fp32, or bf16 under fp32 compute
   const float* x;
-  const float* w;
+  const void* w;
   float* y;
   int64_t K, N;
   int64_t w_row, w_col;  // strides of W [N, K] (W^T is the op's [K, N] operand)
@@ -70,13 +70,16 @@ inline void relax() {
 
 // y[n] = W[n, :] . x for n in [lo, hi): four rows at a time when each row is
 // contiguous (how layout.py leaves linear weights when this op runs them),
-// a plain strided loop otherwise.
-void fp32_rows(const RowsJob& j, int64_t lo, int64_t hi) {
+// a plain strided loop otherwise. T: float, or uint16_t for bf16 weights,
+// widened as they are loaded (exactly: a bf16 is the top half of an fp32).
+template <typename T>
+void dense_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   const int64_t K = j.K;
+  const T* W = static_cast<const T*>(j.w);
   if (j.w_col != 1) {
     for (int64_t n = lo; n < hi; ++n) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += j.w[n * j.w_row + k * j.w_col] * j.x[k];
+      for (int64_t k = 0; k < K; ++k) s += widen(W[n * j.w_row + k * j.w_col]) * j.x[k];
       j.y[n] = s;
     }
     return;
@@ -84,7 +87,7 @@ void fp32_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   const int64_t K8 = K / 8 * 8;
   int64_t n = lo;
   for (; n + 4 <= hi; n += 4) {
-    const float *w0 = j.w + n * j.w_row, *w1 = w0 + j.w_row, *w2 = w1 + j.w_row, *w3 = w2 + j.w_row;
+    const T *w0 = W + n * j.w_row, *w1 = w0 + j.w_row, *w2 = w1 + j.w_row, *w3 = w2 + j.w_row;
     f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t k = 0; k < K8; k += 8) {
       const f8 x = load8(j.x + k);
@@ -95,17 +98,17 @@ void fp32_rows(const RowsJob& j, int64_t lo, int64_t hi) {
     }
     float s[4] = {sum8(a0), sum8(a1), sum8(a2), sum8(a3)};
     for (int64_t k = K8; k < K; ++k) {
-      s[0] += w0[k] * j.x[k], s[1] += w1[k] * j.x[k], s[2] += w2[k] * j.x[k], s[3] += w3[k] * j.x[k];
+      s[0] += widen(w0[k]) * j.x[k], s[1] += widen(w1[k]) * j.x[k], s[2] += widen(w2[k]) * j.x[k], s[3] += widen(w3[k]) * j.x[k];
     }
     std::memcpy(j.y + n, s, sizeof s);
   }
   for (; n < hi; ++n) {
-    const float* w = j.w + n * j.w_row;
+    const T* w = W + n * j.w_row;
     f8 a = {};
     int64_t k = 0;
     for (; k < K8; k += 8) a += load8(j.x + k) * load8(w + k);
     float s = sum8(a);
-    for (; k < K; ++k) s += w[k] * j.x[k];
+    for (; k < K; ++k) s += widen(w[k]) * j.x[k];
     j.y[n] = s;
   }
 }
@@ -214,7 +217,9 @@ class SharedGemv : public mx::Primitive {
     encoder.set_input_array(x);
     encoder.set_input_array(w);
     encoder.set_output_array(out);
-    const float *xp = x.data<float>(), *wp = w.data<float>();
+    const float* xp = x.data<float>();
+    const bool bf16 = w.dtype() == mx::bfloat16;
+    const void* wp = w.data<void>();
     float* yp = out.data<float>();
     const int64_t K = w.shape(0), N = w.shape(1), x_step = x.strides().back();
     const int64_t w_row = w.strides(1), w_col = w.strides(0);
@@ -223,7 +228,7 @@ class SharedGemv : public mx::Primitive {
     queued_here->fetch_add(1);
     drop_started();
     if (w_col == 1) {  // rows contiguous: the weights are one span
-      upcoming.push_back({started, w, reinterpret_cast<const char*>(wp), ((N - 1) * w_row + K) * 4, 0});
+      upcoming.push_back({started, w, static_cast<const char*>(wp), ((N - 1) * w_row + K) * int64_t(w.itemsize()), 0});
     }
     encoder.dispatch([=]() {
       started->store(true, std::memory_order_relaxed);
@@ -236,7 +241,7 @@ class SharedGemv : public mx::Primitive {
         xs = packed.data();
       }
       RowsJob j;
-      j.rows = fp32_rows;
+      j.rows = bf16 ? dense_rows<uint16_t> : dense_rows<float>;
       j.x = xs, j.w = wp, j.y = yp, j.K = K, j.N = N, j.w_row = w_row, j.w_col = w_col;
       // ~8k weights (32 KB) a chunk, whole groups of four rows: small enough
       // to share a 576-row product, large enough to stream
@@ -351,8 +356,8 @@ constexpr size_t kNodesPerSlice = 20;  // a few hundred microseconds of small op
 
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
   std::ostringstream err;
-  if (x.dtype() != mx::float32 || w.dtype() != mx::float32) {
-    err << "x and w must be float32";
+  if (x.dtype() != mx::float32 || (w.dtype() != mx::float32 && w.dtype() != mx::bfloat16)) {
+    err << "x must be float32 and w float32 or bfloat16";
   } else if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(0) || x.size() != x.shape(-1)) {
     err << "needs one row x [..., K] and w [K, N], got " << x.shape() << " and " << w.shape();
   }

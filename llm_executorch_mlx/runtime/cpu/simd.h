@@ -17,6 +17,28 @@ inline f8 load8(const float* p) {
   return x;
 }
 
+// bf16 values (a bf16 cache, bf16 weights under fp32 compute), widened as
+// they are read: a bf16 is the top half of an fp32.
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+inline f8 load8(const uint16_t* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const i8 bits = __builtin_convertvector(h, i8) << 16;
+  f8 x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline float widen(float x) { return x; }
+
+inline float widen(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
 inline void store8(float* p, f8 x) { std::memcpy(p, &x, sizeof x); }
 
 inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }

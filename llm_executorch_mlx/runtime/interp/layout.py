@@ -56,6 +56,20 @@ def matmul_weights(graph: md.MLXGraphT) -> set[int]:
     return found
 
 
+def weights_read_only_by_matmuls(graph: md.MLXGraphT) -> set[int]:
+    """The ``matmul_weights`` that nothing else reads (a tied embedding's
+    table is also gathered, so it is not one): they may be stored in another
+    dtype than the program computes in, for the one reader that knows."""
+    linear = matmul_weights(graph)
+    other_reads = set()
+    for chain in graph.instructionChains or []:
+        for instr in chain.instructions or []:
+            reads, _ = tensor_fields(instr.op)
+            if node_name(instr) != "TransposeNode":
+                other_reads.update(reads)
+    return linear - other_reads
+
+
 def _next_use_is_mat2(rest: list, slot: int) -> bool:
     for instr in rest:
         reads, writes = tensor_fields(instr.op)

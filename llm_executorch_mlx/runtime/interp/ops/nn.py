@@ -37,7 +37,10 @@ def _addmm(n, ctx, rows):
 
         def run(f):
             x, w = rows(f[a]), f[b]
-            f[out] = gemv(x, w) if gemv and _decode_row(f[a], w) else batched.matmul(x, w)
+            if gemv and _decode_row(f[a], w):
+                f[out] = gemv(x, w)
+            else:
+                f[out] = batched.matmul(x, w if w.dtype == x.dtype else w.astype(x.dtype))
 
         return run
 
@@ -46,16 +49,21 @@ def _addmm(n, ctx, rows):
         if gemv and alpha == beta == 1.0 and _decode_row(f[a], w):
             f[out] = gemv(x, w) + f[bias]
         else:
-            f[out] = mx.addmm(f[bias], x, w, alpha, beta)
+            f[out] = mx.addmm(f[bias], x, w if w.dtype == x.dtype else w.astype(x.dtype), alpha, beta)
 
     return run
 
 
 def _decode_row(x, w) -> bool:
-    """One fp32 row against a 2-D fp32 weight. ``x`` is taken before any
-    last-row slice, so a prefill chunk's LM head stays a BLAS product: no
-    host thread helps during prefill."""
-    return x.dtype == mx.float32 and w.dtype == mx.float32 and w.ndim == 2 and x.size == x.shape[-1]
+    """One fp32 row against a 2-D fp32 weight, or a bf16 one kept as stored
+    (program.py). ``x`` is taken before any last-row slice, so a prefill
+    chunk's LM head stays a BLAS product: no host thread helps during
+    prefill. A bf16 weight meets a many-row ``x`` only when this GEMV is in
+    use, and is then widened per call for BLAS."""
+    return x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2 and x.size == x.shape[-1]
+
+
+_GEMV_WEIGHTS = (mx.float32, mx.bfloat16)
 
 
 class _BatchedWeight:
