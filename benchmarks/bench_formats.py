@@ -308,7 +308,8 @@ class MlxLm(bd.MlxLm):
             from mlx.utils import tree_flatten
             from mlx_lm.utils import quantize_model
 
-            self.model, _ = quantize_model(self.model, {}, GROUP_SIZE, fmt.mlx_bits)
+            with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight line; stdout is the report's
+                self.model, _ = quantize_model(self.model, {}, GROUP_SIZE, fmt.mlx_bits)
             bd.mx.eval(self.model.parameters())
             self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             self.label = f"fp32, quantize_model {fmt.mlx_bits} bit, group {GROUP_SIZE}"
