@@ -49,7 +49,7 @@ def _runtime_facts() -> dict:
         if k.gemv.on or k.gemv.needs_build:
             facts["decode_products"] = "the compiled kernel's gemv, the host thread helping"
             facts["quantized_products"] = ("4/8-bit weights read as stored by the compiled kernel's gemv "
-                                           "(up to 4 rows), dequantized by it for BLAS (more)")
+                                           "(up to 16 rows), dequantized by it for BLAS (more)")
         else:
             facts["decode_products"] = f"BLAS ({k.gemv.why})"
             facts["quantized_products"] = f"MLX's quantized_matmul (up to 4 rows), MLX's dequantize + BLAS (more) ({k.gemv.why})"

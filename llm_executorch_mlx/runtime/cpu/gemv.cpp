@@ -51,11 +51,16 @@ struct RowsJob {
   float* y;
   int64_t K, N;
   int64_t w_row, w_col;  // strides of W [N, K] (W^T is the op's [K, N] operand)
-  QuantizedRows q;  // a quantized product (quantized_rows)
+  QuantizedRows q;  // a quantized product (quantized_rows) of q_rows rows of x
+  int q_rows;
   int64_t chunk;
   int chunks;
   std::atomic<int> next{0}, done{0};
 };
+
+// Most rows of x a quantized product takes: a short chunk's, whose weights are
+// read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
+constexpr int kQuantizedRows = 16;
 
 std::atomic<RowsJob*> posted_job{nullptr};
 std::atomic<int> helpers_inside{0};  // host threads that may be reading posted_job
@@ -113,18 +118,21 @@ void dense_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   }
 }
 
-template <int BITS, int M>
-void quantized_job_rows(const RowsJob& j, int64_t lo, int64_t hi) {
-  quantized_rows<BITS, M>(j.q, lo, hi);
-}
-
+// Up to 4 rows of x per pass over a chunk of weight rows (the accumulators
+// then fit the registers); more rows take more passes over the same chunk,
+// which the first pass left in cache.
 template <int BITS>
-auto quantized_rows_for(int M) -> void (*)(const RowsJob&, int64_t, int64_t) {
-  switch (M) {
-    case 1: return quantized_job_rows<BITS, 1>;
-    case 2: return quantized_job_rows<BITS, 2>;
-    case 3: return quantized_job_rows<BITS, 3>;
-    default: return quantized_job_rows<BITS, 4>;
+void quantized_job_rows(const RowsJob& j, int64_t lo, int64_t hi) {
+  const int64_t groups = j.q.K / j.q.group;
+  for (int m = 0; m < j.q_rows; m += 4) {
+    QuantizedRows r = j.q;
+    r.xp += m * r.K, r.xsum += m * groups, r.y += m * r.N;
+    switch (std::min(4, j.q_rows - m)) {
+      case 1: quantized_rows<BITS, 1>(r, lo, hi); break;
+      case 2: quantized_rows<BITS, 2>(r, lo, hi); break;
+      case 3: quantized_rows<BITS, 3>(r, lo, hi); break;
+      default: quantized_rows<BITS, 4>(r, lo, hi);
+    }
   }
 }
 
@@ -271,7 +279,7 @@ class SharedGemv : public mx::Primitive {
  private:
   int bits_, group_;
 
-  // x [..., M, K] (M <= 4 rows) against W [N, K] stored as MLX's affine
+  // x [..., M, K] (M <= kQuantizedRows) against W [N, K] stored as MLX's affine
   // quantization, read as stored (quantized_rows.h).
   void eval_quantized(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     const auto &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
@@ -298,7 +306,8 @@ class SharedGemv : public mx::Primitive {
       std::vector<float> permuted(M * K), sums(M * (K / group));
       permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
       RowsJob j;
-      j.rows = bits == 4 ? quantized_rows_for<4>(int(M)) : quantized_rows_for<8>(int(M));
+      j.rows = bits == 4 ? quantized_job_rows<4> : quantized_job_rows<8>;
+      j.q_rows = int(M);
       j.q = {wp, sp, bp, permuted.data(), sums.data(), yp, K, N, group};
       j.N = N;
       // ~32 KB of packed weights a chunk, as the fp32 product's chunks
@@ -400,8 +409,8 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
     err << "x must be float32";
   } else if (std::string why = check_quantized(w, scales, biases, K, group_size, bits); !why.empty()) {
     err << why;
-  } else if (x.size() / K > 4 || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
-    err << "takes at most 4 rows in its last two axes, got " << x.shape();
+  } else if (x.size() / K > kQuantizedRows || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
+    err << "takes at most " << kQuantizedRows << " rows in its last two axes, got " << x.shape();
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";

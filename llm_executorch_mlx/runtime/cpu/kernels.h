@@ -23,7 +23,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 // it while it is in submit_helping or wait_helping.
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s);
 
-// x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 4 and w
+// x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w
 // MLX's affine quantization (4 or 8 bits, groups of 32, 64 or 128, fp32
 // scales and biases), read as stored; shared with the host thread as gemv.
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,

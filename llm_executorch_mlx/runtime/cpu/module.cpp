@@ -22,7 +22,7 @@ NB_MODULE(cpu_kernels, m) {
         "while it is in submit_helping or wait_helping.");
   m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 4) and w MLX's affine\n"
+        "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"
         "quantization (4 or 8 bits, groups of 32/64/128, fp32 scales and biases), on the CPU,\n"
         "read as stored; the host thread helps as with gemv.");
   m.def("dequantize", &llm_pte::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,

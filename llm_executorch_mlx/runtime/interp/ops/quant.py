@@ -10,7 +10,11 @@ from .table import op
 
 # What the extension's quantized GEMV takes (cpu/quantized_rows.h): rows of
 # x, bits, group sizes; K a multiple of 256 / bits (one block of 8 words).
-QUANTIZED_GEMV_ROWS = 4
+# More rows than it takes dequantize the weight for BLAS.
+QUANTIZED_GEMV_ROWS = 16
+# Without the extension, rows above which MLX's own dequantize + BLAS beats
+# its scalar quantized_matmul (~10 ms a row on the 135M model).
+MLX_QMM_ROWS = 4
 QUANTIZED_GEMV_BITS = (4, 8)
 QUANTIZED_GEMV_GROUPS = (32, 64, 128)
 
@@ -43,9 +47,9 @@ def build_quantized_matmul_last_row(n, ctx):
 
 def _quantized_matmul(n, ctx, last_row: bool):
     """On the CPU, MLX's ``quantized_matmul`` is scalar code (~10x slower than
-    an fp32 product): a few rows (decode, short chunks) run as the
-    extension's quantized GEMV, reading the weights as stored; more rows
-    dequantize the weight and use BLAS, whose cost the rows share."""
+    an fp32 product): up to 16 rows (decode, a chat turn's short chunk) run
+    as the extension's quantized GEMV, reading the weights as stored; more
+    rows dequantize the weight and use BLAS, whose cost the rows share."""
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
     transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
@@ -72,11 +76,15 @@ def _quantized_matmul(n, ctx, last_row: bool):
         k = xs.shape[-1]
         m = xs.size // k
         if last_row and m > 1:
-            # a prefill chunk's LM head: one row, without the host's help,
-            # which would take a core from BLAS during prefill (steps.py)
-            f[out] = qmm(xs[..., -1:, :], ws, s, b, True, group_size, bits, mode)
+            # a chunk's LM head: one row; a long chunk's without the host's
+            # help, which would take a core from BLAS (steps.py)
+            last = xs[..., -1:, :]
+            if gemv and m <= QUANTIZED_GEMV_ROWS and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0:
+                f[out] = gemv(last, ws, s, b, group_size, bits)
+            else:
+                f[out] = qmm(last, ws, s, b, True, group_size, bits, mode)
         elif not (extension and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0):
-            f[out] = (xs @ mx.dequantize(ws, s, b, group_size, bits, mode).T if m > QUANTIZED_GEMV_ROWS
+            f[out] = (xs @ mx.dequantize(ws, s, b, group_size, bits, mode).T if m > MLX_QMM_ROWS
                       else qmm(xs, ws, s, b, True, group_size, bits, mode))
         elif m > QUANTIZED_GEMV_ROWS:
             f[out] = xs @ dequantize(ws, s, b, group_size, bits).T
