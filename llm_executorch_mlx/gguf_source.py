@@ -14,11 +14,12 @@ lazily.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import os
 import pathlib
 import tempfile
-import unittest.mock
 from dataclasses import dataclass
 
 # GGUF tensor types that store weights as they were trained (no dequantization).
@@ -96,7 +97,7 @@ def convert_to_hf(path: str | os.PathLike, directory: str | os.PathLike) -> Gguf
         os.symlink(summary.path, pathlib.Path(alone) / name)
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(alone, gguf_file=name)
-            with unittest.mock.patch.dict(os.environ, {"TQDM_DISABLE": "1"}):  # its per-tensor progress bar
+            with contextlib.redirect_stderr(io.StringIO()):  # its per-tensor progress bar
                 loaded = transformers.AutoModelForCausalLM.from_pretrained(alone, gguf_file=name, dtype=torch.float32)
         except (ValueError, KeyError, OSError, RuntimeError, NotImplementedError) as e:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0]
