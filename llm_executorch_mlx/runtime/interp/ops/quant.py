@@ -75,21 +75,21 @@ def _quantized_matmul(n, ctx, last_row: bool):
         xs, ws, s, b = f[x], f[w], f[scales], f[biases]
         k = xs.shape[-1]
         m = xs.size // k
+        ours = gemv is not None and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0
         if last_row and m > 1:
-            # a chunk's LM head: one row; a long chunk's without the host's
-            # help, which would take a core from BLAS (steps.py)
+            # a chunk's LM head, its last row only; a long chunk's without the
+            # host's help, which would take a core from BLAS (steps.py)
             last = xs[..., -1:, :]
-            if gemv and m <= QUANTIZED_GEMV_ROWS and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0:
+            if ours and m <= QUANTIZED_GEMV_ROWS:
                 f[out] = gemv(last, ws, s, b, group_size, bits)
             else:
                 f[out] = qmm(last, ws, s, b, True, group_size, bits, mode)
-        elif not (extension and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0):
-            f[out] = (xs @ mx.dequantize(ws, s, b, group_size, bits, mode).T if m > MLX_QMM_ROWS
-                      else qmm(xs, ws, s, b, True, group_size, bits, mode))
-        elif m > QUANTIZED_GEMV_ROWS:
-            f[out] = xs @ dequantize(ws, s, b, group_size, bits).T
+        elif ours:
+            f[out] = (gemv(xs, ws, s, b, group_size, bits) if m <= QUANTIZED_GEMV_ROWS
+                      else xs @ dequantize(ws, s, b, group_size, bits).T)
         else:
-            f[out] = gemv(xs, ws, s, b, group_size, bits)
+            f[out] = (qmm(xs, ws, s, b, True, group_size, bits, mode) if m <= MLX_QMM_ROWS
+                      else xs @ mx.dequantize(ws, s, b, group_size, bits, mode).T)
 
     return run
 
