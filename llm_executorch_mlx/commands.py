@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 
@@ -10,7 +11,7 @@ import click
 from .export_command import add_export_commands
 from .mlx_backend import require_for_command
 from .registry import (
-    MODEL_PREFIX, NAME_RE, Entry, RegistryError, find_entry, layers_text, load_entries, save_entries,
+    MODEL_PREFIX, NAME_RE, Entry, RegistryError, editing, find_entry, layers_text, load_entries,
 )
 
 KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -76,6 +77,25 @@ def _strict_entries() -> dict[str, Entry]:
         raise click.ClickException(str(e)) from None
 
 
+@contextlib.contextmanager
+def _editing():
+    """``registry.editing()``, its refusal as a one-line error."""
+    try:
+        with editing() as entries:
+            yield entries
+    except RegistryError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _check_names(entries: dict[str, Entry], name: str, aliases, force: bool) -> None:
+    if name in entries and not force:
+        raise click.ClickException(f"a model named {name!r} is already registered: use --force to replace it")
+    taken = {a: e.name for e in entries.values() if e.name != name for a in (e.name, *e.aliases)}
+    for a in (name, *aliases):
+        if a in taken:
+            raise click.ClickException(f"the name {a!r} is already used by {MODEL_PREFIX}{taken[a]}")
+
+
 def register_commands(cli):
     @cli.group(name="pte")
     def pte():
@@ -103,15 +123,7 @@ def register_commands(cli):
                 raise click.ClickException(
                     f"invalid name {n!r}: use letters, digits, '.', '_' and '-'"
                 )
-        entries = _strict_entries()
-        if name in entries and not force:
-            raise click.ClickException(
-                f"a model named {name!r} is already registered: use --force to replace it"
-            )
-        taken = {a: e.name for e in entries.values() if e.name != name for a in (e.name, *e.aliases)}
-        for a in (name, *aliases):
-            if a in taken:
-                raise click.ClickException(f"the name {a!r} is already used by {MODEL_PREFIX}{taken[a]}")
+        _check_names(_strict_entries(), name, aliases, force)  # before the slow checks; again when writing
 
         program = _load(path)
         m = program.metadata
@@ -135,9 +147,10 @@ def register_commands(cli):
                 f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                 f"{m.vocab_size}: wrong tokenizer for this model?"
             )
-        entries[name] = Entry(name=name, path=path, tokenizer=tokenizer_path, chat=chat,
-                              aliases=list(aliases), summary=_summary(program))
-        save_entries(entries)
+        with _editing() as entries:
+            _check_names(entries, name, aliases, force)
+            entries[name] = Entry(name=name, path=path, tokenizer=tokenizer_path, chat=chat,
+                                  aliases=list(aliases), summary=_summary(program))
         click.echo(f"Registered {MODEL_PREFIX}{name}")
 
     @pte.command(name="models")
@@ -175,9 +188,8 @@ def register_commands(cli):
         entry = find_entry(name)
         if entry is None:
             raise click.ClickException(f"no registered model named {name!r}: see llm pte models")
-        entries = _strict_entries()
-        del entries[entry.name]
-        save_entries(entries)
+        with _editing() as entries:
+            entries.pop(entry.name, None)
         click.echo(f"Removed {entry.model_id}")
 
     @pte.command(name="info")

@@ -1,18 +1,28 @@
 """Registered models: a small JSON file under ``llm.user_dir()``.
 
 Written atomically (a temp file renamed over the old one), so a crash or a
-refused registration leaves the previous file intact. Reading never fails
-the caller: ``llm models`` must work even when the file or a model is gone.
+refused registration leaves the previous file intact, and changed only
+inside ``editing()``, which holds an exclusive lock on a file beside it from
+the read to the write, so two commands at once cannot lose each other's
+entries. Reading never fails the caller: ``llm models`` must work even when
+the file or a model is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import re
 import tempfile
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (MLX runs on Linux and macOS)
+    fcntl = None
 
 import llm
 
@@ -87,6 +97,20 @@ def save_entries(entries: dict[str, Entry]) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+@contextlib.contextmanager
+def editing() -> Iterator[dict[str, Entry]]:
+    """The registry read in full (strictly, see ``load_entries``) under an
+    exclusive lock; what the caller leaves in it is saved on a normal exit."""
+    path = registry_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = load_entries(strict=True)
+        yield entries
+        save_entries(entries)
 
 
 def find_entry(name_or_alias: str) -> Entry | None:

@@ -97,6 +97,27 @@ def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch):
     assert "quantized products: MLX's quantized_matmul (up to 4 rows)" in info
 
 
+def test_registrations_at_once_keep_every_entry(tiny, user_dir):
+    """Four `llm pte register` processes at once, each reading the registry,
+    validating for a second or more, then writing it: none loses another's
+    entry (the write re-reads under a lock), and `remove` the same."""
+    pte, tok_dir, _ = tiny
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    names = [f"m{i}" for i in range(4)]
+
+    def all_at_once(commands):
+        procs = [subprocess.Popen([sys.executable, "-m", "llm", "pte", *c], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err
+
+    all_at_once([["register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", n] for n in names])
+    assert sorted(e["name"] for e in json.loads(invoke("pte", "models", "--json").output)) == names
+    all_at_once([["remove", n] for n in names[:3]])
+    assert [e["name"] for e in json.loads(invoke("pte", "models", "--json").output)] == names[3:]
+
+
 def test_refused_registrations_leave_the_registry_unchanged(tiny, tmp_path):
     register(tiny, "tiny")
     before = registry_path().read_bytes()
