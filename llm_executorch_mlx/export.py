@@ -407,9 +407,7 @@ def _export(source, output, *, dtype, qlinear, qembedding, group_size, max_ctx_l
             raise ExportError(capture.failure(info, e)) from None
         say("checking the program loads and runs here")
         metadata = _verify(tmp, capture, info)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp made it private
+        make_readable(tmp)
         for path in stale:
             path.unlink()
         for src, dst in copies:
@@ -591,6 +589,14 @@ def quiet_libraries():
             lg.setLevel(level)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def make_readable(path) -> None:
+    """Give a file made by ``mkstemp`` (private) the permissions a plain
+    ``open`` would have given it under this umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def _one_line(e: BaseException) -> str:

@@ -253,6 +253,8 @@ def test_interleaved_conversations_keep_their_own_sessions(tiny):
     assert ra.response_json["cache_path"] == "hit" and rb.response_json["cache_path"] == "hit"
     assert ra.text() == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": a1},
                                   {"role": "user", "content": "Tell me a story"}], 6)
+    assert rb.text() == run_cold([{"role": "user", "content": "Numbers like 42"}, {"role": "assistant", "content": b1},
+                                  {"role": "user", "content": "and questions"}], 6)
 
 
 def test_continue_in_a_fresh_process_sees_the_history(tiny, user_dir):
