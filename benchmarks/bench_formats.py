@@ -72,6 +72,7 @@ FORMATS = {
 }
 MODEL = "SmolLM2-135M-Instruct"
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
+ENGINES = ("llama.cpp", "mlx-lm")  # the peers, each optional
 LLAMA_KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type values, for Llama(type_k=, type_v=)
 
 
@@ -100,12 +101,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens in the cache before the short prefill (default: 300)")
     p.add_argument("--short-len", type=int, default=16, help="tokens the short prefill feeds (default: 16)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per engine (default: 3)")
+    p.add_argument("--engines", default=",".join(ENGINES),
+                   help=f"engines besides ours, comma-separated (default: {','.join(ENGINES)})")
     p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
     args = p.parse_args(argv)
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in args.formats if f not in FORMATS]
     if unknown or not args.formats:
         p.error(f"--formats: unknown {unknown}; choose among {', '.join(FORMATS)}")
+    args.engines = {e.strip() for e in args.engines.split(",") if e.strip()} - {"ours"}
+    if args.engines - set(ENGINES):
+        p.error(f"--engines: unknown {sorted(args.engines - set(ENGINES))}; choose among {', '.join(ENGINES)}")
     if args.new_tokens < 2 or args.reps < 1 or args.short_len < 1:
         p.error("need --new-tokens >= 2, --reps >= 1 and --short-len >= 1")
     if max(args.prompt_len, args.short_history + args.short_len) + args.new_tokens > args.max_ctx_len:
@@ -370,10 +376,12 @@ class LlamaCpp:
 def make_engines(name: str, art: Artifacts, args) -> list:
     fmt = FORMATS[name]
     engines = [Ours(art.ptes[name], fmt.label)]
-    for ftype, gguf in art.ggufs[name].items():
-        engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.llama_kv,
-                                art.llama_extra_bufts))
-    engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
+    if "llama.cpp" in args.engines:
+        for ftype, gguf in art.ggufs[name].items():
+            engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads,
+                                    args.llama_kv, art.llama_extra_bufts))
+    if "mlx-lm" in args.engines:
+        engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
     return engines
 
 

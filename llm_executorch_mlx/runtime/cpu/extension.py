@@ -23,6 +23,7 @@ import hashlib
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import os
 import pathlib
 import platform
 import subprocess
@@ -37,8 +38,9 @@ from . import native
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "module.cpp"))
-HEADERS = tuple(HERE / name for name in ("kernels.h", "simd.h", "quantized_rows.h"))
+HEADERS = tuple(HERE / name for name in ("kernels.h", "simd.h", "quantized_rows.h", "quantized_dot.h"))
 MODULE = "cpu_kernels"
+VECTORS_FLAG = "LLM_PTE_CPU_VECTORS"
 NOT_BUILT = "built on the first prompt (~30 s, once)"
 
 
@@ -105,15 +107,31 @@ def _look(build: bool) -> Extension:
 
 
 def _vector_flags() -> list[str]:
-    """AVX2 and FMA where this x86 CPU has them (the exp and dot loops
-    vectorise 8 wide); other machines get the compiler's default target."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    """The x86 vector extensions this CPU has that the kernels use: AVX2 and
+    FMA (the exp and dot loops vectorise 8 wide, the quantized products use
+    integer dot products), AVX-512BW (those 16 wide) and VNNI; other machines
+    get the compiler's default target. ``LLM_PTE_CPU_VECTORS`` caps them:
+    ``avx2`` (AVX2 and FMA only) or ``portable`` (the default target: the
+    kernels other CPUs run), which the tests use to run every variant here."""
+    cap = os.environ.get(VECTORS_FLAG, "native")
+    if platform.machine() not in ("x86_64", "AMD64") or cap == "portable":
         return []
     try:
         flags = set(pathlib.Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
-    return ["-mavx2", "-mfma"] if {"avx2", "fma"} <= flags else []
+    if not {"avx2", "fma"} <= flags:
+        return []
+    wanted = ["-mavx2", "-mfma"]
+    if cap == "avx2":
+        return wanted
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        wanted += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+        if "avx512_vnni" in flags:
+            wanted.append("-mavx512vnni")
+    elif "avx_vnni" in flags:
+        wanted.append("-mavxvnni")
+    return wanted
 
 
 def _command(cxx: str, nanobind) -> list[str]:

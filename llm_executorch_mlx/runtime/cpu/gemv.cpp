@@ -30,6 +30,7 @@
 #include <nanobind/nanobind.h>
 
 #include "kernels.h"
+#include "quantized_dot.h"
 #include "quantized_rows.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -121,17 +122,32 @@ void dense_rows(const RowsJob& j, int64_t lo, int64_t hi) {
 // Up to 4 rows of x per pass over a chunk of weight rows (the accumulators
 // then fit the registers); more rows take more passes over the same chunk,
 // which the first pass left in cache.
+// The quantized kernel this build has: integer dot products on x86
+// (quantized_dot.h), float FMAs elsewhere (quantized_rows.h).
+template <int BITS, int M>
+void quantized_rows_here(const QuantizedRows& r, int64_t lo, int64_t hi) {
+#if LLM_PTE_INTEGER_DOT
+  quantized_rows_integer<BITS, M>(r, lo, hi);
+#else
+  quantized_rows<BITS, M>(r, lo, hi);
+#endif
+}
+
 template <int BITS>
 void quantized_job_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   const int64_t groups = j.q.K / j.q.group;
   for (int m = 0; m < j.q_rows; m += 4) {
     QuantizedRows r = j.q;
-    r.xp += m * r.K, r.xsum += m * groups, r.y += m * r.N;
+    r.xsum += m * groups, r.y += m * r.N;
+    if (r.xp) r.xp += m * r.K;
+#if LLM_PTE_INTEGER_DOT
+    if (r.xq) r.xq += m * 2 * r.K, r.xd += m * (r.K / integer_span(BITS, r.group)) * kLanes32;
+#endif
     switch (std::min(4, j.q_rows - m)) {
-      case 1: quantized_rows<BITS, 1>(r, lo, hi); break;
-      case 2: quantized_rows<BITS, 2>(r, lo, hi); break;
-      case 3: quantized_rows<BITS, 3>(r, lo, hi); break;
-      default: quantized_rows<BITS, 4>(r, lo, hi);
+      case 1: quantized_rows_here<BITS, 1>(r, lo, hi); break;
+      case 2: quantized_rows_here<BITS, 2>(r, lo, hi); break;
+      case 3: quantized_rows_here<BITS, 3>(r, lo, hi); break;
+      default: quantized_rows_here<BITS, 4>(r, lo, hi);
     }
   }
 }
@@ -303,12 +319,20 @@ class SharedGemv : public mx::Primitive {
     encoder.dispatch([=]() {
       started->store(true, std::memory_order_relaxed);
       queued_here->fetch_sub(1, std::memory_order_release);
-      std::vector<float> permuted(M * K), sums(M * (K / group));
-      permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
       RowsJob j;
+      std::vector<float> sums(M * (K / group));
+#if LLM_PTE_INTEGER_DOT
+      std::vector<int16_t> rounded(M * 2 * K);
+      std::vector<float> steps(M * (K / integer_span(bits, group)) * kLanes32);
+      prepare_x(xp, x_row, x_col, int(M), K, bits, group, rounded.data(), steps.data(), sums.data());
+      j.q = {wp, sp, bp, nullptr, sums.data(), rounded.data(), steps.data(), yp, K, N, group};
+#else
+      std::vector<float> permuted(M * K);
+      permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
+      j.q = {wp, sp, bp, permuted.data(), sums.data(), nullptr, nullptr, yp, K, N, group};
+#endif
       j.rows = bits == 4 ? quantized_job_rows<4> : quantized_job_rows<8>;
       j.q_rows = int(M);
-      j.q = {wp, sp, bp, permuted.data(), sums.data(), yp, K, N, group};
       j.N = N;
       // ~32 KB of packed weights a chunk, as the fp32 product's chunks
       j.chunk = std::max<int64_t>(4, 32768 / std::max<int64_t>(w.shape(1) * 4, 1) / 4 * 4);
@@ -433,7 +457,7 @@ class Dequantize : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
-    QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr,
+    QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
                     nullptr, out.shape(1), out.shape(0), group_};
     float* wp = out.data<float>();
     const int bits = bits_;

@@ -1,7 +1,8 @@
 // Dot products of a few fp32 rows x with MLX affine-quantized weight rows,
 // read as stored: w = scale * q + bias per group of `group` values along K,
 // q packed little-end first into uint32 words (4 bits: 8 values a word,
-// 8 bits: 4). gemv.cpp runs these as its quantized products.
+// 8 bits: 4). gemv.cpp runs these as its quantized products where x86's
+// integer dot products are missing (quantized_dot.h has those).
 //
 // A block is 8 words, one 8-lane vector: lane j holds values vpw*j ..
 // vpw*j + vpw - 1 of the block (vpw = 32 / BITS). Shifting the block by
@@ -25,8 +26,10 @@ typedef uint32_t u8v __attribute__((vector_size(32)));
 struct QuantizedRows {
   const uint32_t* w;  // [N, K * BITS / 32]
   const float *scales, *biases;  // [N, K / group]
-  const float* xp;  // M rows of permute_x's output, K apart
+  const float* xp;  // M rows of permute_x's output, K apart (the float kernel)
   const float* xsum;  // M rows of K / group sums of x
+  const int16_t* xq;  // M rows of x as two int16 terms, and their scales (quantized_dot.h)
+  const float* xd;
   float* y;  // M rows of N
   int64_t K, N;
   int group;

@@ -1,0 +1,87 @@
+"""The extension as other CPUs get it: built with its vector extensions capped
+(``LLM_PTE_CPU_VECTORS``: ``avx2``, AVX2 and FMA only; ``portable``, the
+compiler's default target, which runs the float kernels an Arm or older x86
+CPU runs), each variant in its own process and its own cache directory,
+against numpy on the weights dequantized by hand and MLX's own ops.
+
+The default build (this CPU's widest vectors) is what the rest of the suite
+runs. Variants this machine cannot build (no AVX2 here) are not asked for:
+``avx2`` runs only where the CPU has AVX2 and FMA.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+# Runs in the child: every quantized product shape and group the kernels take,
+# 1 to 16 rows, then attention and the dense GEMV; prints the worst error as a
+# fraction of its tolerance, per case.
+CHILD = r"""
+import json, sys
+import mlx.core as mx, numpy as np
+from llm_executorch_mlx.runtime.cpu import extension, selection
+
+found = selection.kernels(build=True)
+assert found.gemv.on and found.attention.on, (found.gemv.why, found.attention.why)
+ext = found.extension
+command = extension._plan()[0]
+rng = np.random.default_rng(0)
+
+def by_hand(q, scales, biases, bits, group):
+    words = np.array(q).astype(np.uint64)
+    shifts = np.arange(32 // bits, dtype=np.uint64) * bits
+    values = ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1)
+    return values.astype(np.float32) * np.repeat(np.array(scales), group, 1) + np.repeat(np.array(biases), group, 1)
+
+worst = {}
+for bits in (4, 8):
+    for group in (32, 64, 128):
+        for N, K in ((7, 256), (96, 768), (33, 1536)):
+            if K % group:
+                continue
+            q, s, b = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
+            w = by_hand(q, s, b, bits, group)
+            for M in (1, 3, 4, 16):
+                x = rng.standard_normal((1, M, K)).astype(np.float32)
+                y = np.array(ext.quantized_gemv(mx.array(x), q, s, b, group, bits))
+                tol = 1e-5 * np.sqrt(K) * np.abs(x).max() * np.abs(w).max()
+                worst[f"q{bits} g{group} {N}x{K} M{M}"] = float(np.abs(y - x @ w.T).max() / tol)
+x, w = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((576, 200)).astype(np.float32)
+y = np.array(ext.gemv(mx.array(x), mx.array(w)))
+worst["gemv fp32"] = float(np.abs(y - x @ w).max() / (1e-5 * np.sqrt(576) * np.abs(x).max() * np.abs(w).max()))
+q = mx.array(rng.standard_normal((1, 6, 3, 64)).astype(np.float32))
+k, v = (mx.array(rng.standard_normal((1, 2, 40, 64)).astype(np.float32)) for _ in range(2))
+ours = np.array(ext.attention(q, k, v, 0.125, True))
+mask = np.arange(40)[None] <= np.arange(37, 40)[:, None]
+scores = np.where(mask, 0.125 * np.array(q) @ np.repeat(np.array(k), 3, 1).swapaxes(-1, -2), -np.inf)
+p = np.exp(scores - scores.max(-1, keepdims=True))
+reference = (p / p.sum(-1, keepdims=True)) @ np.repeat(np.array(v), 3, 1)
+worst["attention"] = float(np.abs(ours - reference).max() / 1e-5)
+print(json.dumps({"command": command, "worst": worst}))
+"""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        return set(pathlib.Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+VARIANTS = ["portable"] + (["avx2"] if {"avx2", "fma"} <= cpu_flags() else [])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
+    env = dict(os.environ, LLM_PTE_CPU_VECTORS=variant, XDG_CACHE_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    flags = {f for f in report["command"] if f.startswith("-m")}
+    assert flags == (set() if variant == "portable" else {"-mavx2", "-mfma"})
+    too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
+    assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
