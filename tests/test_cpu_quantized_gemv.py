@@ -4,7 +4,9 @@ own ``quantized_matmul`` and against numpy on weights dequantized by hand
 from MLX's packing (4 and 8 bits, groups of 32, 64 and 128, 1 to 16 rows,
 strided rows), with and without the extension.
 
-Tolerance: the kernel sums in fp32 in another order than MLX, so results
+Tolerance: the kernel sums in another order than MLX (on x86 as integer
+dot products of the weights with x written as two int16 terms per group,
+exact to 2^-31 of the group's largest |x|; elsewhere in fp32), so results
 agree to ~1e-6 of the output's scale; the tests allow 1e-5 of
 sqrt(K) * max|x| * max|w|, the size of one product's rounding.
 """
