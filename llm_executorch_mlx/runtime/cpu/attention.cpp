@@ -8,7 +8,8 @@
 // whole thing as one op, with a polynomial exp eight lanes wide:
 // - a few queries (a decode step): per query row it scores the keys of its kv
 //   head four at a time and accumulates the values in registers (the rows
-//   sharing a kv head each read it; it stays in cache between them);
+//   sharing a kv head each read it; it stays in cache between them); the
+//   rows are a job the host thread helps with (shared_work.cpp);
 // - from 8 queries a head (a prefill chunk): GEMM-style register tiles over K
 //   packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
@@ -29,6 +30,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "shared_work.h"
 #include "simd.h"
 
 namespace llm_pte {
@@ -191,45 +193,56 @@ void weighted_values(const float* p, const KV* v, int64_t stride, int n, int D, 
   }
 }
 
+// What attend_rows reads, as its SharedJob's task.
+struct AttentionTask {
+  const float* q;
+  const void *k, *v;
+  float* out;
+  Geometry g;
+};
+
 // out[b, h, t, :] = softmax(scale * q[b, h, t] . k[b, h / rep, j]) v[...] over
-// the keys j query t sees (Geometry::first_key, end_key).
+// the keys j query t sees (Geometry::first_key, end_key), for the query rows
+// [lo, hi) in (b, kv head, rep * T rows) order: the rows of one kv head are
+// neighbours, so a thread that takes several reads its keys from cache.
 template <typename KV>
-void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
-  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D, S = g.S;
+void attend_rows(const SharedJob& job, int64_t lo, int64_t hi) {
+  const AttentionTask& task = *static_cast<const AttentionTask*>(job.task);
+  const Geometry& g = task.g;
+  const KV *k = static_cast<const KV*>(task.k), *v = static_cast<const KV*>(task.v);
+  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D;
   const bool fast = D % 8 == 0 && g.k[3] == 1 && g.v[3] == 1;
-  std::vector<float> scores((S + 7) / 8 * 8), qrow(D), acc(D);
-  for (int b = 0; b < g.B; ++b) {
-    for (int h = 0; h < g.Hkv; ++h) {
-      const KV* kh = k + b * g.k[0] + h * g.k[1];
-      const KV* vh = v + b * g.v[0] + h * g.v[1];
-      for (int r = 0; r < rows; ++r) {
-        const int head = h * rep + r / g.T, t = r % g.T;
-        const int j0 = g.first_key(t), n = g.end_key(t) - j0;
-        const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
-        const float* src = q + b * g.q[0] + head * g.q[1] + t * g.q[2];
-        for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
-        if (fast) {
-          scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
-        } else {
-          for (int j = 0; j < n; ++j) {
-            float s = 0.0f;
-            for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
-            scores[j] = s;
-          }
-        }
-        const float sum = softmax_numerators(scores.data(), n);
-        if (fast) {
-          weighted_values(scores.data(), vr, g.v[2], n, D, acc.data());
-        } else {
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int j = 0; j < n; ++j)
-            for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
-        }
-        float* o = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D;
-        const float inv = 1.0f / sum;
-        for (int d = 0; d < D; ++d) o[d] = acc[d] * inv;
+  thread_local std::vector<float> scores, qrow, acc;  // this thread's, reused
+  scores.resize((g.S + 7) / 8 * 8), qrow.resize(D), acc.resize(D);
+  for (int64_t unit = lo; unit < hi; ++unit) {
+    const int b = int(unit / (int64_t(g.Hkv) * rows)), h = int(unit / rows % g.Hkv), r = int(unit % rows);
+    const KV* kh = k + b * g.k[0] + h * g.k[1];
+    const KV* vh = v + b * g.v[0] + h * g.v[1];
+    const int head = h * rep + r / g.T, t = r % g.T;
+    const int j0 = g.first_key(t), n = g.end_key(t) - j0;
+    const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
+    const float* src = task.q + b * g.q[0] + head * g.q[1] + t * g.q[2];
+    for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
+    if (fast) {
+      scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
+    } else {
+      for (int j = 0; j < n; ++j) {
+        float s = 0.0f;
+        for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
+        scores[j] = s;
       }
     }
+    const float sum = softmax_numerators(scores.data(), n);
+    if (fast) {
+      weighted_values(scores.data(), vr, g.v[2], n, D, acc.data());
+    } else {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int j = 0; j < n; ++j)
+        for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
+    }
+    float* o = task.out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D;
+    const float inv = 1.0f / sum;
+    for (int d = 0; d < D; ++d) o[d] = acc[d] * inv;
   }
 }
 
@@ -355,10 +368,14 @@ void attend_tiled(const float* q, const KV* k, const KV* v, float* out, const Ge
   }
 }
 
-class FusedAttention : public mx::Primitive {
+class FusedAttention : public SharedPrimitive {
  public:
-  FusedAttention(mx::Stream stream, float scale, bool causal, int window)
-      : mx::Primitive(stream), scale_(scale), causal_(causal), window_(window) {}
+  FusedAttention(mx::Stream stream, float scale, bool causal, int window, bool few_queries)
+      : SharedPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries) {}
+
+  // A few queries (a decode step) go row by row, shared with the host; a
+  // prefill chunk's tiles stay on this thread (see attend_tiled).
+  bool shares_work() const override { return few_queries_; }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
@@ -369,24 +386,31 @@ class FusedAttention : public mx::Primitive {
     encoder.set_input_array(k);
     encoder.set_input_array(v);
     encoder.set_output_array(out);
+    auto started = read_ahead_later(k, nullptr, 0);  // nothing to read ahead: a step still has it to help with
     Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
                causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
     if (k.dtype() == mx::bfloat16) {
-      dispatch(encoder, q.data<float>(), k.data<uint16_t>(), v.data<uint16_t>(), out.data<float>(), g);
+      dispatch(encoder, q.data<float>(), k.data<uint16_t>(), v.data<uint16_t>(), out.data<float>(), g, started);
     } else if (k.dtype() == mx::float16) {
       dispatch(encoder, q.data<float>(), reinterpret_cast<const Half*>(k.data<mx::float16_t>()),
-               reinterpret_cast<const Half*>(v.data<mx::float16_t>()), out.data<float>(), g);
+               reinterpret_cast<const Half*>(v.data<mx::float16_t>()), out.data<float>(), g, started);
     } else {
-      dispatch(encoder, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), g);
+      dispatch(encoder, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), g, started);
     }
   }
 
   template <typename KV>
   static void dispatch(mx::cpu::CommandEncoder& encoder, const float* q, const KV* k, const KV* v,
-                       float* out, const Geometry& g) {
+                       float* out, const Geometry& g, std::shared_ptr<std::atomic<bool>> started) {
     encoder.dispatch([=]() {
-      const bool tiled = g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1;
-      (tiled ? attend_tiled<KV> : attend<KV>)(q, k, v, out, g);
+      started->store(true, std::memory_order_relaxed);
+      if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1) {
+        attend_tiled<KV>(q, k, v, out, g);
+        return;
+      }
+      AttentionTask task{q, k, v, out, g};
+      SharedJob job(attend_rows<KV>, &task, int64_t(g.B) * g.Hq * g.T, 1);
+      run_shared(job);
     });
   }
 
@@ -402,13 +426,14 @@ class FusedAttention : public mx::Primitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     auto& o = static_cast<const FusedAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_;
+    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && few_queries_ == o.few_queries_;
   }
 
  private:
   float scale_;
   bool causal_;
   int window_;
+  bool few_queries_;
 };
 
 }  // namespace
@@ -435,7 +460,8 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
   if (!err.str().empty()) throw std::invalid_argument("attention: " + err.str());
   return mx::array(q.shape(), mx::float32,
-                   std::make_shared<FusedAttention>(stream, scale, causal, window), {q, k, v});
+                   std::make_shared<FusedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries),
+                   {q, k, v});
 }
 
 }  // namespace llm_pte

@@ -2,8 +2,9 @@
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. One module, ``cpu_kernels``, holds both parts: ``attention.cpp`` (fused
-attention) and ``gemv.cpp`` (one-row products shared with the host thread,
-and the helped submission of a step), bound by ``module.cpp``. It is compiled
+attention) and ``gemv.cpp`` (one-row products), with ``shared_work.cpp``
+(the helped submission of a step: the host thread runs chunks of both
+parts' decode work), bound by ``module.cpp``. It is compiled
 once per source, compiler, MLX (version and install), nanobind, Python and
 CPU into the user's cache directory (``native.py``), with nanobind's own
 sources (the ``cpu`` extra installs nanobind) and MLX's headers from its
@@ -37,8 +38,8 @@ import mlx.core as mx
 from . import native
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "module.cpp"))
-HEADERS = tuple(HERE / name for name in ("kernels.h", "simd.h", "quantized_rows.h", "quantized_dot.h"))
+SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "shared_work.cpp", "module.cpp"))
+HEADERS = tuple(HERE / name for name in ("kernels.h", "shared_work.h", "simd.h", "quantized_rows.h", "quantized_dot.h"))
 MODULE = "cpu_kernels"
 VECTORS_FLAG = "LLM_PTE_CPU_VECTORS"
 NOT_BUILT = "built on the first prompt (~30 s, once)"

@@ -1,18 +1,7 @@
-// One-row products (a decode step's linear layers) on MLX's CPU stream,
-// shared with the host thread.
-//
-// A decode step reads every weight once in one-row products: 538 MB for
-// SmolLM-135M in fp32; one core reads ~8 GB/s on our 2-core VM, two 11-16.
-// MLX runs the step on its CPU stream thread, and its async_eval sleeps
-// whenever ten tasks are queued, so the host thread sleeps through most of
-// the step. Here the host submits the step itself (`submit_helping`): a
-// slice of the graph whenever the stream's queue runs low. In between, and
-// while it waits for the step's result (`wait_helping`), it runs chunks of
-// the product the stream thread has posted, or, when none is posted, reads
-// the next products' weights ahead into the shared L3 (`read_ahead`). When
-// the host is busy building the next step in Python, the stream thread runs
-// every chunk itself. Each output is one thread's dot product in a fixed
-// order, so results do not depend on who ran which chunk.
+// One-row products (a decode step's linear layers, a short chunk's quantized
+// ones) on MLX's CPU stream, shared with the host thread (shared_work.cpp).
+// A decode step reads every weight once in these products: 538 MB for
+// SmolLM-135M in fp32, ~100 MB at 4 bits.
 //
 // extension.py builds this with attention.cpp into one extension module.
 
@@ -20,14 +9,10 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
-#include <unordered_set>
 #include <vector>
-
-#include <nanobind/nanobind.h>
 
 #include "kernels.h"
 #include "quantized_dot.h"
@@ -35,51 +20,35 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
-#include "mlx/transforms.h"
+#include "shared_work.h"
 #include "simd.h"
-
-namespace nb = nanobind;
 
 namespace llm_pte {
 namespace {
 
-// One product, split into chunks of output rows that any helping thread may run.
-struct RowsJob {
-  void (*rows)(const RowsJob&, int64_t lo, int64_t hi);  // y for W's rows [lo, hi)
+// One product, as its SharedJob's task: y for W's rows.
+struct Product {
   // a dense product (dense_rows): W fp32, or bf16 under fp32 compute
   const float* x;
   const void* w;
   float* y;
-  int64_t K, N;
+  int64_t K;
   int64_t w_row, w_col;  // strides of W [N, K] (W^T is the op's [K, N] operand)
   QuantizedRows q;  // a quantized product (quantized_rows) of q_rows rows of x
   int q_rows;
-  int64_t chunk;
-  int chunks;
-  std::atomic<int> next{0}, done{0};
 };
 
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
 // read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
 constexpr int kQuantizedRows = 16;
 
-std::atomic<RowsJob*> posted_job{nullptr};
-std::atomic<int> helpers_inside{0};  // host threads that may be reading posted_job
-
-inline void relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
-
 // y[n] = W[n, :] . x for n in [lo, hi): four rows at a time when each row is
 // contiguous (how layout.py leaves linear weights when this op runs them),
 // a plain strided loop otherwise. T: float, or uint16_t for bf16 weights,
 // widened as they are loaded (exactly: a bf16 is the top half of an fp32).
 template <typename T>
-void dense_rows(const RowsJob& j, int64_t lo, int64_t hi) {
+void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
+  const Product& j = *static_cast<const Product*>(job.task);
   const int64_t K = j.K;
   const T* W = static_cast<const T*>(j.w);
   if (j.w_col != 1) {
@@ -134,7 +103,8 @@ void quantized_rows_here(const QuantizedRows& r, int64_t lo, int64_t hi) {
 }
 
 template <int BITS>
-void quantized_job_rows(const RowsJob& j, int64_t lo, int64_t hi) {
+void quantized_job_rows(const SharedJob& job, int64_t lo, int64_t hi) {
+  const Product& j = *static_cast<const Product*>(job.task);
   const int64_t groups = j.q.K / j.q.group;
   for (int m = 0; m < j.q_rows; m += 4) {
     QuantizedRows r = j.q;
@@ -152,85 +122,13 @@ void quantized_job_rows(const RowsJob& j, int64_t lo, int64_t hi) {
   }
 }
 
-// Run chunks of `j` until none is left unclaimed.
-void take_chunks(RowsJob& j) {
-  if (j.next.load(std::memory_order_relaxed) >= j.chunks) return;  // all claimed: no needless RMW
-  for (int c; (c = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
-    const int64_t lo = c * j.chunk;
-    j.rows(j, lo, std::min(j.N, lo + j.chunk));
-    j.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-// On a stream thread: post `j` (unless another stream's job is posted), run
-// chunks, and return once every chunk is done and no helper can still be
-// reading `j`.
-void run_shared(RowsJob& j) {
-  RowsJob* none = nullptr;
-  const bool posted = posted_job.compare_exchange_strong(none, &j);
-  take_chunks(j);
-  while (j.done.load(std::memory_order_acquire) < j.chunks) relax();
-  if (posted) {
-    posted_job.store(nullptr);
-    while (helpers_inside.load() != 0) relax();
-  }
-}
-
-// Weights of the products queued on the stream but not started yet, in
-// order, which the host reads ahead into the shared L3 while the stream runs
-// other ops and no product is posted: DRAM that would sit idle during
-// attention and the element-wise ops then serves the next products. Host
-// thread only; each entry holds its weight array, so what it reads stays
-// allocated.
-struct Upcoming {
-  std::shared_ptr<std::atomic<bool>> started;  // set by the product's task, first thing
-  mx::array weight;                            // keeps `data` allocated while listed
-  const char* data;
-  int64_t bytes, read;
-};
-thread_local std::deque<Upcoming> upcoming;
-// Products queued from this thread whose task has not started (shared with
-// the tasks, which count themselves out).
-thread_local std::shared_ptr<std::atomic<int>> unstarted = std::make_shared<std::atomic<int>>(0);
-// 12 MB: half this machine's L3 (read-ahead of 0, 4, 12 and 24 MB, one
-// process, 4 rounds: decode 15.6-18.8, 17.5-18.7, 19.0-20.3, 17.9-19.7 tok/s)
-constexpr int64_t kReadAheadBytes = 12 << 20;
-
-void drop_started() {
-  while (!upcoming.empty() && upcoming.front().started->load(std::memory_order_relaxed)) upcoming.pop_front();
-}
-
-// Read the next 4 KB of upcoming weights (one load per cache line), unless
-// that would run more than kReadAheadBytes ahead. False: nothing to do.
-bool read_ahead() {
-  drop_started();
-  int64_t ahead = 0;
-  for (auto& e : upcoming) {
-    if (e.read < e.bytes) {
-      if (ahead + e.read >= kReadAheadBytes || e.started->load(std::memory_order_relaxed)) return false;
-      const int64_t end = std::min(e.bytes, e.read + 4096);
-      float sink = 0.f;
-      for (int64_t at = e.read; at < end; at += 64) {
-        float v;
-        std::memcpy(&v, e.data + at, sizeof v);
-        sink += v;
-      }
-      asm volatile("" : : "r"(sink));  // keep the loads
-      e.read = end;
-      return true;
-    }
-    ahead += e.bytes;
-  }
-  return false;
-}
-
 // x @ W^T run in chunks shared with the host thread: W fp32 ([K, N] as the
 // op's operand), or affine-quantized as MLX stores it (bits > 0: W [N, K]
 // packed, with scales and biases).
-class SharedGemv : public mx::Primitive {
+class SharedGemv : public SharedPrimitive {
  public:
   SharedGemv(mx::Stream stream, int bits = 0, int group = 0)
-      : mx::Primitive(stream), bits_(bits), group_(group) {}
+      : SharedPrimitive(stream), bits_(bits), group_(group) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     if (bits_) return eval_quantized(inputs, outputs);
@@ -247,16 +145,11 @@ class SharedGemv : public mx::Primitive {
     float* yp = out.data<float>();
     const int64_t K = w.shape(0), N = w.shape(1), x_step = x.strides().back();
     const int64_t w_row = w.strides(1), w_col = w.strides(0);
-    auto started = std::make_shared<std::atomic<bool>>(false);
-    auto queued_here = unstarted;
-    queued_here->fetch_add(1);
-    drop_started();
-    if (w_col == 1) {  // rows contiguous: the weights are one span
-      upcoming.push_back({started, w, static_cast<const char*>(wp), ((N - 1) * w_row + K) * int64_t(w.itemsize()), 0});
-    }
+    // rows contiguous: the weights are one span, which the host may read ahead
+    const int64_t span = w_col == 1 ? ((N - 1) * w_row + K) * int64_t(w.itemsize()) : 0;
+    auto started = read_ahead_later(w, wp, span);
     encoder.dispatch([=]() {
       started->store(true, std::memory_order_relaxed);
-      queued_here->fetch_sub(1, std::memory_order_release);
       std::vector<float> packed;  // x is one row, but may be strided
       const float* xs = xp;
       if (x_step != 1) {
@@ -264,13 +157,11 @@ class SharedGemv : public mx::Primitive {
         for (int64_t k = 0; k < K; ++k) packed[k] = xp[k * x_step];
         xs = packed.data();
       }
-      RowsJob j;
-      j.rows = bf16 ? dense_rows<uint16_t> : dense_rows<float>;
-      j.x = xs, j.w = wp, j.y = yp, j.K = K, j.N = N, j.w_row = w_row, j.w_col = w_col;
+      Product p{xs, wp, yp, K, w_row, w_col, {}, 0};
       // ~8k weights (32 KB) a chunk, whole groups of four rows: small enough
       // to share a 576-row product, large enough to stream
-      j.chunk = std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
-      j.chunks = int((N + j.chunk - 1) / j.chunk);
+      SharedJob j(bf16 ? dense_rows<uint16_t> : dense_rows<float>, &p, N,
+                  std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4));
       run_shared(j);
     });
   }
@@ -311,79 +202,29 @@ class SharedGemv : public mx::Primitive {
     const float *sp = scales.data<float>(), *bp = biases.data<float>();
     float* yp = out.data<float>();
     const int bits = bits_, group = group_;
-    auto started = std::make_shared<std::atomic<bool>>(false);
-    auto queued_here = unstarted;
-    queued_here->fetch_add(1);
-    drop_started();
-    upcoming.push_back({started, w, reinterpret_cast<const char*>(wp), w.nbytes(), 0});
+    auto started = read_ahead_later(w, wp, w.nbytes());
     encoder.dispatch([=]() {
       started->store(true, std::memory_order_relaxed);
-      queued_here->fetch_sub(1, std::memory_order_release);
-      RowsJob j;
+      Product p{};
       std::vector<float> sums(M * (K / group));
 #if LLM_PTE_INTEGER_DOT
       std::vector<int16_t> rounded(M * 2 * K);
       std::vector<float> steps(M * (K / integer_span(bits, group)) * kLanes32);
       prepare_x(xp, x_row, x_col, int(M), K, bits, group, rounded.data(), steps.data(), sums.data());
-      j.q = {wp, sp, bp, nullptr, sums.data(), rounded.data(), steps.data(), yp, K, N, group};
+      p.q = {wp, sp, bp, nullptr, sums.data(), rounded.data(), steps.data(), yp, K, N, group};
 #else
       std::vector<float> permuted(M * K);
       permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
-      j.q = {wp, sp, bp, permuted.data(), sums.data(), nullptr, nullptr, yp, K, N, group};
+      p.q = {wp, sp, bp, permuted.data(), sums.data(), nullptr, nullptr, yp, K, N, group};
 #endif
-      j.rows = bits == 4 ? quantized_job_rows<4> : quantized_job_rows<8>;
-      j.q_rows = int(M);
-      j.N = N;
+      p.q_rows = int(M);
       // ~32 KB of packed weights a chunk, as the fp32 product's chunks
-      j.chunk = std::max<int64_t>(4, 32768 / std::max<int64_t>(w.shape(1) * 4, 1) / 4 * 4);
-      j.chunks = int((N + j.chunk - 1) / j.chunk);
+      SharedJob j(bits == 4 ? quantized_job_rows<4> : quantized_job_rows<8>, &p, N,
+                  std::max<int64_t>(4, 32768 / std::max<int64_t>(w.shape(1) * 4, 1) / 4 * 4));
       run_shared(j);
     });
   }
 };
-
-// On the host thread, GIL released: run posted chunks while `busy()` holds.
-template <typename Busy>
-void help_while(Busy busy) {
-  for (int spins = 0;; ++spins) {
-    helpers_inside.fetch_add(1);
-    RowsJob* j = posted_job.load();
-    if (j) take_chunks(*j);
-    helpers_inside.fetch_sub(1);
-    if (spins % 16 == 0 && !busy()) return;
-    if (j == nullptr && read_ahead()) continue;
-    relax();
-  }
-}
-
-// Every `stride`-th not yet scheduled array of the graph below `outputs`,
-// inputs before the arrays that read them, and whether any is a gemv.
-std::pair<std::vector<mx::array>, bool> checkpoints(const std::vector<mx::array>& outputs, size_t stride) {
-  std::vector<mx::array> found;
-  bool products = false;
-  std::unordered_set<std::uintptr_t> seen;
-  std::vector<std::pair<mx::array, size_t>> stack;  // an array, its next input to visit
-  auto push = [&](const mx::array& a) {
-    if (a.status() == mx::array::Status::unscheduled && a.has_primitive() && seen.insert(a.id()).second) {
-      stack.emplace_back(a, 0);
-    }
-  };
-  for (auto& a : outputs) push(a);
-  for (size_t visited = 0; !stack.empty();) {
-    auto& [a, next] = stack.back();
-    if (next < a.inputs().size()) {
-      const mx::array input = a.inputs()[next++];
-      push(input);  // may move the stack: `a` is not used after this
-      continue;
-    }
-    products = products || dynamic_cast<SharedGemv*>(&a.primitive()) != nullptr;
-    if (++visited % stride == 0) found.push_back(a);
-    stack.pop_back();
-  }
-  return {found, products};
-}
-
-constexpr size_t kNodesPerSlice = 20;  // a few hundred microseconds of small ops
 
 }  // namespace
 
@@ -491,38 +332,6 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   if (!err.empty()) throw std::invalid_argument("dequantize: " + err);
   return mx::array({w.shape(0), int(w.shape(1) * 32 / bits)}, mx::float32,
                    std::make_shared<Dequantize>(stream, bits, group_size), {w, scales, biases});
-}
-
-// Wait until `a` is computed, helping while a product is posted or any
-// queued from this thread has not started; then sleep in MLX's wait.
-void wait_helping(const mx::array& a) {
-  if (a.status() == mx::array::Status::unscheduled) return;  // nothing queued: .item() evaluates it
-  nb::gil_scoped_release release;
-  help_while([&] {
-    return !a.is_available() && (posted_job.load() != nullptr || unstarted->load() > 0);
-  });
-  mx::array(a).wait();
-  drop_started();  // what the read-ahead list still holds is done
-}
-
-// mx.async_eval(outputs); for a graph with gemv nodes (a decode step), a
-// slice at a time: slice i is queued once slice i - 2 is computed, so the
-// stream always has a slice in hand, and in between the host runs posted
-// chunks and reads ahead. (This graph's own progress, not MLX's count of
-// queued tasks, which covers every thread's streams.) Without a gemv there
-// is nothing to help with: the host would only take a core from BLAS's
-// threads.
-void submit_helping(const std::vector<mx::array>& outputs) {
-  const auto [slices, products] = checkpoints(outputs, kNodesPerSlice);
-  nb::gil_scoped_release release;
-  if (products) {
-    for (size_t i = 0; i < slices.size(); ++i) {
-      if (i >= 2) help_while([&] { return !slices[i - 2].is_available(); });
-      mx::async_eval({slices[i]});
-    }
-    if (slices.size() >= 2) help_while([&] { return !slices[slices.size() - 2].is_available(); });
-  }
-  mx::async_eval(outputs);
 }
 
 }  // namespace llm_pte

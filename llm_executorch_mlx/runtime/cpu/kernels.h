@@ -1,6 +1,7 @@
 // The extension's two parts as module.cpp binds them: CPU attention
-// (attention.cpp) and the one-row product shared with the host thread
-// (gemv.cpp). Each is one MLX op on the CPU stream.
+// (attention.cpp) and the one-row products (gemv.cpp), each one MLX op on
+// the CPU stream whose decode-step work the host thread helps with
+// (shared_work.cpp: submit_helping, wait_helping).
 
 #pragma once
 

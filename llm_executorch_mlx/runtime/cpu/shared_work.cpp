@@ -1,0 +1,198 @@
+// Sharing a step's work with the host thread.
+//
+// A decode step reads every weight once in one-row products: 538 MB for
+// SmolLM-135M in fp32. MLX runs the step on its CPU stream thread, and its
+// async_eval sleeps whenever ten tasks are queued, so the host thread would
+// sleep through most of the step. Here the host submits the step itself
+// (`submit_helping`): a slice of the graph whenever the stream's queue runs
+// low. In between, and while it waits for the step's result
+// (`wait_helping`), it runs chunks of the job the stream thread has posted
+// (a product's rows, attention's query rows), or, when none is posted, reads
+// the next products' weights ahead into cache (`read_ahead`). When the host is
+// busy building the next step in Python, the stream thread runs every chunk
+// itself. Each item is one thread's work in a fixed order, so results do not
+// depend on who ran which chunk.
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <unordered_set>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+
+#include "kernels.h"
+#include "mlx/transforms.h"
+#include "shared_work.h"
+
+namespace nb = nanobind;
+
+namespace llm_pte {
+namespace {
+
+std::atomic<SharedJob*> posted_job{nullptr};
+std::atomic<int> helpers_inside{0};  // host threads that may be reading posted_job
+
+inline void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Run chunks of `j` until none is left unclaimed.
+void take_chunks(SharedJob& j) {
+  if (j.next.load(std::memory_order_relaxed) >= j.chunks) return;  // all claimed: no needless RMW
+  for (int c; (c = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
+    const int64_t lo = c * j.chunk;
+    j.run(j, lo, std::min(j.items, lo + j.chunk));
+    j.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// Weights of the ops queued on the stream but not started yet, in order,
+// which the host reads ahead into cache while the stream runs other ops and
+// no job is posted: DRAM that would sit idle during the element-wise ops then
+// serves the next products. Host thread only; each entry holds its weight
+// array, so what it reads stays allocated.
+struct Upcoming {
+  std::shared_ptr<std::atomic<bool>> started;  // set by the op's task, first thing
+  mx::array weight;                            // keeps `data` allocated while listed
+  const char* data;
+  int64_t bytes, read;
+};
+thread_local std::deque<Upcoming> upcoming;
+// 12 MB: half the L3 of the 2-core machine it was tuned on (read-ahead of 0,
+// 4, 12 and 24 MB, one process, 4 rounds: decode 15.6-18.8, 17.5-18.7,
+// 19.0-20.3, 17.9-19.7 tok/s on the fp32 135M model)
+constexpr int64_t kReadAheadBytes = 12 << 20;
+
+void drop_started() {
+  while (!upcoming.empty() && upcoming.front().started->load(std::memory_order_relaxed)) upcoming.pop_front();
+}
+
+// Whether ops listed in `upcoming` from this thread have not started yet.
+bool any_unstarted() {
+  drop_started();
+  return !upcoming.empty();
+}
+
+// Read the next 4 KB of upcoming weights (one load per cache line), unless
+// that would run more than kReadAheadBytes ahead. False: nothing to do.
+bool read_ahead() {
+  drop_started();
+  int64_t ahead = 0;
+  for (auto& e : upcoming) {
+    if (e.read < e.bytes) {
+      if (ahead + e.read >= kReadAheadBytes || e.started->load(std::memory_order_relaxed)) return false;
+      const int64_t end = std::min(e.bytes, e.read + 4096);
+      float sink = 0.f;
+      for (int64_t at = e.read; at < end; at += 64) {
+        float v;
+        std::memcpy(&v, e.data + at, sizeof v);
+        sink += v;
+      }
+      asm volatile("" : : "r"(sink));  // keep the loads
+      e.read = end;
+      return true;
+    }
+    ahead += e.bytes;
+  }
+  return false;
+}
+
+// On the host thread, GIL released: run posted chunks while `busy()` holds.
+template <typename Busy>
+void help_while(Busy busy) {
+  for (int spins = 0;; ++spins) {
+    helpers_inside.fetch_add(1);
+    SharedJob* j = posted_job.load();
+    if (j) take_chunks(*j);
+    helpers_inside.fetch_sub(1);
+    if (spins % 16 == 0 && !busy()) return;
+    if (j == nullptr && read_ahead()) continue;
+    relax();
+  }
+}
+
+// Every `stride`-th not yet scheduled array of the graph below `outputs`,
+// inputs before the arrays that read them, and whether any op shares its work.
+std::pair<std::vector<mx::array>, bool> checkpoints(const std::vector<mx::array>& outputs, size_t stride) {
+  std::vector<mx::array> found;
+  bool shared = false;
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<std::pair<mx::array, size_t>> stack;  // an array, its next input to visit
+  auto push = [&](const mx::array& a) {
+    if (a.status() == mx::array::Status::unscheduled && a.has_primitive() && seen.insert(a.id()).second) {
+      stack.emplace_back(a, 0);
+    }
+  };
+  for (auto& a : outputs) push(a);
+  for (size_t visited = 0; !stack.empty();) {
+    auto& [a, next] = stack.back();
+    if (next < a.inputs().size()) {
+      const mx::array input = a.inputs()[next++];
+      push(input);  // may move the stack: `a` is not used after this
+      continue;
+    }
+    if (auto* op = dynamic_cast<SharedPrimitive*>(&a.primitive())) shared = shared || op->shares_work();
+    if (++visited % stride == 0) found.push_back(a);
+    stack.pop_back();
+  }
+  return {found, shared};
+}
+
+constexpr size_t kNodesPerSlice = 20;  // a few hundred microseconds of small ops
+
+}  // namespace
+
+void run_shared(SharedJob& j) {
+  SharedJob* none = nullptr;
+  const bool posted = posted_job.compare_exchange_strong(none, &j);
+  take_chunks(j);
+  while (j.done.load(std::memory_order_acquire) < j.chunks) relax();
+  if (posted) {
+    posted_job.store(nullptr);
+    while (helpers_inside.load() != 0) relax();
+  }
+}
+
+std::shared_ptr<std::atomic<bool>> read_ahead_later(const mx::array& weight, const void* data, int64_t bytes) {
+  auto started = std::make_shared<std::atomic<bool>>(false);
+  drop_started();
+  upcoming.push_back({started, weight, static_cast<const char*>(data), bytes, 0});
+  return started;
+}
+
+// Wait until `a` is computed, helping while a job is posted or any op queued
+// from this thread has not started; then sleep in MLX's wait.
+void wait_helping(const mx::array& a) {
+  if (a.status() == mx::array::Status::unscheduled) return;  // nothing queued: .item() evaluates it
+  nb::gil_scoped_release release;
+  help_while([&] { return !a.is_available() && (posted_job.load() != nullptr || any_unstarted()); });
+  mx::array(a).wait();
+  drop_started();  // what the read-ahead list still holds is done
+}
+
+// mx.async_eval(outputs); for a graph with ops that post jobs (a decode
+// step), a slice at a time: slice i is queued once slice i - 2 is computed,
+// so the stream always has a slice in hand, and in between the host runs
+// posted chunks and reads ahead. (This graph's own progress, not MLX's count
+// of queued tasks, which covers every thread's streams.) Without such an op
+// there is nothing to help with: the host would only take a core from BLAS's
+// threads.
+void submit_helping(const std::vector<mx::array>& outputs) {
+  const auto [slices, shared] = checkpoints(outputs, kNodesPerSlice);
+  nb::gil_scoped_release release;
+  if (shared) {
+    for (size_t i = 0; i < slices.size(); ++i) {
+      if (i >= 2) help_while([&] { return !slices[i - 2].is_available(); });
+      mx::async_eval({slices[i]});
+    }
+    if (slices.size() >= 2) help_while([&] { return !slices[slices.size() - 2].is_available(); });
+  }
+  mx::async_eval(outputs);
+}
+
+}  // namespace llm_pte
