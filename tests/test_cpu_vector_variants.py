@@ -1,5 +1,5 @@
 """The extension as other CPUs get it: built with its vector extensions capped
-(``LLM_PTE_CPU_VECTORS``: ``avx2``, AVX2 and FMA only; ``portable``, the
+(``LLM_PTE_CPU_VECTORS``: ``avx2``, AVX2, FMA and F16C only; ``portable``, the
 compiler's default target, which runs the float kernels an Arm or older x86
 CPU runs), each variant in its own process and its own cache directory,
 against numpy on the weights dequantized by hand and MLX's own ops.
@@ -82,6 +82,6 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     flags = {f for f in report["command"] if f.startswith("-m")}
-    assert flags == (set() if variant == "portable" else {"-mavx2", "-mfma"})
+    assert flags == (set() if variant == "portable" else {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()}))
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"

@@ -7,9 +7,9 @@
 // the work, and for a 128-query prefill chunk 2-11 ms. This primitive does the
 // whole thing as one op, with a polynomial exp eight lanes wide:
 // - a few queries (a decode step): per query row it scores the keys of its kv
-//   head four at a time and accumulates the values in registers (the rows
-//   sharing a kv head each read it; it stays in cache between them); the
-//   rows are a job the host thread helps with (shared_work.cpp);
+//   head four at a time and accumulates the values in registers, in parts of
+//   128 keys that the host thread helps with (shared_work.cpp), merged as
+//   flash-decoding does;
 // - from 8 queries a head (a prefill chunk): GEMM-style register tiles over K
 //   packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
@@ -19,6 +19,9 @@
 
 #include <algorithm>
 #include <bit>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,8 +42,8 @@ namespace {
 using llm_pte::load8;  // simd.h's, for fp32 and bf16, overloaded below for fp16
 using llm_pte::widen;
 
-// fp16 keys and values (a cache stored in fp16), widened with integer
-// operations only, so no F16C or _Float16 is asked of the compiler: move
+// fp16 keys and values (a cache stored in fp16), widened by F16C where the
+// build has it (every AVX2 CPU), else with integer operations only: move
 // exponent and mantissa into fp32's fields and rebias the exponent, then fix
 // the two exponents that do not rebias: all ones (inf, NaN) and zero (zeros
 // and subnormals, renormalised by subtracting 2^-14 in fp32).
@@ -66,6 +69,9 @@ inline i8 as_i8(f8 x) {
 }
 
 inline f8 load8(const Half* p) {
+#if defined(__F16C__)
+  return std::bit_cast<f8>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#endif
   u16x8 raw;
   std::memcpy(&raw, p, sizeof raw);
   const i8 h = __builtin_convertvector(raw, i8);
@@ -123,14 +129,15 @@ inline f8 exp8_nonpositive(f8 x) {
 }
 
 // row[j] = e^(row[j] - max) for j < n, and 0 up to n rounded up to 8 (the
-// row has room for them); returns their sum.
-inline float softmax_numerators(float* row, int n) {
+// row has room for them); returns their sum, and the max in `top_out`.
+inline float softmax_numerators(float* row, int n, float* top_out = nullptr) {
   const int n8 = (n + 7) / 8 * 8;
   std::fill(row + n, row + n8, -INFINITY);
   f8 m = splat(-INFINITY);
   for (int j = 0; j < n8; j += 8) m = max8(m, load8(row + j));
   const float top = std::max(std::max(std::max(m[0], m[1]), std::max(m[2], m[3])),
                              std::max(std::max(m[4], m[5]), std::max(m[6], m[7])));
+  if (top_out) *top_out = top;
   const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   f8 sum = {};
   for (int j = 0; j < n8; j += 8) {
@@ -155,21 +162,21 @@ struct Geometry {
 };
 
 // s[j] = q . k_j for j < n, keys of D (a multiple of 8) contiguous floats
-// `stride` apart: four keys at a time, so four dot products are in flight.
+// `stride` apart: eight keys at a time, so eight dot products are in flight
+// (fewer would wait on each FMA's latency).
 template <typename KV>
 void scores_of_row(const float* q, const KV* k, int64_t stride, int n, int D, float* s) {
   int j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const KV *k0 = k + j * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
-    f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (; j + 8 <= n; j += 8) {
+    const KV* kj = k + j * stride;
+    f8 a[8] = {};
     for (int d = 0; d < D; d += 8) {
       const f8 x = load8(q + d);
-      a0 += x * load8(k0 + d);
-      a1 += x * load8(k1 + d);
-      a2 += x * load8(k2 + d);
-      a3 += x * load8(k3 + d);
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) a[i] += x * load8(kj + i * stride + d);
     }
-    s[j] = sum8(a0), s[j + 1] = sum8(a1), s[j + 2] = sum8(a2), s[j + 3] = sum8(a3);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) s[j + i] = sum8(a[i]);
   }
   for (; j < n; ++j) {
     f8 a = {};
@@ -178,71 +185,114 @@ void scores_of_row(const float* q, const KV* k, int64_t stride, int n, int D, fl
   }
 }
 
-// out = sum_j p[j] v_j for j < n, accumulated 64 columns at a time in registers.
+// out = sum_j p[j] v_j for j < n, 64 columns at a time in eight registers
+// (named, so the compiler keeps them there), then 8 at a time.
 template <typename KV>
 void weighted_values(const float* p, const KV* v, int64_t stride, int n, int D, float* out) {
-  for (int c = 0; c < D; c += 64) {
-    const int w = std::min(64, D - c);  // a multiple of 8
-    f8 a[8] = {};
+  int c = 0;
+  for (; c + 64 <= D; c += 64) {
+    f8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
     for (int j = 0; j < n; ++j) {
       const KV* vj = v + j * stride + c;
-      const f8 pj = f8{} + p[j];
-      for (int i = 0; i < w / 8; ++i) a[i] += pj * load8(vj + 8 * i);
+      const f8 pj = splat(p[j]);
+      a0 += pj * load8(vj), a1 += pj * load8(vj + 8), a2 += pj * load8(vj + 16), a3 += pj * load8(vj + 24);
+      a4 += pj * load8(vj + 32), a5 += pj * load8(vj + 40), a6 += pj * load8(vj + 48), a7 += pj * load8(vj + 56);
     }
-    for (int i = 0; i < w / 8; ++i) std::memcpy(out + c + 8 * i, &a[i], sizeof(f8));
+    store8(out + c, a0), store8(out + c + 8, a1), store8(out + c + 16, a2), store8(out + c + 24, a3);
+    store8(out + c + 32, a4), store8(out + c + 40, a5), store8(out + c + 48, a6), store8(out + c + 56, a7);
+  }
+  for (; c < D; c += 8) {
+    f8 a = {};
+    for (int j = 0; j < n; ++j) a += splat(p[j]) * load8(v + j * stride + c);
+    store8(out + c, a);
   }
 }
 
-// What attend_rows reads, as its SharedJob's task.
-struct AttentionTask {
+// A few queries (a decode step) in parts that the host thread helps with:
+// a part is one kv head's rep * T query rows over one block of kKeysPerPart
+// keys, so each key and value is read once, by one thread, and stays in its
+// cache for the rows that share it. Each row's part leaves its softmax
+// unnormalised (max, sum of e^(s - max), sum of e^(s - max) v); the parts
+// of a row then merge by rescaling to their common max, as flash-decoding
+// does.
+constexpr int kKeysPerPart = 128;
+
+struct PartsTask {
   const float* q;
   const void *k, *v;
-  float* out;
   Geometry g;
+  int parts;  // per kv head
+  float* partial;  // per (b, query head, t, part): max, sum, then D sums
 };
 
-// out[b, h, t, :] = softmax(scale * q[b, h, t] . k[b, h / rep, j]) v[...] over
-// the keys j query t sees (Geometry::first_key, end_key), for the query rows
-// [lo, hi) in (b, kv head, rep * T rows) order: the rows of one kv head are
-// neighbours, so a thread that takes several reads its keys from cache.
 template <typename KV>
-void attend_rows(const SharedJob& job, int64_t lo, int64_t hi) {
-  const AttentionTask& task = *static_cast<const AttentionTask*>(job.task);
+void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
+  const PartsTask& task = *static_cast<const PartsTask*>(job.task);
   const Geometry& g = task.g;
   const KV *k = static_cast<const KV*>(task.k), *v = static_cast<const KV*>(task.v);
-  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D;
+  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D, parts = task.parts;
   const bool fast = D % 8 == 0 && g.k[3] == 1 && g.v[3] == 1;
-  thread_local std::vector<float> scores, qrow, acc;  // this thread's, reused
-  scores.resize((g.S + 7) / 8 * 8), qrow.resize(D), acc.resize(D);
+  thread_local std::vector<float> scores, qrow;  // this thread's, reused
+  scores.resize(kKeysPerPart + 8), qrow.resize(D);
   for (int64_t unit = lo; unit < hi; ++unit) {
-    const int b = int(unit / (int64_t(g.Hkv) * rows)), h = int(unit / rows % g.Hkv), r = int(unit % rows);
+    const int b = int(unit / (int64_t(g.Hkv) * parts)), h = int(unit / parts % g.Hkv), part = int(unit % parts);
     const KV* kh = k + b * g.k[0] + h * g.k[1];
     const KV* vh = v + b * g.v[0] + h * g.v[1];
-    const int head = h * rep + r / g.T, t = r % g.T;
-    const int j0 = g.first_key(t), n = g.end_key(t) - j0;
-    const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
-    const float* src = task.q + b * g.q[0] + head * g.q[1] + t * g.q[2];
-    for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
-    if (fast) {
-      scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
-    } else {
-      for (int j = 0; j < n; ++j) {
-        float s = 0.0f;
-        for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
-        scores[j] = s;
+    for (int r = 0; r < rows; ++r) {
+      const int head = h * rep + r / g.T, t = r % g.T;
+      float* slot = task.partial + ((int64_t(b * g.Hq + head) * g.T + t) * parts + part) * (D + 2);
+      const int j0 = std::max(g.first_key(t), part * kKeysPerPart);
+      const int n = std::min(g.end_key(t), (part + 1) * kKeysPerPart) - j0;
+      if (n <= 0) {  // none of this row's keys: a part the merge skips
+        slot[0] = -INFINITY, slot[1] = 0.0f;
+        continue;
+      }
+      const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
+      const float* src = task.q + b * g.q[0] + head * g.q[1] + t * g.q[2];
+      for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
+      float* acc = slot + 2;
+      if (fast) {
+        scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
+      } else {
+        for (int j = 0; j < n; ++j) {
+          float s = 0.0f;
+          for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
+          scores[j] = s;
+        }
+      }
+      slot[1] = softmax_numerators(scores.data(), n, &slot[0]);
+      if (fast) {
+        weighted_values(scores.data(), vr, g.v[2], n, D, acc);
+      } else {
+        std::fill(acc, acc + D, 0.0f);
+        for (int j = 0; j < n; ++j)
+          for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
       }
     }
-    const float sum = softmax_numerators(scores.data(), n);
-    if (fast) {
-      weighted_values(scores.data(), vr, g.v[2], n, D, acc.data());
-    } else {
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int j = 0; j < n; ++j)
-        for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
+  }
+}
+
+// out from the parts attend_parts left: each row's parts rescaled to their
+// common max, summed, and divided by the summed denominators.
+inline void merge_parts(const PartsTask& task, float* out) {
+  const Geometry& g = task.g;
+  const int D = g.D, parts = task.parts;
+  for (int64_t row = 0; row < int64_t(g.B) * g.Hq * g.T; ++row) {
+    const float* first = task.partial + row * parts * (D + 2);
+    float top = -INFINITY;
+    for (int p = 0; p < parts; ++p) top = std::max(top, first[p * (D + 2)]);
+    float* o = out + row * D;
+    std::fill(o, o + D, 0.0f);
+    float sum = 0.0f;
+    for (int p = 0; p < parts; ++p) {
+      const float* part = first + p * (D + 2);
+      if (part[1] == 0.0f) continue;  // no keys of this row in it
+      const float weight = std::exp(part[0] - top);
+      sum += weight * part[1];
+      for (int d = 0; d < D; ++d) o[d] += weight * part[2 + d];
     }
-    float* o = task.out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t) * D;
     const float inv = 1.0f / sum;
-    for (int d = 0; d < D; ++d) o[d] = acc[d] * inv;
+    for (int d = 0; d < D; ++d) o[d] *= inv;
   }
 }
 
@@ -408,9 +458,12 @@ class FusedAttention : public SharedPrimitive {
         attend_tiled<KV>(q, k, v, out, g);
         return;
       }
-      AttentionTask task{q, k, v, out, g};
-      SharedJob job(attend_rows<KV>, &task, int64_t(g.B) * g.Hq * g.T, 1);
+      const int parts = (g.S + kKeysPerPart - 1) / kKeysPerPart;
+      std::vector<float> partial(int64_t(g.B) * g.Hq * g.T * parts * (g.D + 2));
+      PartsTask task{q, k, v, g, parts, partial.data()};
+      SharedJob job(attend_parts<KV>, &task, int64_t(g.B) * g.Hkv * parts, 1);
       run_shared(job);
+      merge_parts(task, out);
     });
   }
 

@@ -108,11 +108,12 @@ def _look(build: bool) -> Extension:
 
 
 def _vector_flags() -> list[str]:
-    """The x86 vector extensions this CPU has that the kernels use: AVX2 and
-    FMA (the exp and dot loops vectorise 8 wide, the quantized products use
-    integer dot products), AVX-512BW (those 16 wide) and VNNI; other machines
+    """The x86 vector extensions this CPU has that the kernels use: AVX2, FMA
+    and F16C (the exp and dot loops vectorise 8 wide, the quantized products
+    use integer dot products, an fp16 cache widens in one instruction),
+    AVX-512BW (those 16 wide) and VNNI; other machines
     get the compiler's default target. ``LLM_PTE_CPU_VECTORS`` caps them:
-    ``avx2`` (AVX2 and FMA only) or ``portable`` (the default target: the
+    ``avx2`` (AVX2, FMA and F16C only) or ``portable`` (the default target: the
     kernels other CPUs run), which the tests use to run every variant here."""
     cap = os.environ.get(VECTORS_FLAG, "native")
     if platform.machine() not in ("x86_64", "AMD64") or cap == "portable":
@@ -123,7 +124,7 @@ def _vector_flags() -> list[str]:
         return []
     if not {"avx2", "fma"} <= flags:
         return []
-    wanted = ["-mavx2", "-mfma"]
+    wanted = ["-mavx2", "-mfma"] + (["-mf16c"] if "f16c" in flags else [])
     if cap == "avx2":
         return wanted
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:

@@ -210,7 +210,7 @@ class SharedGemv : public SharedPrimitive {
 #if LLM_PTE_INTEGER_DOT
       std::vector<int16_t> rounded(M * 2 * K);
       std::vector<float> steps(M * (K / integer_span(bits, group)) * kLanes32);
-      prepare_x(xp, x_row, x_col, int(M), K, bits, group, rounded.data(), steps.data(), sums.data());
+      (bits == 4 ? prepare_x<4> : prepare_x<8>)(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(), sums.data());
       p.q = {wp, sp, bp, nullptr, sums.data(), rounded.data(), steps.data(), yp, K, N, group};
 #else
       std::vector<float> permuted(M * K);

@@ -102,9 +102,11 @@ inline int integer_span(int bits, int group) { return std::max(group, integer_bl
 // The x side of a product (M rows of K): per row, xh then xl as described
 // above, 2 * K int16; d per int32 lane of every span, M * (K / span) *
 // kLanes32 floats; and the fp32 sums per group, M * (K / group).
-inline void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int bits, int group,
-                      int16_t* xq, float* xd, float* xsum) {
-  const int block = integer_block(bits), span = integer_span(bits, group);
+template <int BITS>
+void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int group, int16_t* xq,
+               float* xd, float* xsum) {
+  constexpr int block = integer_block(BITS);
+  const int span = integer_span(BITS, group);
   const int64_t groups = K / group, spans = K / span;
   std::vector<float> d(groups);
   for (int m = 0; m < M; ++m) {
@@ -119,15 +121,16 @@ inline void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64
       }
       xsum[m * groups + g] = sum;
       d[g] = top / 32767.f;
+      // |h| <= 32767 and the remainder v - h d is within d / 2 (and the
+      // rounding of 1 / d), so |l| <= ~16384
+      const float inverse = top > 0.f ? 32767.f / top : 0.f, low_inverse = inverse * 32768.f;
       for (int k = 0; k < group; ++k) {
         const int64_t at = g * group + k, in_block = at % block;  // where it goes in its block:
-        const int64_t slot = bits == 4 ? at - in_block + (in_block % 2) * kLanes16 + in_block / 2 : at;
+        const int64_t slot = BITS == 4 ? at - in_block + (in_block % 2) * kLanes16 + in_block / 2 : at;
         const float v = xm[at * x_col];
-        // |h| <= 32767; the remainder is at most d / 2, so |l| <= 16384
-        const float h = top > 0.f ? std::nearbyint(v / d[g]) : 0.f;
-        const float l = top > 0.f ? std::nearbyint(std::fma(-h, d[g], v) / d[g] * 32768.f) : 0.f;
+        const float h = std::nearbyint(v * inverse);
         high[slot] = static_cast<int16_t>(h);
-        low[slot] = static_cast<int16_t>(l);
+        low[slot] = static_cast<int16_t>(std::nearbyint(std::fma(-h, d[g], v) * low_inverse));
       }
     }
     float* dm = xd + m * spans * kLanes32;
