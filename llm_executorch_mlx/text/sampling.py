@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+REPETITION_CONTEXT = 64  # ids the repetition penalty looks back over
+
 
 class Sampler:
     """Picks token ids from logits; one seeded random stream for its lifetime.
@@ -55,6 +57,14 @@ class Sampler:
             return mx.argmax(logits)
         self._key, key = mx.random.split(self._key)
         return mx.random.categorical(logits, key=key)
+
+    def sample_next(self, logits: mx.array, history: list[int]) -> mx.array:
+        """The token after ``history`` (all ids so far), which the penalty sees the
+        last ``REPETITION_CONTEXT`` of."""
+        recent = None
+        if self.repetition_penalty != 1.0:
+            recent = mx.array(history[-REPETITION_CONTEXT:])
+        return self.sample(logits, recent)
 
     def process(self, logits: mx.array, recent: mx.array | Sequence[int] | None = None) -> mx.array:
         """The logits ``sample`` draws from: penalized, divided by the temperature
