@@ -344,8 +344,8 @@ def test_small_capacity_clamps_generation_and_overflow_modes(tiny):
     ("kv_windows", "8,x", "comma-separated"),
     ("chat", "chatml", "auto, llama3"),
     ("compute_dtype", "fp64", "auto, native, fp32"),
-    ("temperature", "-1", "greater than or equal to 0"),
-    ("kv_max_capacity", "0", "greater than or equal to 1"),
+    ("temperature", "-1", "temperature must be >= 0"),
+    ("kv_max_capacity", "0", "kv_max_capacity must be >= 1"),
 ])
 def test_invalid_option_values_are_one_line_errors(tiny, option, value, message):
     register(tiny)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 import mlx.core as mx
 
+from ..options import OPTIONS
 from . import store
 from .conversation import encode_conversation, reply_start
 from .detokenize import StreamDecoder
@@ -24,24 +25,10 @@ from .stops import StopMatcher, stop_tokens
 from .streaming import stream_reply
 from .templates import resolve_template
 
-
-@dataclass
-class TurnOptions:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    chat: str = "auto"
-    kv_max_capacity: int | None = None
-    kv_storage_dtype: str | None = None
-    kv_initial_capacity: int | None = None
-    kv_windows: str | None = None
-    kv_overflow: str = "truncate"
-    compute_dtype: str = "auto"
+# The options of one turn: a field per declared option, with its declared default.
+TurnOptions = make_dataclass(
+    "TurnOptions", [(o.name, o.type, field(default=o.default)) for o in OPTIONS.values()]
+)
 
 
 @dataclass
