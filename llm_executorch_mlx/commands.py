@@ -10,6 +10,7 @@ import click
 
 from .export_command import add_export_commands
 from .mlx_backend import require_for_command
+from .options import OPTIONS
 from .registry import (
     MODEL_PREFIX, NAME_RE, Entry, RegistryError, editing, find_entry, layers_text, load_entries,
 )
@@ -107,8 +108,8 @@ def register_commands(cli):
                   help="tokenizer.json, tiktoken or sentencepiece file")
     @click.option("--name", help="Model name (default: the file's stem); use it as pte:NAME")
     @click.option("--alias", "aliases", multiple=True, help="Extra name for the model (repeatable)")
-    @click.option("--chat", default="auto", show_default=True,
-                  help="Chat template: auto, llama3, gemma, gemma4, or none/0")
+    @click.option("--chat", default=OPTIONS["chat"].default, show_default=True,
+                  help=OPTIONS["chat"].description + "; -o chat overrides it per prompt")
     @click.option("--force", is_flag=True, help="Replace a model registered under the same name")
     def register(path, tokenizer_path, name, aliases, chat, force):
         "Register a .pte model and its tokenizer as pte:NAME"

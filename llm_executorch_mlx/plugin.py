@@ -3,94 +3,29 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional, Union
 
 import llm
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 
+from .options import OPTIONS
 from .registry import Entry
 
-KV_DTYPES = ("bf16", "fp16", "fp32")
-OVERFLOW = ("truncate", "error")
-TEMPLATE_NAMES = ("auto", "llama3", "gemma", "gemma4", "none", "0")
-COMPUTE_ROUTES = ("auto", "native", "fp32")  # runtime.dtypes.COMPUTE_ROUTES, without importing mlx
-# Options whose value must be one of a few names.
-CHOICES = {
-    "kv_storage_dtype": KV_DTYPES, "kv_overflow": OVERFLOW, "chat": TEMPLATE_NAMES,
-    "compute_dtype": COMPUTE_ROUTES,
-}
+
+def _check(cls, value, info):
+    # None means not given: the declared default applies when the turn runs.
+    return value if value is None else OPTIONS[info.field_name].check(value)
 
 
 class PteModel(llm.Model):
     can_stream = True
 
-    class Options(llm.Options):
-        max_tokens: Optional[int] = Field(
-            None, ge=1, description="Most tokens to generate (default 256; also capped by the room left in the cache)"
-        )
-        temperature: Optional[float] = Field(
-            None, ge=0, description="Sampling temperature; 0 (default) is greedy and reproducible"
-        )
-        top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling: keep the top tokens with this total probability (0 < p <= 1)")
-        top_k: Optional[int] = Field(None, ge=0, description="Sample among the k most likely tokens (0 = all)")
-        min_p: Optional[float] = Field(None, ge=0, lt=1, description="Drop tokens less likely than min_p times the top token (0 <= p < 1)")
-        repetition_penalty: Optional[float] = Field(None, gt=0, description="Penalise tokens seen in the last 64 (1 = off, > 1 discourages repeats)")
-        seed: Optional[int] = Field(None, description="Random seed for sampling, for reproducible runs at temperature > 0")
-        stop: Optional[Union[str, list[str]]] = Field(
-            None, description="Stop when this text appears (a string, or a JSON list of strings); not printed"
-        )
-        chat: Optional[str] = Field(
-            None, description="Chat template: auto (the tokenizer's own), llama3, gemma, gemma4, or none/0 for raw text"
-        )
-        kv_max_capacity: Optional[int] = Field(
-            None, ge=1, description="Tokens the KV cache may hold (default: the model's max context)"
-        )
-        kv_storage_dtype: Optional[str] = Field(
-            None, description="KV cache storage dtype: bf16, fp16 or fp32 (default: the dtype the model computes in)"
-        )
-        compute_dtype: Optional[str] = Field(
-            None, description="How bf16/fp16 models compute: auto (default: fp32 on a CPU, where it is several times faster; the file's dtype on a GPU), native or fp32"
-        )
-        kv_initial_capacity: Optional[int] = Field(
-            None, ge=0, description="Slots each full-attention layer starts with; pools double up to the capacity (default 512)"
-        )
-        kv_windows: Optional[str] = Field(
-            None, description="Attention windows replacing the model's own, repeating over layers: '512' all sliding, '512,0' alternating, '0' all full"
-        )
-        kv_overflow: Optional[str] = Field(
-            None, description="When a conversation outgrows the cache: truncate (default; drop the oldest turns, keep the system prompt) or error"
-        )
-
-        @field_validator(*CHOICES)
-        @classmethod
-        def _one_of(cls, v, info):
-            allowed = CHOICES[info.field_name]
-            if v is not None and v not in allowed:
-                raise ValueError(f"{info.field_name} must be one of {', '.join(allowed)}")
-            return v
-
-        @field_validator("kv_windows")
-        @classmethod
-        def _windows(cls, v):
-            if v is not None:
-                fields = str(v).split(",")
-                if not all(f.strip().isdigit() for f in fields):
-                    raise ValueError("kv_windows must be comma-separated non-negative integers, e.g. 512 or 512,0")
-            return v
-
-        @field_validator("stop")
-        @classmethod
-        def _stop(cls, v):
-            if isinstance(v, str) and v.startswith("["):
-                import json
-
-                try:
-                    v = json.loads(v)
-                except ValueError:
-                    raise ValueError("stop must be a string or a JSON list of strings") from None
-            if isinstance(v, list) and not all(isinstance(s, str) and s for s in v):
-                raise ValueError("stop must be a string or a JSON list of non-empty strings")
-            return v
+    # One field per declared option (options.py); Option.check refuses a bad value, saying what would do.
+    Options = create_model(
+        "Options",
+        __base__=llm.Options,
+        __validators__={"check": field_validator("*")(classmethod(_check))},
+        **{o.name: (o.type | None, Field(None, description=o.help)) for o in OPTIONS.values()},
+    )
 
     def __init__(self, entry: Entry):
         self.entry = entry

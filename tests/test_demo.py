@@ -20,7 +20,7 @@ from llm.cli import cli
 
 from llm_executorch_mlx import demo
 from llm_executorch_mlx.registry import load_entries
-from llm_executorch_mlx.text import turn as turn_module
+from llm_executorch_mlx.text import store
 
 PROMPTS = ["What is the capital of France?", "Name three primary colours.", "Write a haiku about the sea."]
 MAX_TOKENS = 24
@@ -55,9 +55,9 @@ def reference(demo_build):
 def user_dir(tmp_path, monkeypatch, demo_build):
     """Each test registers the demo in an llm user dir of its own."""
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
-    turn_module.POOL.clear()
+    store.POOL.clear()
     yield tmp_path / "llm"
-    turn_module.POOL.clear()
+    store.POOL.clear()
 
 
 def _gguf(directory: pathlib.Path) -> pathlib.Path:

@@ -20,7 +20,7 @@ from models import build_config, build_model, make_tokenizer
 
 from llm_executorch_mlx import export as export_module
 from llm_executorch_mlx.registry import Entry, load_entries, registry_path, save_entries
-from llm_executorch_mlx.text import turn as turn_module
+from llm_executorch_mlx.text import store
 
 CONTEXT = 128
 CHUNK = {"llama": 32, "qwen3": 32, "gemma3": 16}  # gemma3's window is 16
@@ -32,10 +32,10 @@ def user_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llm")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("LLM_USER_PATH", str(directory))
-        turn_module.POOL.clear()
-        turn_module._generated.clear()
+        store.POOL.clear()
+        store.REPLIES.clear()
         yield directory
-        turn_module.POOL.clear()
+        store.POOL.clear()
 
 
 def invoke(*args):

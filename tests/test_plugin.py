@@ -21,15 +21,15 @@ from models import make_tokenizer
 
 from llm_executorch_mlx.registry import registry_path
 from llm_executorch_mlx.runtime.cpu import blas
-from llm_executorch_mlx.text import turn as turn_module
+from llm_executorch_mlx.text import store
 
 
 @pytest.fixture(autouse=True)
 def user_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
-    turn_module.POOL.clear()
-    turn_module._generated.clear()
-    turn_module._truncations.clear()
+    store.POOL.clear()
+    store.REPLIES.clear()
+    store.TRUNCATIONS.clear()
     yield tmp_path / "llm"
 
 
@@ -196,9 +196,9 @@ def run_cold(messages, max_tokens, forget_generated=False):
     """A fresh session over the whole history: the reference a cached turn must
     equal. Replies this process generated are still spliced in as their ids
     unless ``forget_generated`` (as in a new process, which re-tokenizes)."""
-    turn_module.POOL.clear()
+    store.POOL.clear()
     if forget_generated:
-        turn_module._generated.clear()
+        store.REPLIES.clear()
     model = llm.get_model("pte:tiny")
     *history, last = messages
     r = model.prompt(last["content"], messages=[
@@ -344,8 +344,8 @@ def test_small_capacity_clamps_generation_and_overflow_modes(tiny):
     ("kv_windows", "8,x", "comma-separated"),
     ("chat", "chatml", "auto, llama3"),
     ("compute_dtype", "fp64", "auto, native, fp32"),
-    ("temperature", "-1", "greater than or equal to 0"),
-    ("kv_max_capacity", "0", "greater than or equal to 1"),
+    ("temperature", "-1", "temperature must be >= 0"),
+    ("kv_max_capacity", "0", "kv_max_capacity must be >= 1"),
 ])
 def test_invalid_option_values_are_one_line_errors(tiny, option, value, message):
     register(tiny)
@@ -374,7 +374,7 @@ def test_cache_options_change_the_cache_and_rebuild_it_between_turns(tiny):
 def test_sessions_are_bounded_least_recently_used_first(tiny):
     register(tiny)
     model = llm.get_model("pte:tiny")
-    pool = turn_module.POOL
+    pool = store.POOL
     openers = ["Hello there", "Tell me a story", "Why is the sky blue?", "The quick brown fox", "Numbers and questions"]
     conversations = [model.conversation() for _ in range(pool.max_sessions + 1)]
     first_prompts = []
@@ -417,7 +417,7 @@ def test_a_new_conversation_gets_its_own_session(tiny):
     other = model.prompt("Tell me a story", max_tokens=4)
     other.text()
     assert other.response_json["cache_path"] == "cold"
-    assert len(turn_module.POOL) == 2
+    assert len(store.POOL) == 2
 
 
 def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
@@ -449,13 +449,13 @@ def test_interrupted_turn_leaves_the_session_consistent(tiny):
     next(stream)
     next(stream)
     stream.close()  # what Ctrl-C or a closed pipe does to the generator
-    (session,) = [s for _, s in turn_module.POOL._sessions.values()]
+    (session,) = [s for _, s in store.POOL._sessions.values()]
     assert session.cache.length == len(session.tokens)
     # the next turn works and equals a cold run of the same history
     again = Turn(str(pte), str(tok_dir / "tokenizer.json"), messages, TurnOptions(max_tokens=5, chat="none"))
     text = "".join(again)
     assert again.result.cache_path in ("hit", "trim")
-    turn_module.POOL.clear()
+    store.POOL.clear()
     cold = Turn(str(pte), str(tok_dir / "tokenizer.json"), messages, TurnOptions(max_tokens=5, chat="none"))
     assert "".join(cold) == text
 
@@ -551,7 +551,7 @@ def test_repetition_penalty_sees_the_whole_history_on_a_cache_hit(tiny):
     text = second.text()
     assert second.response_json["cache_path"] == "hit"
     cold = llm.get_model("pte:tiny")
-    turn_module.POOL.clear()
+    store.POOL.clear()
     again = cold.prompt("Tell me a story", messages=[llm.user("Hello there"), llm.assistant(first)],
                         max_tokens=8, repetition_penalty=3.0).text()
     assert again == text

@@ -29,18 +29,20 @@ SCALAR_TYPE_NAMES = {
     29: "uint64",
 }
 
-# Storage dtypes the off-graph cache accepts, by the names users type.
+# Storage dtypes the off-graph cache accepts, by the names users type (the
+# choices of -o kv_storage_dtype in options.py; tests/test_options.py checks they agree).
 KV_DTYPES: dict[str, mx.Dtype] = {
     "bf16": mx.bfloat16,
     "fp16": mx.float16,
     "fp32": mx.float32,
 }
 
-# How half-precision programs compute, by the names users type. MLX's CPU
-# backend runs bf16/fp16 matmuls without BLAS (~5 GFLOP/s here, against ~100
-# for fp32 through OpenBLAS or MKL), so on a CPU "auto" widens them to fp32:
-# weights are converted once at load (twice the memory) and every activation
-# computes in fp32. GPUs keep the file's dtype. docs/design.md has the numbers.
+# How half-precision programs compute, by the names users type (the choices of
+# -o compute_dtype in options.py). MLX's CPU backend runs bf16/fp16 matmuls
+# without BLAS (~5 GFLOP/s here, against ~100 for fp32 through OpenBLAS or
+# MKL), so on a CPU "auto" widens them to fp32: weights are converted once at
+# load (twice the memory) and every activation computes in fp32. GPUs keep the
+# file's dtype. docs/design.md has the numbers.
 COMPUTE_ROUTES = ("auto", "native", "fp32")
 _WIDENED = {mx.float16: mx.float32, mx.bfloat16: mx.float32}
 

@@ -1,4 +1,4 @@
-"""The text layer: tokenizers, streaming detokenization, chat templates, sampling, stop strings."""
+"""The text layer: tokenizers, chat templates, sampling, stops, and the chat turn that uses them."""
 
 from .. import runtime  # noqa: F401  (binds a fast CPU BLAS before mlx.core loads)
 

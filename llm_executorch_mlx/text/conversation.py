@@ -9,6 +9,32 @@ from __future__ import annotations
 
 from .errors import TextError
 
+MAX_REMEMBERED_REPLIES = 256  # per program; the oldest are forgotten
+
+
+class ReplyMemory:
+    """Per loaded program: assistant text -> the ids generated for it."""
+
+    def __init__(self):
+        self._by_program: dict = {}
+
+    def of(self, key) -> dict[str, list[int]]:
+        """The replies one program generated (the mapping ``encode_conversation`` reads)."""
+        return self._by_program.setdefault(key, {})
+
+    def remember(self, key, text: str, ids: list[int]) -> None:
+        replies = self.of(key)
+        replies[text] = ids
+        while len(replies) > MAX_REMEMBERED_REPLIES:
+            del replies[next(iter(replies))]
+
+    def drop(self, key) -> None:
+        """Forget the replies of one program."""
+        self._by_program.pop(key, None)
+
+    def clear(self) -> None:
+        self._by_program.clear()
+
 
 def encode_conversation(
     messages: list[dict], template, tokenizer, generated: dict[str, list[int]], add_generation_prompt: bool = True
@@ -48,6 +74,14 @@ def encode_conversation(
         ids += tokenizer.encode(rendered[cursor:at]) + reply_ids
         cursor = at + length
     return ids + tokenizer.encode(rendered[cursor:])
+
+
+def reply_start(messages: list[dict], template, tokenizer, generated: dict[str, list[int]]) -> int | None:
+    """Token offset where the last assistant reply of ``messages`` begins; None without one."""
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not replies:
+        return None
+    return len(encode_conversation(messages[: replies[-1]], template, tokenizer, generated, False))
 
 
 def _locate(rendered: str, content: str, start: int, ids: list[int], tokenizer):

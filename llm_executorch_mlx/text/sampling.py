@@ -6,37 +6,31 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
+from ..options import DEFAULTS, OPTIONS, REPETITION_CONTEXT
+
 
 class Sampler:
     """Picks token ids from logits; one seeded random stream for its lifetime.
 
     Order, as in transformers: repetition penalty, temperature, top-k, top-p, min-p.
-    Temperature 0 is greedy argmax (the penalty still applies).
+    Temperature 0 is greedy argmax (the penalty still applies). The arguments
+    are the prompt options of the same names (options.py): their defaults and
+    their checks.
     """
 
     def __init__(
         self,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        seed: int | None = None,
+        temperature: float = DEFAULTS["temperature"],
+        top_p: float = DEFAULTS["top_p"],
+        top_k: int = DEFAULTS["top_k"],
+        min_p: float = DEFAULTS["min_p"],
+        repetition_penalty: float = DEFAULTS["repetition_penalty"],
+        seed: int | None = DEFAULTS["seed"],
     ):
-        if not (isinstance(temperature, (int, float)) and 0 <= temperature < math.inf):
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature!r}")
-        if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1] (1 disables), got {top_p!r}")
-        if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {top_k!r}")
-        if not (isinstance(min_p, (int, float)) and 0 <= min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1] (0 disables), got {min_p!r}")
-        if not (isinstance(repetition_penalty, (int, float)) and 0 < repetition_penalty < math.inf):
-            raise ValueError(
-                f"repetition_penalty must be > 0 (1 disables), got {repetition_penalty!r}"
-            )
-        if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**64):
-            raise ValueError(f"seed must be an integer in [0, 2**64) or None, got {seed!r}")
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                     repetition_penalty=repetition_penalty, seed=seed)
+        for name, value in given.items():
+            OPTIONS[name].check(value)  # a ValueError saying what a valid value is
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.top_k = top_k
@@ -55,6 +49,14 @@ class Sampler:
             return mx.argmax(logits)
         self._key, key = mx.random.split(self._key)
         return mx.random.categorical(logits, key=key)
+
+    def sample_next(self, logits: mx.array, history: list[int]) -> mx.array:
+        """The token after ``history`` (all ids so far), which the penalty sees the
+        last ``REPETITION_CONTEXT`` of."""
+        recent = None
+        if self.repetition_penalty != 1.0:
+            recent = mx.array(history[-REPETITION_CONTEXT:])
+        return self.sample(logits, recent)
 
     def process(self, logits: mx.array, recent: mx.array | Sequence[int] | None = None) -> mx.array:
         """The logits ``sample`` draws from: penalized, divided by the temperature

@@ -1,6 +1,22 @@
-"""Stop strings: end generation where one appears, even across token boundaries."""
+"""Where a reply ends: at a stop token, or where a stop string appears (even across tokens)."""
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StopTokens:
+    ids: frozenset[int]  # ids that end a reply
+    turn_end: int | None  # the one that closes an assistant turn, if the template has one
+
+
+def stop_tokens(model_eos_ids: Iterable[int], tokenizer, turn_end: str | None) -> StopTokens:
+    """The model's and the tokenizer's end-of-sequence ids, plus the template's turn end (``turn_end``: its text)."""
+    turn_end_id = tokenizer.token_to_id(turn_end) if turn_end else None
+    ids = set(model_eos_ids) | set(tokenizer.eos_ids or [])
+    if turn_end_id is not None:
+        ids.add(turn_end_id)
+    return StopTokens(frozenset(ids), turn_end_id)
 
 
 class StopMatcher:

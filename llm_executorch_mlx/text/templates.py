@@ -10,10 +10,11 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from ..options import OPTIONS
 from .errors import TextError
 from .tokenizer import Tokenizer
 
-TEMPLATE_NAMES = ("auto", "llama3", "gemma", "gemma4", "none")
+TEMPLATE_NAMES = OPTIONS["chat"].choices  # "auto", the built-ins below, "none"
 # Tokens that close an assistant turn, most specific first, looked for in a jinja template.
 _TURN_ENDS = ("<|eot_id|>", "<|im_end|>", "<end_of_turn>", "<turn|>", "<|end|>")
 
@@ -211,20 +212,21 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 def resolve_template(name: str, tokenizer: Tokenizer) -> ChatTemplate:
-    """The chat template called ``name``: "auto", "llama3", "gemma", "gemma4" or "none" ("0").
+    """The chat template called ``name``: one of ``TEMPLATE_NAMES``, or an alias
+    of one ("0" for "none"), in any case.
 
     "auto" is the tokenizer's own chat template; a tokenizer without one gets the
     built-in whose turn tokens its vocabulary has, else "none".
     """
     key = name.strip().lower()
-    if key == "0":
-        key = "none"
+    key = OPTIONS["chat"].aliases.get(key, key)
     if key == "none":
         return _Raw()
     if key in _BUILTINS:
         return _Builtin(key)
     if key != "auto":
-        raise TextError(f"unknown chat template '{name}': use auto, llama3, gemma, gemma4 or none")
+        *others, last = TEMPLATE_NAMES
+        raise TextError(f"unknown chat template '{name}': use {', '.join(others)} or {last}")
     if tokenizer.chat_template is not None:
         return _Jinja(tokenizer.chat_template, tokenizer)
     for builtin, markers in _MARKERS.items():
