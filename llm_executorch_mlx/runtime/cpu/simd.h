@@ -5,6 +5,9 @@
 
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace llm_pte {
 
@@ -38,6 +41,16 @@ inline float widen(uint16_t h) {
   std::memcpy(&x, &bits, sizeof x);
   return x;
 }
+
+#if defined(__AVX512F__)
+// Sixteen lanes, where the build has AVX-512 (gemv.cpp's dense rows).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const uint16_t* p) {  // bf16, widened as load8's
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 inline void store8(float* p, f8 x) { std::memcpy(p, &x, sizeof x); }
 
