@@ -91,6 +91,7 @@ inline float total(vf a) {
 #endif
 
 constexpr int kLanes32 = kLanes16 / 2;
+constexpr int kMaxGroup = 128;  // the largest group the products take (gemv.cpp checks)
 
 // Values one vector load of weights covers.
 constexpr int integer_block(int bits) { return bits == 4 ? 2 * kLanes16 : kLanes16; }
@@ -113,24 +114,41 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
     const float* xm = x + m * x_row;
     int16_t *high = xq + m * 2 * K, *low = high + K;
     for (int64_t g = 0; g < groups; ++g) {
-      float top = 0.f, sum = 0.f;
-      for (int k = 0; k < group; ++k) {
-        const float v = xm[(g * group + k) * x_col];
-        top = std::max(top, std::fabs(v));
-        sum += v;
+      // the group's values, 8 lanes at a time (AVX2): |x| max, sum, then
+      // each value's two terms, placed into its block's lane order after
+      alignas(32) float v[kMaxGroup];
+      alignas(32) int32_t h[kMaxGroup], l[kMaxGroup];
+      for (int k = 0; k < group; ++k) v[k] = xm[(g * group + k) * x_col];
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps();
+      for (int k = 0; k < group; k += 8) {
+        const __m256 a = _mm256_load_ps(v + k);
+        top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, a));
+        sum8 = _mm256_add_ps(sum8, a);
       }
-      xsum[m * groups + g] = sum;
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top8);
+      const float top = *std::max_element(lanes, lanes + 8);
+      _mm256_store_ps(lanes, sum8);
+      xsum[m * groups + g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
       d[g] = top / 32767.f;
       // |h| <= 32767 and the remainder v - h d is within d / 2 (and the
       // rounding of 1 / d), so |l| <= ~16384
-      const float inverse = top > 0.f ? 32767.f / top : 0.f, low_inverse = inverse * 32768.f;
+      const float inverse = top > 0.f ? 32767.f / top : 0.f;
+      const __m256 to_high = _mm256_set1_ps(inverse), to_low = _mm256_set1_ps(inverse * 32768.f), step = _mm256_set1_ps(d[g]);
+      constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+      for (int k = 0; k < group; k += 8) {
+        const __m256 a = _mm256_load_ps(v + k);
+        const __m256 hk = _mm256_round_ps(_mm256_mul_ps(a, to_high), nearest);
+        const __m256 lk = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(hk, step, a), to_low), nearest);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(h + k), _mm256_cvtps_epi32(hk));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(l + k), _mm256_cvtps_epi32(lk));
+      }
       for (int k = 0; k < group; ++k) {
         const int64_t at = g * group + k, in_block = at % block;  // where it goes in its block:
         const int64_t slot = BITS == 4 ? at - in_block + (in_block % 2) * kLanes16 + in_block / 2 : at;
-        const float v = xm[at * x_col];
-        const float h = std::nearbyint(v * inverse);
-        high[slot] = static_cast<int16_t>(h);
-        low[slot] = static_cast<int16_t>(std::nearbyint(std::fma(-h, d[g], v) * low_inverse));
+        high[slot] = static_cast<int16_t>(h[k]);
+        low[slot] = static_cast<int16_t>(l[k]);
       }
     }
     float* dm = xd + m * spans * kLanes32;
@@ -144,8 +162,6 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
   }
 }
 
-// y[m, n] for weight rows n in [lo, hi) and the M rows of x; r.xq, r.xd and
-// r.xsum from prepare_x; K a whole number of spans.
 // Weight rows read ahead of the one being summed: the hardware prefetcher
 // alone leaves this loop waiting on its loads (~5 GB/s a core of ~17).
 constexpr int kRowsAhead = 4;
@@ -155,6 +171,8 @@ inline void prefetch_span(const void* p, int64_t bytes) {
   for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(c + at, _MM_HINT_T0);
 }
 
+// y[m, n] for weight rows n in [lo, hi) and the M rows of x; r.xq, r.xd and
+// r.xsum from prepare_x; K a whole number of spans.
 // y[m, n] for weight rows n in [lo, hi) and the M rows of x; r.xq, r.xd and
 // r.xsum from prepare_x; K a whole number of spans.
 template <int BITS, int M>
