@@ -155,23 +155,50 @@ def make_tokenizer(directory: pathlib.Path, vocab_size: int = 200, extra_tokens:
     return directory / "tokenizer.json"
 
 
-def hf_greedy(tokenizer_dir, model_dir, messages: list[dict], max_new_tokens: int):
+def reference_model(model_dir, dtype: str = "fp32", qlinear: str | None = None, qembedding: str | None = None,
+                    group_size: int = 32):
+    """transformers eager on the weights an export of ``model_dir`` holds:
+    rounded to ``dtype`` and quantized as the exporter does (ExecuTorch's
+    ``quantize_model_``), computing in fp32 as our CPU route does."""
+    import torch
+    import transformers
+
+    stored = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored).float()
+    if qlinear or qembedding:
+        from executorch.backends.mlx.llm.quantization import quantize_model_
+
+        quantize_model_(model, qlinear_config=qlinear, qlinear_group_size=group_size if qlinear else None,
+                        qembedding_config=qembedding, qembedding_group_size=group_size if qembedding else None,
+                        tie_word_embeddings=False)
+    return model.eval()
+
+
+def greedy_ids(model, ids: list[int], max_new_tokens: int, stop_id: int) -> list[int]:
+    """The model's eager greedy continuation of ``ids``, without ``stop_id``."""
+    import torch
+
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == stop_id:
+                break
+            new.append(nxt)
+    return new
+
+
+def hf_greedy(tokenizer_dir, model_dir, messages: list[dict], max_new_tokens: int, **weights):
     """The Hugging Face reference: transformers' own chat template and ids,
-    and the model's eager greedy continuation up to ``<|eot_id|>``.
+    and the model's eager greedy continuation up to ``<|eot_id|>``
+    (``weights``: ``reference_model``'s dtype and quantization).
 
     Returns (prompt ids, continuation text).
     """
-    import torch
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eot, pad_token_id=eot)
-    new = out[0, len(ids):].tolist()
-    if new and new[-1] == eot:
-        new = new[:-1]
+    model = reference_model(model_dir, **weights)
+    new = greedy_ids(model, ids, max_new_tokens, tok.convert_tokens_to_ids("<|eot_id|>"))
     return ids, tok.decode(new)

@@ -2,7 +2,8 @@
 
 Three architectures (llama, qwen3, and gemma3 with sliding-window layers)
 exported at fp32 must answer through the plugin exactly as transformers'
-eager greedy generation does; a 4-bit export must run. Bad inputs are
+eager greedy generation does; a 4-bit export (linears and embedding) must
+give transformers' logits on the same weights quantized the same way. Bad inputs are
 one-line errors that leave no file behind. Exports take 15-30 s each here,
 so each one is made once per module and shared.
 """
@@ -13,6 +14,8 @@ import shutil
 import llm
 import models
 import pytest
+import test_parity as parity
+import torch
 import transformers
 from click.testing import CliRunner
 from llm.cli import cli
@@ -126,7 +129,7 @@ def test_fp32_export_registers_and_matches_transformers_greedy(exported, arch):
     assert out.stdout.rstrip("\n") == expected
 
 
-def test_4bit_export_runs_and_can_be_registered_by_hand(exported, monkeypatch):
+def test_4bit_export_matches_torchao_quantized_transformers_and_registers_by_hand(exported, monkeypatch):
     _, fp32, _ = exported("qwen3", "qwen3", "--dtype", "fp32")
     src, pte, r = exported("qwen3", "q4", "--dtype", "fp32", "--qlinear", "4w", "--qembedding", "4w",
                            "--group-size", 32, "--no-register")
@@ -140,6 +143,13 @@ def test_4bit_export_runs_and_can_be_registered_by_hand(exported, monkeypatch):
     response.text()
     assert response.response_json["prompt_tokens"] > 0
     assert response.response_json["finish_reason"] in ("stop", "length")
+    # its values: transformers on the same source, its linears and embedding
+    # quantized by torchao as the exporter does, at every prompt and decode position
+    tokens, ours = parity.greedy(pte, parity.prompt_for(3), parity.NEW_TOKENS, kv_dtype="fp32")
+    reference = models.reference_model(src, qlinear="4w", qembedding="4w", group_size=32)
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()
+    parity.assert_close_where_decisive(tokens, ours[:-1], ref, parity.Q4_REL_TOL)
 
 
 def test_generated_serialization_modules_are_announced(source, tmp_path, monkeypatch):

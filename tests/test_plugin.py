@@ -310,6 +310,59 @@ def test_half_precision_models_compute_in_fp32_on_a_cpu_unless_told(exported, ti
     assert native.response_json["kv_storage_dtype"] == "bf16"
 
 
+# -- other model files: fp16, 8-bit, a sentencepiece tokenizer --------------
+
+
+@pytest.mark.parametrize("dtype, qlinear", [("fp16", None), ("fp32", "8w")], ids=["fp16", "8w-linears"])
+def test_other_weight_formats_answer_as_transformers_on_the_same_weights(exported, tiny, dtype, qlinear):
+    """An fp16 file (widened to fp32 on a CPU) and 8-bit linears, against
+    transformers on the fp16-rounded weights or with torchao's same 8-bit
+    quantization, computing in fp32."""
+    _, tok_dir, _ = tiny
+    model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", "other")
+    assert r.exit_code == 0, r.output
+    info = json.loads(invoke("pte", "info", "other", "--json").output)
+    assert (info["metadata"]["activation_dtype"], info["compute_dtype"]) == (dtype, "fp32")
+    for prompt in ("Why is the sky blue?", "Tell me a story"):
+        ids, expected = models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": prompt}], 12,
+                                         dtype=dtype, qlinear=qlinear)
+        r = invoke("-m", "pte:other", prompt, "-o", "max_tokens", "12", "--no-log")
+        assert r.exit_code == 0, r.output
+        assert r.stdout.rstrip("\n") == expected
+    response = llm.get_model("pte:other").prompt("Tell me a story", max_tokens=12)
+    assert response.text() == expected
+    assert response.response_json["compute_dtype"] == "fp32" and response.output_tokens >= 4
+
+
+def test_a_sentencepiece_model_file_answers_as_transformers_with_sentencepiece(exported, tmp_path):
+    """A ``.model`` tokenizer (no chat template: the prompt is raw text after
+    BOS), against sentencepiece's own ids and text and transformers' greedy
+    ids (the trained fp16 model: clear winners)."""
+    import sentencepiece as spm
+
+    model_dir, pte = exported("llama", trained=True, dtype="fp16")
+    (tmp_path / "sp").mkdir()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(models.CORPUS * 4), model_prefix=str(tmp_path / "sp" / "sp"),
+                                   vocab_size=models.VOCAB, model_type="bpe", character_coverage=1.0, minloglevel=2)
+    path = tmp_path / "sp" / "tokenizer.model"
+    (tmp_path / "sp" / "sp.model").rename(path)
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(path), "--name", "sp")
+    assert r.exit_code == 0, r.output
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    reference = models.reference_model(model_dir, dtype="fp16")
+    for prompt in ("Tell me a story about a cat", "Why is the sky blue?"):
+        ids = [sp.bos_id()] + sp.encode(prompt)
+        new = models.greedy_ids(reference, ids, 10, sp.eos_id())
+        expected = sp.decode(ids + new)[len(sp.decode(ids)):]  # what the reply adds to the prompt's text
+        assert len(new) >= 4 and expected.strip()
+        response = llm.get_model("pte:sp").prompt(prompt, max_tokens=10)
+        assert response.text() == expected
+        assert response.input_tokens == len(ids) and response.output_tokens == len(new) + (len(new) < 10)
+        out = invoke("-m", "pte:sp", prompt, "-o", "max_tokens", "10", "--no-log").stdout
+        assert out.rstrip("\n") == expected
+
+
 # -- options and bad option values ----------------------------------------------
 
 
