@@ -202,3 +202,30 @@ def hf_greedy(tokenizer_dir, model_dir, messages: list[dict], max_new_tokens: in
     model = reference_model(model_dir, **weights)
     new = greedy_ids(model, ids, max_new_tokens, tok.convert_tokens_to_ids("<|eot_id|>"))
     return ids, tok.decode(new)
+
+
+def hf_turns(tokenizer_dir, model_dir, user_turns: list[str], max_new_tokens: int, **weights):
+    """transformers holding a conversation itself: each turn's prompt is the
+    previous prompt, the ids it generated, ``<|eot_id|>`` and the new user
+    turn as its chat template renders it; greedy and eager on that whole
+    history each turn (what a cached multi-turn chat must equal).
+
+    Returns, per turn, (prompt ids, reply ids, reply text); the text is what
+    the reply adds to the decoded conversation (a reply starting a word
+    keeps its leading space there, as our streaming decoder's does).
+    """
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = reference_model(model_dir, **weights)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    turns, history = [], []
+    for text in user_turns:
+        opening = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+        assert opening[0] == tok.bos_token_id
+        ids = opening if not history else history + opening[1:]  # one BOS, at the start
+        reply = greedy_ids(model, ids, max_new_tokens, eot)
+        turns.append((ids, reply, tok.decode(ids + reply)[len(tok.decode(ids)):]))
+        history = ids + reply + [eot]
+    return turns

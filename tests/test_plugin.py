@@ -214,70 +214,94 @@ def run_cold(messages, max_tokens, forget_generated=False):
     return r.text()
 
 
-def test_turn_by_turn_equals_cold_runs_and_prefills_only_new_tokens(tiny):
+def hf_turns(tiny, user_turns, max_new_tokens):
+    _, tok_dir, model_dir = tiny
+    return models.hf_turns(tok_dir, model_dir, user_turns, max_new_tokens)
+
+
+def test_turn_by_turn_equals_transformers_on_the_history_and_prefills_only_new_tokens(tiny):
+    """Each turn's reply is transformers' on the whole history with the ids
+    generated before in it; each sends forward only the tokens the cache lacks."""
     register(tiny)
-    model = llm.get_model("pte:tiny")
-    conversation = model.conversation()
+    conversation = llm.get_model("pte:tiny").conversation()
     user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
-    replies, stats = [], []
-    for text in user_turns:
+    reference = hf_turns(tiny, user_turns, 8)
+    stats = []
+    for text, (ids, reply_ids, expected) in zip(user_turns, reference):
         r = conversation.prompt(text, max_tokens=8)
-        replies.append(r.text())
+        assert r.text() == expected
+        assert r.input_tokens == len(ids) and r.output_tokens == len(reply_ids) + (len(reply_ids) < 8)
         stats.append(r.response_json)
-    assert stats[0]["cache_path"] == "cold"
-    tok = transformers.AutoTokenizer.from_pretrained(tiny[1])
-    history = []
-    for i, (previous, s) in enumerate(zip(stats, stats[1:])):
-        assert s["cache_path"] == "hit"
-        # everything in the cache after the previous turn is reused ...
-        assert s["cached_tokens"] == previous["cache_length"]
-        # ... and only the new turn's own tokens are sent to forward
-        history += [{"role": "user", "content": user_turns[i]}, {"role": "assistant", "content": replies[i]}]
-        before = tok.apply_chat_template(history, tokenize=True, return_dict=False)
-        after = tok.apply_chat_template(history + [{"role": "user", "content": user_turns[i + 1]}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False)
-        # A reply cut by max_tokens leaves its last token and the turn-end
-        # token unfed; a reply ended by the turn-end token leaves nothing.
-        unfed = 0 if previous["finish_reason"] == "stop" else 2
-        assert s["prefilled_tokens"] == len(after) - len(before) + unfed
-    messages = []
-    for text, reply in zip(user_turns, replies):
-        messages.append({"role": "user", "content": text})
-        cold = run_cold(messages, 8)
-        assert cold == reply
-        messages.append({"role": "assistant", "content": reply})
+    assert [s["cache_path"] for s in stats] == ["cold", "hit", "hit"]
+    for (ids, reply_ids, _), previous, s in zip(reference, stats, stats[1:]):
+        # everything in the cache after the previous turn is reused: its
+        # prompt and reply, less a reply's last token when max_tokens cut it
+        # (sampled, never fed) ...
+        held = len(ids) + len(reply_ids) + (1 if previous["finish_reason"] == "stop" else -1)
+        assert previous["cache_length"] == s["cached_tokens"] == held
+        # ... and only the rest of the history is sent to forward
+        assert s["prefilled_tokens"] == s["prompt_tokens"] - held
 
 
 def test_interleaved_conversations_keep_their_own_sessions(tiny):
     register(tiny)
     model = llm.get_model("pte:tiny")
     a, b = model.conversation(), model.conversation()
-    a1 = a.prompt("Hello there", max_tokens=6).text()
-    b1 = b.prompt("Numbers like 42", max_tokens=6).text()
+    ref_a = hf_turns(tiny, ["Hello there", "Tell me a story"], 6)
+    ref_b = hf_turns(tiny, ["Numbers like 42", "and questions"], 6)
+    assert a.prompt("Hello there", max_tokens=6).text() == ref_a[0][2]
+    assert b.prompt("Numbers like 42", max_tokens=6).text() == ref_b[0][2]
     ra = a.prompt("Tell me a story", max_tokens=6)
     rb = b.prompt("and questions", max_tokens=6)
-    assert ra.text() and rb.text()
+    assert ra.text() == ref_a[1][2] and rb.text() == ref_b[1][2]
     assert ra.response_json["cache_path"] == "hit" and rb.response_json["cache_path"] == "hit"
-    assert ra.text() == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": a1},
-                                  {"role": "user", "content": "Tell me a story"}], 6)
-    assert rb.text() == run_cold([{"role": "user", "content": "Numbers like 42"}, {"role": "assistant", "content": b1},
-                                  {"role": "user", "content": "and questions"}], 6)
 
 
 def test_continue_in_a_fresh_process_sees_the_history(tiny, user_dir):
+    """`llm -c` in a new process: the history comes back as text from llm's
+    log, so it is tokenized again, as transformers' template does."""
     register(tiny)
     env = dict(os.environ, LLM_USER_PATH=str(user_dir))
     llm_bin = [sys.executable, "-m", "llm"]
     first = subprocess.run(llm_bin + ["-m", "pte:tiny", "Hello there", "-o", "max_tokens", "6"],
                            capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
+    assert first == hf_greedy(tiny, [{"role": "user", "content": "Hello there"}], 6)[1]
     second = subprocess.run(llm_bin + ["-c", "Tell me a story", "-o", "max_tokens", "6"],
                             capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
-    expected = run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
-                         {"role": "user", "content": "Tell me a story"}], 6, forget_generated=True)
+    ids, expected = hf_greedy(tiny, [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
+                                     {"role": "user", "content": "Tell me a story"}], 6)
     assert second == expected
     logged = json.loads(subprocess.run(llm_bin + ["logs", "-n", "1", "--json"], capture_output=True,
                                        text=True, env=env, check=True).stdout)
     assert logged[0]["response_json"]["cache_path"] == "cold"  # a new process: nothing cached
+    assert logged[0]["input_tokens"] == len(ids)
+
+
+def test_continue_and_a_regenerated_turn_equal_transformers_on_the_history(tiny):
+    """`llm -c` in the same process reuses the cache and the generated ids;
+    asking the last turn again (the same history, as a regenerate does)
+    rewinds the cache to that history and answers the same, both equal to
+    transformers on that history."""
+    register(tiny)
+    user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
+    reference = hf_turns(tiny, user_turns, 8)
+    r = invoke("-m", "pte:tiny", user_turns[0], "-o", "max_tokens", "8")
+    assert r.exit_code == 0 and r.stdout.rstrip("\n") == reference[0][2]
+    for text, (ids, _, expected) in zip(user_turns[1:], reference[1:]):
+        r = invoke("-c", text, "-o", "max_tokens", "8")
+        assert r.exit_code == 0, r.output
+        assert r.stdout.rstrip("\n") == expected
+    logged = json.loads(invoke("logs", "-n", "3", "--json").output)
+    assert [e["response_json"]["cache_path"] for e in logged] == ["cold", "hit", "hit"]
+    assert [e["input_tokens"] for e in logged] == [len(ids) for ids, _, _ in reference]
+    # the second turn again, on the history it had
+    replies = [e["response"] for e in logged]
+    again = llm.get_model("pte:tiny").prompt(user_turns[1], max_tokens=8,
+                                             messages=[llm.user(user_turns[0]), llm.assistant(replies[0])])
+    assert again.text() == reference[1][2]
+    assert again.response_json["cache_path"] == "trim"
+    # all of it reused but its last token, fed again for the first reply token's logits
+    assert again.input_tokens == len(reference[1][0]) and again.response_json["cached_tokens"] == len(reference[1][0]) - 1
 
 
 def test_slow_blas_advice_is_said_once(tiny, user_dir, tmp_path):
@@ -455,7 +479,7 @@ def test_sessions_are_bounded_least_recently_used_first(tiny):
     assert len(pool) == pool.max_sessions
 
 
-def test_edited_last_turn_trims_the_cache_and_matches_a_cold_run(tiny):
+def test_edited_last_turn_trims_the_cache_and_equals_transformers(tiny):
     register(tiny)
     model = llm.get_model("pte:tiny")
     conversation = model.conversation()
@@ -466,8 +490,9 @@ def test_edited_last_turn_trims_the_cache_and_matches_a_cold_run(tiny):
     edited_text = edited.text()
     assert edited.response_json["cache_path"] == "trim"
     assert 0 < edited.response_json["cached_tokens"] < edited.response_json["prompt_tokens"]
-    assert edited_text == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
-                                    {"role": "user", "content": "Tell me a story about a dog"}], 6)
+    reference = hf_turns(tiny, ["Hello there", "Tell me a story about a dog"], 6)
+    assert first == reference[0][2] and edited_text == reference[1][2]
+    assert edited.input_tokens == len(reference[1][0])
 
 
 def test_a_new_conversation_gets_its_own_session(tiny):
@@ -481,20 +506,19 @@ def test_a_new_conversation_gets_its_own_session(tiny):
 
 
 def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
-    """gemma3's sliding layers (window 16) drop history; turns still equal cold runs."""
-    _, pte = exported("gemma3")
+    """gemma3's sliding layers (window 16) drop history; each turn still
+    equals transformers on the whole history."""
+    model_dir, pte = exported("gemma3")
     tok = make_tokenizer(tmp_path / "tok")
     assert invoke("pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny").exit_code == 0
     conversation = llm.get_model("pte:tiny").conversation()
-    messages, paths = [], []
-    for text in ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]:
+    user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
+    paths = []
+    for text, (ids, _, expected) in zip(user_turns, models.hf_turns(tok.parent, model_dir, user_turns, 10)):
         r = conversation.prompt(text, max_tokens=10)
-        reply = r.text()
+        assert r.text() == expected and r.input_tokens == len(ids)
         paths.append(r.response_json["cache_path"])
         assert r.response_json["cache_length"] > 16  # well past the window
-        messages.append({"role": "user", "content": text})
-        assert run_cold(messages, 10) == reply
-        messages.append({"role": "assistant", "content": reply})
     assert paths == ["cold", "hit", "hit"]  # each turn reuses the ring-layered cache
 
 
