@@ -27,7 +27,8 @@ def compiler(request) -> bool:
     found, the kernels off for that reason, and none loaded by the end.
     """
     if not request.config.getoption(WITHOUT_COMPILER):
-        return True
+        yield True
+        return
     from llm_executorch_mlx.runtime import cpu
     from llm_executorch_mlx.runtime.cpu import extension, native
 

@@ -544,6 +544,142 @@ def test_interrupted_turn_leaves_the_session_consistent(tiny):
     assert "".join(cold) == text
 
 
+# -- Ctrl-C and streaming ---------------------------------------------------
+
+
+LONG_PROMPT = "Tell me a story about a cat who learns to read books in the old library, and why the sky is blue."
+
+
+@pytest.fixture
+def interrupt(monkeypatch, compiler):
+    """``interrupt(where, at)``: a KeyboardInterrupt at the ``at``-th time the
+    runtime reaches ``where``: "forward" (a layer's cache write inside a
+    forward call, after others wrote theirs), or "submit"/"wait" (a step
+    queued, or awaited, with the host thread helping run it)."""
+    from llm_executorch_mlx.runtime import cache as cache_module
+    from llm_executorch_mlx.runtime import program as program_module
+    from llm_executorch_mlx.runtime import steps as steps_module
+
+    armed = {}
+
+    def reached(where):
+        if where in armed:
+            armed[where] -= 1
+            if armed[where] == 0:
+                del armed[where]
+                raise KeyboardInterrupt
+
+    real_update = cache_module.SequenceCache.update_and_fetch
+
+    def update_and_fetch(self, layer, *args):
+        if layer == 1:  # layer 0 has written this call's keys and values
+            reached("forward")
+        return real_update(self, layer, *args)
+
+    monkeypatch.setattr(cache_module.SequenceCache, "update_and_fetch", update_and_fetch)
+    real_steps_for = program_module.steps_for
+
+    def steps_for(kernels):
+        plain = real_steps_for(kernels)
+        assert (plain is not steps_module.PLAIN) == compiler  # the helped steps where the extension is
+
+        def submit(*arrays):
+            plain.submit(*arrays)
+            reached("submit")
+
+        def wait(array):
+            reached("wait")  # the step still queued: the stream thread finishes it alone
+            plain.wait(array)
+
+        return steps_module.Steps(submit, wait)
+
+    monkeypatch.setattr(program_module, "steps_for", steps_for)
+
+    def arm(where, at):
+        armed[where] = at
+        return armed
+
+    return arm
+
+
+@pytest.mark.parametrize("arch, where, at", [
+    ("llama", "forward", 2), ("llama", "forward", 6), ("gemma3", "forward", 8),
+    ("llama", "submit", 4), ("llama", "wait", 3),
+], ids=["prefill", "decode", "decode-past-a-ring-window", "submitted-step", "awaited-step"])
+def test_ctrl_c_leaves_the_cache_as_transformers_would_continue_it(tiny, exported, interrupt, arch, where, at):
+    """Ctrl-C in a forward call (the second prefill chunk, a decode step,
+    one whose ring layer overwrote a cell before the interruption) or while
+    a step is queued or awaited: the prompt raises KeyboardInterrupt, and the
+    next prompts, reusing what the cache kept, answer as transformers does
+    on the history."""
+    pte, tok_dir, model_dir = tiny
+    if arch != "llama":
+        model_dir, pte = exported(arch)
+        tiny = (pte, tok_dir, model_dir)
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    armed = interrupt(where, at)
+    with pytest.raises(KeyboardInterrupt):
+        model.prompt(LONG_PROMPT, max_tokens=10).text()
+    assert not armed  # it was reached
+    (session,) = [s for _, s in turn_module.POOL._sessions.values()]
+    assert session.cache.length == len(session.tokens) > 0
+    user_turns = [LONG_PROMPT, "Why is the sky blue?"]
+    reference = hf_turns(tiny, user_turns, 10)
+    conversation = model.conversation()
+    for text, (_, _, expected) in zip(user_turns, reference):
+        r = conversation.prompt(text, max_tokens=10)
+        assert r.text() == expected
+    first = conversation.responses[0].response_json
+    assert first["cache_path"] in ("hit", "trim") and first["cached_tokens"] > 0  # the interrupted cache, reused
+
+
+def test_replies_stream_as_they_are_generated(tiny, monkeypatch):
+    """`llm` prints a reply as it comes and `llm chat` each turn's: the model
+    yields more than one chunk, each before the next forward call is made,
+    and stdout holds them all, equal to transformers' replies."""
+    from llm_executorch_mlx.runtime import program as program_module
+
+    register(tiny)
+    calls, chunks = [0], []
+    real_execute = program_module.Method.execute
+
+    def execute(self, *args, **kwargs):
+        calls[0] += 1
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(program_module.Method, "execute", execute)
+    real_model_execute = type(llm.get_model("pte:tiny")).execute
+
+    def model_execute(self, prompt, stream, response, conversation):
+        assert stream
+        chunks.append([])
+        for chunk in real_model_execute(self, prompt, stream, response, conversation):
+            chunks[-1].append((chunk, calls[0]))
+            yield chunk
+
+    monkeypatch.setattr(type(llm.get_model("pte:tiny")), "execute", model_execute)
+
+    def streamed(turn):
+        assert len(turn) > 1
+        counts = [n for _, n in turn]
+        assert counts == sorted(counts) and counts[0] < counts[-1]  # chunk by chunk, as forward runs
+        return "".join(c for c, _ in turn)
+
+    prompt = "Why is the sky blue?"
+    _, expected = hf_greedy(tiny, [{"role": "user", "content": prompt}], 12)
+    r = invoke("-m", "pte:tiny", prompt, "-o", "max_tokens", "12", "--no-log")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == streamed(chunks[0]) + "\n" and streamed(chunks[0]) == expected
+    chunks.clear()
+    user_turns = ["Hello there", "Tell me a story about a cat"]
+    r = invoke("chat", "-m", "pte:tiny", "-o", "max_tokens", "12", input="\n".join(user_turns) + "\nquit\n")
+    assert r.exit_code == 0, r.output
+    replies = [streamed(turn) for turn in chunks]
+    assert replies == [expected for _, _, expected in hf_turns(tiny, user_turns, 12)]
+    assert f"> {user_turns[0]}\n{replies[0]}\n> {user_turns[1]}\n{replies[1]}\n> quit" in r.output
+
+
 def test_truncate_drops_oldest_turns_with_a_notice(tiny, capsys):
     register(tiny)
     model = llm.get_model("pte:tiny")
