@@ -85,12 +85,51 @@ def build_model(arch: str, trained: bool, seed: int = 0):
     return model
 
 
+def export_code() -> list[pathlib.Path]:
+    """The project's code an export of a fixture runs: ``export.py`` and the
+    package modules it imports at module level, and theirs, in turn (the
+    imports inside its functions serve GGUF sources and ``llm pte export``'s
+    checks, which fixtures do not use)."""
+    import ast
+
+    import llm_executorch_mlx
+
+    package = pathlib.Path(llm_executorch_mlx.__file__).parent
+    found, todo = [], [package / "export.py"]
+    while todo:
+        path = todo.pop()
+        if path in found:
+            continue
+        found.append(path)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = path.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+                target = base.joinpath(*(node.module or "").split("."))
+                for candidate in (target.with_suffix(".py"), target / "__init__.py"):
+                    if candidate.exists():
+                        todo.append(candidate)
+                        break
+    return sorted(found)
+
+
 def spec_key(**spec) -> str:
+    """A fixture's cache key: its spec, the exporting libraries' versions,
+    and the code that builds and exports it (a change there re-exports)."""
     import executorch  # noqa: F401  (its version belongs in the key)
     import importlib.metadata
+    import inspect
 
     spec["executorch"] = importlib.metadata.version("executorch")
     spec["transformers"] = importlib.metadata.version("transformers")
+    code = hashlib.sha1()
+    for path in export_code():
+        code.update(path.read_bytes())
+    for builder in (build_config, synthetic_batch, build_model, make_fixture):
+        code.update(inspect.getsource(builder).encode())
+    code.update(json.dumps(ARCHITECTURES, sort_keys=True).encode())
+    spec["code"] = code.hexdigest()
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -9,6 +9,7 @@ so each one is made once per module and shared.
 """
 
 import json
+import pathlib
 import shutil
 
 import llm
@@ -303,3 +304,18 @@ def test_operators_the_partitioner_cannot_delegate_are_named(source, tmp_path, m
                     after_progress=True)
     assert r.output.rstrip().endswith("x4")  # two layers, q and k
     assert only_files(out) == []
+
+
+def test_cached_test_fixtures_are_keyed_by_the_export_code(tmp_path, monkeypatch):
+    """The suite's exported fixtures (tests/models.py) are cached by a key
+    that covers the project's export code: a change there exports anew."""
+    code = models.export_code()
+    package = pathlib.Path(export_module.__file__).parent
+    assert {package / "export.py", package / "runtime" / "errors.py"} <= set(code)
+    before = models.spec_key(arch="llama", trained=False)
+    changed = tmp_path / "export.py"
+    changed.write_text((package / "export.py").read_text() + "\n# an edit\n")
+    monkeypatch.setattr(models, "export_code", lambda: [changed if p.name == "export.py" else p for p in code])
+    assert models.spec_key(arch="llama", trained=False) != before
+    monkeypatch.setattr(models, "export_code", lambda: code)
+    assert models.spec_key(arch="llama", trained=False) == before
