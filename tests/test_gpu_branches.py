@@ -53,7 +53,21 @@ def cpu_branch(name):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Every module of the package sees a GPU; counts of the GPU calls made."""
+    """Every module of the package sees a GPU; counts of the GPU calls made.
+    Programs and sessions the plugin loaded meanwhile hold a GPU's choices:
+    none outlives the test."""
+    forget_loaded_programs()
+    yield from _seeing_a_gpu(monkeypatch)
+    forget_loaded_programs()
+
+
+def forget_loaded_programs():
+    turn_module.POOL.clear()
+    turn_module._programs.clear()
+    turn_module._generated.clear()
+
+
+def _seeing_a_gpu(monkeypatch):
     real, off_cpu = dtypes.on_cpu, lambda: False  # noqa: E731
     for name, module in list(sys.modules.items()):
         if name.startswith("llm_executorch_mlx") and getattr(module, "on_cpu", None) is real:
@@ -78,7 +92,7 @@ def calls(monkeypatch):
     counted(mx.fast, "rope", "rope")
     counted(fusion, "_swiglu", "swiglu")
     counted(mx, "quantized_matmul", "quantized_matmul")
-    return counts
+    yield counts
 
 
 def forward_calls(program):
@@ -128,7 +142,6 @@ def test_4bit_linears_run_as_mlx_quantized_matmul_and_match_torchao(exported, ca
 
 def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
-    turn_module.POOL.clear()
     model_dir, pte = exported("llama")
     tok = make_tokenizer(tmp_path / "tok")
     runner = CliRunner()
@@ -148,4 +161,3 @@ def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monk
     second.text()
     assert second.response_json["cache_path"] == "hit"
     assert calls["sdpa"] and calls["swiglu"]
-    turn_module.POOL.clear()
