@@ -85,12 +85,51 @@ def build_model(arch: str, trained: bool, seed: int = 0):
     return model
 
 
+def export_code() -> list[pathlib.Path]:
+    """The project's code an export of a fixture runs: ``export.py`` and the
+    package modules it imports at module level, and theirs, in turn (the
+    imports inside its functions serve GGUF sources and ``llm pte export``'s
+    checks, which fixtures do not use)."""
+    import ast
+
+    import llm_executorch_mlx
+
+    package = pathlib.Path(llm_executorch_mlx.__file__).parent
+    found, todo = [], [package / "export.py"]
+    while todo:
+        path = todo.pop()
+        if path in found:
+            continue
+        found.append(path)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = path.parent
+                for _ in range(node.level - 1):
+                    base = base.parent
+                target = base.joinpath(*(node.module or "").split("."))
+                for candidate in (target.with_suffix(".py"), target / "__init__.py"):
+                    if candidate.exists():
+                        todo.append(candidate)
+                        break
+    return sorted(found)
+
+
 def spec_key(**spec) -> str:
+    """A fixture's cache key: its spec, the exporting libraries' versions,
+    and the code that builds and exports it (a change there re-exports)."""
     import executorch  # noqa: F401  (its version belongs in the key)
     import importlib.metadata
+    import inspect
 
     spec["executorch"] = importlib.metadata.version("executorch")
     spec["transformers"] = importlib.metadata.version("transformers")
+    code = hashlib.sha1()
+    for path in export_code():
+        code.update(path.read_bytes())
+    for builder in (build_config, synthetic_batch, build_model, make_fixture):
+        code.update(inspect.getsource(builder).encode())
+    code.update(json.dumps(ARCHITECTURES, sort_keys=True).encode())
+    spec["code"] = code.hexdigest()
     return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -155,23 +194,77 @@ def make_tokenizer(directory: pathlib.Path, vocab_size: int = 200, extra_tokens:
     return directory / "tokenizer.json"
 
 
-def hf_greedy(tokenizer_dir, model_dir, messages: list[dict], max_new_tokens: int):
+def reference_model(model_dir, dtype: str = "fp32", qlinear: str | None = None, qembedding: str | None = None,
+                    group_size: int = 32):
+    """transformers eager on the weights an export of ``model_dir`` holds:
+    rounded to ``dtype`` and quantized as the exporter does (ExecuTorch's
+    ``quantize_model_``), computing in fp32 as our CPU route does."""
+    import torch
+    import transformers
+
+    stored = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=stored).float()
+    if qlinear or qembedding:
+        from executorch.backends.mlx.llm.quantization import quantize_model_
+
+        quantize_model_(model, qlinear_config=qlinear, qlinear_group_size=group_size if qlinear else None,
+                        qembedding_config=qembedding, qembedding_group_size=group_size if qembedding else None,
+                        tie_word_embeddings=False)
+    return model.eval()
+
+
+def greedy_ids(model, ids: list[int], max_new_tokens: int, stop_id: int) -> list[int]:
+    """The model's eager greedy continuation of ``ids``, without ``stop_id``."""
+    import torch
+
+    new = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == stop_id:
+                break
+            new.append(nxt)
+    return new
+
+
+def hf_greedy(tokenizer_dir, model_dir, messages: list[dict], max_new_tokens: int, **weights):
     """The Hugging Face reference: transformers' own chat template and ids,
-    and the model's eager greedy continuation up to ``<|eot_id|>``.
+    and the model's eager greedy continuation up to ``<|eot_id|>``
+    (``weights``: ``reference_model``'s dtype and quantization).
 
     Returns (prompt ids, continuation text).
     """
-    import torch
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eot, pad_token_id=eot)
-    new = out[0, len(ids):].tolist()
-    if new and new[-1] == eot:
-        new = new[:-1]
+    model = reference_model(model_dir, **weights)
+    new = greedy_ids(model, ids, max_new_tokens, tok.convert_tokens_to_ids("<|eot_id|>"))
     return ids, tok.decode(new)
+
+
+def hf_turns(tokenizer_dir, model_dir, user_turns: list[str], max_new_tokens: int, **weights):
+    """transformers holding a conversation itself: each turn's prompt is the
+    previous prompt, the ids it generated, ``<|eot_id|>`` and the new user
+    turn as its chat template renders it; greedy and eager on that whole
+    history each turn (what a cached multi-turn chat must equal).
+
+    Returns, per turn, (prompt ids, reply ids, reply text); the text is what
+    the reply adds to the decoded conversation (a reply starting a word
+    keeps its leading space there, as our streaming decoder's does).
+    """
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    model = reference_model(model_dir, **weights)
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    turns, history = [], []
+    for text in user_turns:
+        opening = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False)
+        assert opening[0] == tok.bos_token_id
+        ids = opening if not history else history + opening[1:]  # one BOS, at the start
+        reply = greedy_ids(model, ids, max_new_tokens, eot)
+        turns.append((ids, reply, tok.decode(ids + reply)[len(tok.decode(ids)):]))
+        history = ids + reply + [eot]
+    return turns

@@ -1,4 +1,4 @@
-"""History -> ids (with generated replies spliced in) and session choice, no model."""
+"""History -> ids (with generated replies spliced in) against transformers' chat template, and session choice, no model."""
 
 import pytest
 from models import make_tokenizer
@@ -19,7 +19,13 @@ def test_common_prefix():
     assert common_prefix([1, 2], [1, 2, 3]) == 2
 
 
-def test_generated_ids_are_spliced_where_the_reply_is(tok):
+def test_generated_ids_are_spliced_where_the_reply_is(tmp_path):
+    """The ids are transformers' for the history (its tokenizer and chat
+    template) with the reply's generated ids in the reply's place."""
+    import transformers
+
+    tok = load_tokenizer(make_tokenizer(tmp_path))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
     template = resolve_template("auto", tok)
     reply = "en"  # also occurs inside "<|end_header_id|>" and in "questions"
     generated_ids = [7, 7, 7]  # deliberately not how the tokenizer would encode it
@@ -27,11 +33,14 @@ def test_generated_ids_are_spliced_where_the_reply_is(tok):
                 {"role": "assistant", "content": reply},
                 {"role": "user", "content": "and more"}]
     ids = encode_conversation(messages, template, tok, {reply: generated_ids})
-    opening = encode_conversation(messages[:1], template, tok, {})  # ends with the assistant header
-    assert ids[: len(opening)] == opening
-    assert ids[len(opening) : len(opening) + 3] == generated_ids
-    rendered = template.render(messages)
-    assert ids[len(opening) + 3 :] == tok.encode(rendered[rendered.index(reply + "<|eot_id|>") + len(reply) :])
+
+    def hf_ids(ms):
+        return hf.apply_chat_template(ms, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+    opening, last_turn = hf_ids(messages[:1]), hf_ids(messages[2:])  # each ends with the assistant header
+    assert ids == opening + generated_ids + [hf.convert_tokens_to_ids("<|eot_id|>")] + last_turn[1:]  # one BOS
+    # and without a generated reply, transformers' own ids for the whole history
+    assert encode_conversation(messages, template, tok, {}) == hf_ids(messages)
 
 
 def test_raw_mode_concatenates_messages_and_splices_replies(tok):

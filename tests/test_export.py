@@ -2,17 +2,21 @@
 
 Three architectures (llama, qwen3, and gemma3 with sliding-window layers)
 exported at fp32 must answer through the plugin exactly as transformers'
-eager greedy generation does; a 4-bit export must run. Bad inputs are
+eager greedy generation does; a 4-bit export (linears and embedding) must
+give transformers' logits on the same weights quantized the same way. Bad inputs are
 one-line errors that leave no file behind. Exports take 15-30 s each here,
 so each one is made once per module and shared.
 """
 
 import json
+import pathlib
 import shutil
 
 import llm
 import models
 import pytest
+import test_parity as parity
+import torch
 import transformers
 from click.testing import CliRunner
 from llm.cli import cli
@@ -126,7 +130,7 @@ def test_fp32_export_registers_and_matches_transformers_greedy(exported, arch):
     assert out.stdout.rstrip("\n") == expected
 
 
-def test_4bit_export_runs_and_can_be_registered_by_hand(exported, monkeypatch):
+def test_4bit_export_matches_torchao_quantized_transformers_and_registers_by_hand(exported, monkeypatch):
     _, fp32, _ = exported("qwen3", "qwen3", "--dtype", "fp32")
     src, pte, r = exported("qwen3", "q4", "--dtype", "fp32", "--qlinear", "4w", "--qembedding", "4w",
                            "--group-size", 32, "--no-register")
@@ -140,6 +144,13 @@ def test_4bit_export_runs_and_can_be_registered_by_hand(exported, monkeypatch):
     response.text()
     assert response.response_json["prompt_tokens"] > 0
     assert response.response_json["finish_reason"] in ("stop", "length")
+    # its values: transformers on the same source, its linears and embedding
+    # quantized by torchao as the exporter does, at every prompt and decode position
+    tokens, ours = parity.greedy(pte, parity.prompt_for(3), parity.NEW_TOKENS, kv_dtype="fp32")
+    reference = models.reference_model(src, qlinear="4w", qembedding="4w", group_size=32)
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()
+    parity.assert_close_where_decisive(tokens, ours[:-1], ref, parity.Q4_REL_TOL)
 
 
 def test_generated_serialization_modules_are_announced(source, tmp_path, monkeypatch):
@@ -293,3 +304,18 @@ def test_operators_the_partitioner_cannot_delegate_are_named(source, tmp_path, m
                     after_progress=True)
     assert r.output.rstrip().endswith("x4")  # two layers, q and k
     assert only_files(out) == []
+
+
+def test_cached_test_fixtures_are_keyed_by_the_export_code(tmp_path, monkeypatch):
+    """The suite's exported fixtures (tests/models.py) are cached by a key
+    that covers the project's export code: a change there exports anew."""
+    code = models.export_code()
+    package = pathlib.Path(export_module.__file__).parent
+    assert {package / "export.py", package / "runtime" / "errors.py"} <= set(code)
+    before = models.spec_key(arch="llama", trained=False)
+    changed = tmp_path / "export.py"
+    changed.write_text((package / "export.py").read_text() + "\n# an edit\n")
+    monkeypatch.setattr(models, "export_code", lambda: [changed if p.name == "export.py" else p for p in code])
+    assert models.spec_key(arch="llama", trained=False) != before
+    monkeypatch.setattr(models, "export_code", lambda: code)
+    assert models.spec_key(arch="llama", trained=False) == before

@@ -61,7 +61,7 @@ def hf_greedy(tiny, messages, max_new_tokens):
 # -- commands -------------------------------------------------------------
 
 
-def test_register_list_info_remove(tiny):
+def test_register_list_info_remove(tiny, compiler):
     r = register(tiny, "tiny", "--alias", "t1")
     assert "Registered pte:tiny" in r.output
     r = invoke("models")
@@ -74,23 +74,30 @@ def test_register_list_info_remove(tiny):
     info_json = json.loads(invoke("pte", "info", "t1", "--json").output)
     # 2 layers x (K+V) x 2 kv heads x head dim 16, at 4 bytes per fp32 value
     assert info_json["kv_bytes_per_token"]["fp32"] == 2 * 2 * 2 * 16 * 4
-    # where it would run here: the CPU, the BLAS bound at import, the kernel
+    # where it would run here: the CPU, the BLAS bound at import, the kernels
+    # (without a compiler: MLX ops and BLAS, saying why)
     backend = f"mlx {importlib.metadata.version('mlx')} with mlx-cpu {importlib.metadata.version('mlx-cpu')} (CPU)"
-    assert f"[runtime] {backend}, on the cpu" in info and "attention: compiled kernel" in info
+    assert f"[runtime] {backend}, on the cpu" in info
     assert info_json["runtime"]["blas"]["library"] == blas.load_fast_blas().library
-    assert info_json["runtime"]["attention"].startswith("compiled kernel")
-    assert "decode products: the compiled kernel's gemv" in info
-    assert "quantized products: 4/8-bit weights read as stored by the compiled kernel's gemv" in info
+    if compiler:
+        assert "attention: compiled kernel" in info and info_json["runtime"]["attention"].startswith("compiled kernel")
+        assert "decode products: the compiled kernel's gemv" in info
+        assert "quantized products: 4/8-bit weights read as stored by the compiled kernel's gemv" in info
+    else:
+        assert "attention: MLX ops (no C++ compiler)" in info
+        assert "decode products: BLAS (no C++ compiler)" in info
+        assert "quantized products: MLX's quantized_matmul (up to 4 rows)" in info
     assert invoke("pte", "remove", "tiny").exit_code == 0
     assert json.loads(invoke("pte", "models", "--json").output) == []
 
 
-def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch):
+def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch, compiler):
     register(tiny, "tiny")
     monkeypatch.setenv("LLM_PTE_CPU_ATTENTION", "0")
     info = invoke("pte", "info", "tiny").output
     assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info
-    assert "decode products: the compiled kernel's gemv" in info  # its own flag
+    # its own flag
+    assert ("decode products: the compiled kernel's gemv" if compiler else "decode products: BLAS (no C++ compiler)") in info
     monkeypatch.setenv("LLM_PTE_CPU_GEMV", "0")
     info = invoke("pte", "info", "tiny").output
     assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info and "decode products: BLAS" in info
@@ -207,70 +214,94 @@ def run_cold(messages, max_tokens, forget_generated=False):
     return r.text()
 
 
-def test_turn_by_turn_equals_cold_runs_and_prefills_only_new_tokens(tiny):
+def hf_turns(tiny, user_turns, max_new_tokens):
+    _, tok_dir, model_dir = tiny
+    return models.hf_turns(tok_dir, model_dir, user_turns, max_new_tokens)
+
+
+def test_turn_by_turn_equals_transformers_on_the_history_and_prefills_only_new_tokens(tiny):
+    """Each turn's reply is transformers' on the whole history with the ids
+    generated before in it; each sends forward only the tokens the cache lacks."""
     register(tiny)
-    model = llm.get_model("pte:tiny")
-    conversation = model.conversation()
+    conversation = llm.get_model("pte:tiny").conversation()
     user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
-    replies, stats = [], []
-    for text in user_turns:
+    reference = hf_turns(tiny, user_turns, 8)
+    stats = []
+    for text, (ids, reply_ids, expected) in zip(user_turns, reference):
         r = conversation.prompt(text, max_tokens=8)
-        replies.append(r.text())
+        assert r.text() == expected
+        assert r.input_tokens == len(ids) and r.output_tokens == len(reply_ids) + (len(reply_ids) < 8)
         stats.append(r.response_json)
-    assert stats[0]["cache_path"] == "cold"
-    tok = transformers.AutoTokenizer.from_pretrained(tiny[1])
-    history = []
-    for i, (previous, s) in enumerate(zip(stats, stats[1:])):
-        assert s["cache_path"] == "hit"
-        # everything in the cache after the previous turn is reused ...
-        assert s["cached_tokens"] == previous["cache_length"]
-        # ... and only the new turn's own tokens are sent to forward
-        history += [{"role": "user", "content": user_turns[i]}, {"role": "assistant", "content": replies[i]}]
-        before = tok.apply_chat_template(history, tokenize=True, return_dict=False)
-        after = tok.apply_chat_template(history + [{"role": "user", "content": user_turns[i + 1]}],
-                                        add_generation_prompt=True, tokenize=True, return_dict=False)
-        # A reply cut by max_tokens leaves its last token and the turn-end
-        # token unfed; a reply ended by the turn-end token leaves nothing.
-        unfed = 0 if previous["finish_reason"] == "stop" else 2
-        assert s["prefilled_tokens"] == len(after) - len(before) + unfed
-    messages = []
-    for text, reply in zip(user_turns, replies):
-        messages.append({"role": "user", "content": text})
-        cold = run_cold(messages, 8)
-        assert cold == reply
-        messages.append({"role": "assistant", "content": reply})
+    assert [s["cache_path"] for s in stats] == ["cold", "hit", "hit"]
+    for (ids, reply_ids, _), previous, s in zip(reference, stats, stats[1:]):
+        # everything in the cache after the previous turn is reused: its
+        # prompt and reply, less a reply's last token when max_tokens cut it
+        # (sampled, never fed) ...
+        held = len(ids) + len(reply_ids) + (1 if previous["finish_reason"] == "stop" else -1)
+        assert previous["cache_length"] == s["cached_tokens"] == held
+        # ... and only the rest of the history is sent to forward
+        assert s["prefilled_tokens"] == s["prompt_tokens"] - held
 
 
 def test_interleaved_conversations_keep_their_own_sessions(tiny):
     register(tiny)
     model = llm.get_model("pte:tiny")
     a, b = model.conversation(), model.conversation()
-    a1 = a.prompt("Hello there", max_tokens=6).text()
-    b1 = b.prompt("Numbers like 42", max_tokens=6).text()
+    ref_a = hf_turns(tiny, ["Hello there", "Tell me a story"], 6)
+    ref_b = hf_turns(tiny, ["Numbers like 42", "and questions"], 6)
+    assert a.prompt("Hello there", max_tokens=6).text() == ref_a[0][2]
+    assert b.prompt("Numbers like 42", max_tokens=6).text() == ref_b[0][2]
     ra = a.prompt("Tell me a story", max_tokens=6)
     rb = b.prompt("and questions", max_tokens=6)
-    assert ra.text() and rb.text()
+    assert ra.text() == ref_a[1][2] and rb.text() == ref_b[1][2]
     assert ra.response_json["cache_path"] == "hit" and rb.response_json["cache_path"] == "hit"
-    assert ra.text() == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": a1},
-                                  {"role": "user", "content": "Tell me a story"}], 6)
-    assert rb.text() == run_cold([{"role": "user", "content": "Numbers like 42"}, {"role": "assistant", "content": b1},
-                                  {"role": "user", "content": "and questions"}], 6)
 
 
 def test_continue_in_a_fresh_process_sees_the_history(tiny, user_dir):
+    """`llm -c` in a new process: the history comes back as text from llm's
+    log, so it is tokenized again, as transformers' template does."""
     register(tiny)
     env = dict(os.environ, LLM_USER_PATH=str(user_dir))
     llm_bin = [sys.executable, "-m", "llm"]
     first = subprocess.run(llm_bin + ["-m", "pte:tiny", "Hello there", "-o", "max_tokens", "6"],
                            capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
+    assert first == hf_greedy(tiny, [{"role": "user", "content": "Hello there"}], 6)[1]
     second = subprocess.run(llm_bin + ["-c", "Tell me a story", "-o", "max_tokens", "6"],
                             capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
-    expected = run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
-                         {"role": "user", "content": "Tell me a story"}], 6, forget_generated=True)
+    ids, expected = hf_greedy(tiny, [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
+                                     {"role": "user", "content": "Tell me a story"}], 6)
     assert second == expected
     logged = json.loads(subprocess.run(llm_bin + ["logs", "-n", "1", "--json"], capture_output=True,
                                        text=True, env=env, check=True).stdout)
     assert logged[0]["response_json"]["cache_path"] == "cold"  # a new process: nothing cached
+    assert logged[0]["input_tokens"] == len(ids)
+
+
+def test_continue_and_a_regenerated_turn_equal_transformers_on_the_history(tiny):
+    """`llm -c` in the same process reuses the cache and the generated ids;
+    asking the last turn again (the same history, as a regenerate does)
+    rewinds the cache to that history and answers the same, both equal to
+    transformers on that history."""
+    register(tiny)
+    user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
+    reference = hf_turns(tiny, user_turns, 8)
+    r = invoke("-m", "pte:tiny", user_turns[0], "-o", "max_tokens", "8")
+    assert r.exit_code == 0 and r.stdout.rstrip("\n") == reference[0][2]
+    for text, (ids, _, expected) in zip(user_turns[1:], reference[1:]):
+        r = invoke("-c", text, "-o", "max_tokens", "8")
+        assert r.exit_code == 0, r.output
+        assert r.stdout.rstrip("\n") == expected
+    logged = json.loads(invoke("logs", "-n", "3", "--json").output)
+    assert [e["response_json"]["cache_path"] for e in logged] == ["cold", "hit", "hit"]
+    assert [e["input_tokens"] for e in logged] == [len(ids) for ids, _, _ in reference]
+    # the second turn again, on the history it had
+    replies = [e["response"] for e in logged]
+    again = llm.get_model("pte:tiny").prompt(user_turns[1], max_tokens=8,
+                                             messages=[llm.user(user_turns[0]), llm.assistant(replies[0])])
+    assert again.text() == reference[1][2]
+    assert again.response_json["cache_path"] == "trim"
+    # all of it reused but its last token, fed again for the first reply token's logits
+    assert again.input_tokens == len(reference[1][0]) and again.response_json["cached_tokens"] == len(reference[1][0]) - 1
 
 
 def test_slow_blas_advice_is_said_once(tiny, user_dir, tmp_path):
@@ -301,6 +332,59 @@ def test_half_precision_models_compute_in_fp32_on_a_cpu_unless_told(exported, ti
     assert widened.response_json["kv_storage_dtype"] == "fp32"  # the cache follows the compute
     assert native.response_json["compute_dtype"] == "bf16"
     assert native.response_json["kv_storage_dtype"] == "bf16"
+
+
+# -- other model files: fp16, 8-bit, a sentencepiece tokenizer --------------
+
+
+@pytest.mark.parametrize("dtype, qlinear", [("fp16", None), ("fp32", "8w")], ids=["fp16", "8w-linears"])
+def test_other_weight_formats_answer_as_transformers_on_the_same_weights(exported, tiny, dtype, qlinear):
+    """An fp16 file (widened to fp32 on a CPU) and 8-bit linears, against
+    transformers on the fp16-rounded weights or with torchao's same 8-bit
+    quantization, computing in fp32."""
+    _, tok_dir, _ = tiny
+    model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"), "--name", "other")
+    assert r.exit_code == 0, r.output
+    info = json.loads(invoke("pte", "info", "other", "--json").output)
+    assert (info["metadata"]["activation_dtype"], info["compute_dtype"]) == (dtype, "fp32")
+    for prompt in ("Why is the sky blue?", "Tell me a story"):
+        ids, expected = models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": prompt}], 12,
+                                         dtype=dtype, qlinear=qlinear)
+        r = invoke("-m", "pte:other", prompt, "-o", "max_tokens", "12", "--no-log")
+        assert r.exit_code == 0, r.output
+        assert r.stdout.rstrip("\n") == expected
+    response = llm.get_model("pte:other").prompt("Tell me a story", max_tokens=12)
+    assert response.text() == expected
+    assert response.response_json["compute_dtype"] == "fp32" and response.output_tokens >= 4
+
+
+def test_a_sentencepiece_model_file_answers_as_transformers_with_sentencepiece(exported, tmp_path):
+    """A ``.model`` tokenizer (no chat template: the prompt is raw text after
+    BOS), against sentencepiece's own ids and text and transformers' greedy
+    ids (the trained fp16 model: clear winners)."""
+    import sentencepiece as spm
+
+    model_dir, pte = exported("llama", trained=True, dtype="fp16")
+    (tmp_path / "sp").mkdir()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(models.CORPUS * 4), model_prefix=str(tmp_path / "sp" / "sp"),
+                                   vocab_size=models.VOCAB, model_type="bpe", character_coverage=1.0, minloglevel=2)
+    path = tmp_path / "sp" / "tokenizer.model"
+    (tmp_path / "sp" / "sp.model").rename(path)
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(path), "--name", "sp")
+    assert r.exit_code == 0, r.output
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    reference = models.reference_model(model_dir, dtype="fp16")
+    for prompt in ("Tell me a story about a cat", "Why is the sky blue?"):
+        ids = [sp.bos_id()] + sp.encode(prompt)
+        new = models.greedy_ids(reference, ids, 10, sp.eos_id())
+        expected = sp.decode(ids + new)[len(sp.decode(ids)):]  # what the reply adds to the prompt's text
+        assert len(new) >= 4 and expected.strip()
+        response = llm.get_model("pte:sp").prompt(prompt, max_tokens=10)
+        assert response.text() == expected
+        assert response.input_tokens == len(ids) and response.output_tokens == len(new) + (len(new) < 10)
+        out = invoke("-m", "pte:sp", prompt, "-o", "max_tokens", "10", "--no-log").stdout
+        assert out.rstrip("\n") == expected
 
 
 # -- options and bad option values ----------------------------------------------
@@ -395,7 +479,7 @@ def test_sessions_are_bounded_least_recently_used_first(tiny):
     assert len(pool) == pool.max_sessions
 
 
-def test_edited_last_turn_trims_the_cache_and_matches_a_cold_run(tiny):
+def test_edited_last_turn_trims_the_cache_and_equals_transformers(tiny):
     register(tiny)
     model = llm.get_model("pte:tiny")
     conversation = model.conversation()
@@ -406,8 +490,9 @@ def test_edited_last_turn_trims_the_cache_and_matches_a_cold_run(tiny):
     edited_text = edited.text()
     assert edited.response_json["cache_path"] == "trim"
     assert 0 < edited.response_json["cached_tokens"] < edited.response_json["prompt_tokens"]
-    assert edited_text == run_cold([{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
-                                    {"role": "user", "content": "Tell me a story about a dog"}], 6)
+    reference = hf_turns(tiny, ["Hello there", "Tell me a story about a dog"], 6)
+    assert first == reference[0][2] and edited_text == reference[1][2]
+    assert edited.input_tokens == len(reference[1][0])
 
 
 def test_a_new_conversation_gets_its_own_session(tiny):
@@ -421,20 +506,19 @@ def test_a_new_conversation_gets_its_own_session(tiny):
 
 
 def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
-    """gemma3's sliding layers (window 16) drop history; turns still equal cold runs."""
-    _, pte = exported("gemma3")
+    """gemma3's sliding layers (window 16) drop history; each turn still
+    equals transformers on the whole history."""
+    model_dir, pte = exported("gemma3")
     tok = make_tokenizer(tmp_path / "tok")
     assert invoke("pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny").exit_code == 0
     conversation = llm.get_model("pte:tiny").conversation()
-    messages, paths = [], []
-    for text in ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]:
+    user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
+    paths = []
+    for text, (ids, _, expected) in zip(user_turns, models.hf_turns(tok.parent, model_dir, user_turns, 10)):
         r = conversation.prompt(text, max_tokens=10)
-        reply = r.text()
+        assert r.text() == expected and r.input_tokens == len(ids)
         paths.append(r.response_json["cache_path"])
         assert r.response_json["cache_length"] > 16  # well past the window
-        messages.append({"role": "user", "content": text})
-        assert run_cold(messages, 10) == reply
-        messages.append({"role": "assistant", "content": reply})
     assert paths == ["cold", "hit", "hit"]  # each turn reuses the ring-layered cache
 
 
@@ -458,6 +542,142 @@ def test_interrupted_turn_leaves_the_session_consistent(tiny):
     store.POOL.clear()
     cold = Turn(str(pte), str(tok_dir / "tokenizer.json"), messages, TurnOptions(max_tokens=5, chat="none"))
     assert "".join(cold) == text
+
+
+# -- Ctrl-C and streaming ---------------------------------------------------
+
+
+LONG_PROMPT = "Tell me a story about a cat who learns to read books in the old library, and why the sky is blue."
+
+
+@pytest.fixture
+def interrupt(monkeypatch, compiler):
+    """``interrupt(where, at)``: a KeyboardInterrupt at the ``at``-th time the
+    runtime reaches ``where``: "forward" (a layer's cache write inside a
+    forward call, after others wrote theirs), or "submit"/"wait" (a step
+    queued, or awaited, with the host thread helping run it)."""
+    from llm_executorch_mlx.runtime import cache as cache_module
+    from llm_executorch_mlx.runtime import program as program_module
+    from llm_executorch_mlx.runtime import steps as steps_module
+
+    armed = {}
+
+    def reached(where):
+        if where in armed:
+            armed[where] -= 1
+            if armed[where] == 0:
+                del armed[where]
+                raise KeyboardInterrupt
+
+    real_update = cache_module.SequenceCache.update_and_fetch
+
+    def update_and_fetch(self, layer, *args):
+        if layer == 1:  # layer 0 has written this call's keys and values
+            reached("forward")
+        return real_update(self, layer, *args)
+
+    monkeypatch.setattr(cache_module.SequenceCache, "update_and_fetch", update_and_fetch)
+    real_steps_for = program_module.steps_for
+
+    def steps_for(kernels):
+        plain = real_steps_for(kernels)
+        assert (plain is not steps_module.PLAIN) == compiler  # the helped steps where the extension is
+
+        def submit(*arrays):
+            plain.submit(*arrays)
+            reached("submit")
+
+        def wait(array):
+            reached("wait")  # the step still queued: the stream thread finishes it alone
+            plain.wait(array)
+
+        return steps_module.Steps(submit, wait)
+
+    monkeypatch.setattr(program_module, "steps_for", steps_for)
+
+    def arm(where, at):
+        armed[where] = at
+        return armed
+
+    return arm
+
+
+@pytest.mark.parametrize("arch, where, at", [
+    ("llama", "forward", 2), ("llama", "forward", 6), ("gemma3", "forward", 8),
+    ("llama", "submit", 4), ("llama", "wait", 3),
+], ids=["prefill", "decode", "decode-past-a-ring-window", "submitted-step", "awaited-step"])
+def test_ctrl_c_leaves_the_cache_as_transformers_would_continue_it(tiny, exported, interrupt, arch, where, at):
+    """Ctrl-C in a forward call (the second prefill chunk, a decode step,
+    one whose ring layer overwrote a cell before the interruption) or while
+    a step is queued or awaited: the prompt raises KeyboardInterrupt, and the
+    next prompts, reusing what the cache kept, answer as transformers does
+    on the history."""
+    pte, tok_dir, model_dir = tiny
+    if arch != "llama":
+        model_dir, pte = exported(arch)
+        tiny = (pte, tok_dir, model_dir)
+    register(tiny)
+    model = llm.get_model("pte:tiny")
+    armed = interrupt(where, at)
+    with pytest.raises(KeyboardInterrupt):
+        model.prompt(LONG_PROMPT, max_tokens=10).text()
+    assert not armed  # it was reached
+    (session,) = [s for _, s in turn_module.POOL._sessions.values()]
+    assert session.cache.length == len(session.tokens) > 0
+    user_turns = [LONG_PROMPT, "Why is the sky blue?"]
+    reference = hf_turns(tiny, user_turns, 10)
+    conversation = model.conversation()
+    for text, (_, _, expected) in zip(user_turns, reference):
+        r = conversation.prompt(text, max_tokens=10)
+        assert r.text() == expected
+    first = conversation.responses[0].response_json
+    assert first["cache_path"] in ("hit", "trim") and first["cached_tokens"] > 0  # the interrupted cache, reused
+
+
+def test_replies_stream_as_they_are_generated(tiny, monkeypatch):
+    """`llm` prints a reply as it comes and `llm chat` each turn's: the model
+    yields more than one chunk, each before the next forward call is made,
+    and stdout holds them all, equal to transformers' replies."""
+    from llm_executorch_mlx.runtime import program as program_module
+
+    register(tiny)
+    calls, chunks = [0], []
+    real_execute = program_module.Method.execute
+
+    def execute(self, *args, **kwargs):
+        calls[0] += 1
+        return real_execute(self, *args, **kwargs)
+
+    monkeypatch.setattr(program_module.Method, "execute", execute)
+    real_model_execute = type(llm.get_model("pte:tiny")).execute
+
+    def model_execute(self, prompt, stream, response, conversation):
+        assert stream
+        chunks.append([])
+        for chunk in real_model_execute(self, prompt, stream, response, conversation):
+            chunks[-1].append((chunk, calls[0]))
+            yield chunk
+
+    monkeypatch.setattr(type(llm.get_model("pte:tiny")), "execute", model_execute)
+
+    def streamed(turn):
+        assert len(turn) > 1
+        counts = [n for _, n in turn]
+        assert counts == sorted(counts) and counts[0] < counts[-1]  # chunk by chunk, as forward runs
+        return "".join(c for c, _ in turn)
+
+    prompt = "Why is the sky blue?"
+    _, expected = hf_greedy(tiny, [{"role": "user", "content": prompt}], 12)
+    r = invoke("-m", "pte:tiny", prompt, "-o", "max_tokens", "12", "--no-log")
+    assert r.exit_code == 0, r.output
+    assert r.stdout == streamed(chunks[0]) + "\n" and streamed(chunks[0]) == expected
+    chunks.clear()
+    user_turns = ["Hello there", "Tell me a story about a cat"]
+    r = invoke("chat", "-m", "pte:tiny", "-o", "max_tokens", "12", input="\n".join(user_turns) + "\nquit\n")
+    assert r.exit_code == 0, r.output
+    replies = [streamed(turn) for turn in chunks]
+    assert replies == [expected for _, _, expected in hf_turns(tiny, user_turns, 12)]
+    assert f"> {user_turns[0]}\n{replies[0]}\n> {user_turns[1]}\n{replies[1]}\n> quit" in r.output
 
 
 def test_truncate_drops_oldest_turns_with_a_notice(tiny, capsys):

@@ -1,0 +1,163 @@
+"""The runtime's GPU branches, run on MLX's CPU device, against transformers.
+
+Where MLX computes is read once per decision from ``dtypes.on_cpu()``; off
+the CPU the runtime takes other paths: ``mx.fast.scaled_dot_product_attention``
+for the cache's attention (``interp/ops/attention.py``), ``mx.fast.rms_norm``
+(``ops/nn.py``), ``mx.fast.rope`` for the fused rotate-half RoPE and the
+compiled ``_swiglu`` (``interp/fusion.py``), MLX's ``quantized_matmul`` for
+every quantized product (``ops/quant.py``), no CPU kernels
+(``cpu/selection.py``), and half-precision files computing in their own dtype
+(``compute="auto"`` is ``native``, ``dtypes.py``). Here ``on_cpu`` answers
+False in every module that reads it, MLX still runs on the CPU, and the CPU
+branches raise if reached; so these check our side of those paths (which
+ops, their arguments, masks, dtypes and casts) whole, through a model and
+through the plugin.
+
+What truly needs CUDA or Metal and is not run here: MLX's GPU kernels
+behind those same calls (its fused attention, RoPE and norm kernels, whose
+rounding differs from the CPU fallbacks run here), MLX's GPU scheduling
+(command buffers, CUDA graphs), Metal-only nodes (``MetalKernelNode``) and
+GPU memory. The device run for those is ``benchmarks/gpu_model.py`` with
+``bench_decode.py`` (benchmarks/README.md, "The GPU table"): a real-sized
+model on a GPU against mlx-lm on the same weights, its speed and how many
+greedy tokens the two share.
+"""
+
+import sys
+
+import llm
+import mlx.core as mx
+import models
+import pytest
+import torch
+from click.testing import CliRunner
+from llm.cli import cli
+from models import make_tokenizer
+from test_parity import (BF16_REL_TOL, NEW_TOKENS, PROMPT_LEN, Q4_REL_TOL, assert_close_where_decisive, greedy,
+                         prompt_for, reference_logits)
+
+from llm_executorch_mlx.runtime import dtypes, load_program
+from llm_executorch_mlx.runtime.cpu import fastmath
+from llm_executorch_mlx.runtime.interp import fusion
+from llm_executorch_mlx.runtime.interp.ops import attention as attention_ops
+from llm_executorch_mlx.runtime.interp.ops import nn as nn_ops
+from llm_executorch_mlx.text import turn as turn_module
+
+
+def cpu_branch(name):
+    def reached(*args, **kwargs):
+        raise AssertionError(f"the CPU branch {name} ran")
+
+    return reached
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Every module of the package sees a GPU; counts of the GPU calls made.
+    Programs and sessions the plugin loaded meanwhile hold a GPU's choices:
+    none outlives the test."""
+    forget_loaded_programs()
+    yield from _seeing_a_gpu(monkeypatch)
+    forget_loaded_programs()
+
+
+def forget_loaded_programs():
+    turn_module.POOL.clear()
+    turn_module._programs.clear()
+    turn_module._generated.clear()
+
+
+def _seeing_a_gpu(monkeypatch):
+    real, off_cpu = dtypes.on_cpu, lambda: False  # noqa: E731
+    for name, module in list(sys.modules.items()):
+        if name.startswith("llm_executorch_mlx") and getattr(module, "on_cpu", None) is real:
+            monkeypatch.setattr(module, "on_cpu", off_cpu)  # dtypes and every module that imported it
+    monkeypatch.setattr(attention_ops, "cpu_attention", cpu_branch("cpu_attention"))
+    monkeypatch.setattr(nn_ops, "_cpu_rms_norm", cpu_branch("_cpu_rms_norm"))
+    monkeypatch.setattr(fusion, "_RopeTables", cpu_branch("_RopeTables"))
+    monkeypatch.setattr(fastmath, "swiglu", cpu_branch("fastmath.swiglu"))
+    counts = {}
+
+    def counted(owner, attr, key):
+        real = getattr(owner, attr)
+
+        def call(*args, **kwargs):
+            counts[key] = counts.get(key, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attr, call)
+
+    counted(mx.fast, "scaled_dot_product_attention", "sdpa")
+    counted(mx.fast, "rms_norm", "rms_norm")
+    counted(mx.fast, "rope", "rope")
+    counted(fusion, "_swiglu", "swiglu")
+    counted(mx, "quantized_matmul", "quantized_matmul")
+    yield counts
+
+
+def forward_calls(program):
+    chunk = program.metadata.prefill_chunk
+    return -(-PROMPT_LEN // chunk) + NEW_TOKENS
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+def test_fp32_logits_match_transformers(exported, calls, arch):
+    model_dir, pte = exported(arch)
+    program = load_program(pte)
+    assert program.compute_dtype == "fp32"
+    assert not program.prepare_cpu_kernels().attention.on and not program.cpu_kernels.gemv.on
+    tokens, ours = greedy(pte, prompt_for(), NEW_TOKENS, kv_dtype="fp32")
+    ref = reference_logits(model_dir, tokens[:-1])
+    scale = abs(ref).max()
+    err = abs(ours[:-1] - ref).max()
+    assert err <= 1e-4 * scale, f"max abs error {err} vs logit scale {scale}"
+    assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()
+    n, layers = forward_calls(program), program.metadata.n_caches
+    assert calls["sdpa"] == n * layers and calls["rope"] == 2 * n * layers
+    assert calls["rms_norm"] >= n * (2 * layers + 1)  # before attention and MLP, and the last
+    assert calls.get("swiglu", 0) == (0 if arch == "gemma3" else n * layers)  # gemma gates with gelu
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bf16_files_compute_in_bf16_and_match_transformers_bf16(exported, calls, arch):
+    """A GPU's default route for a half-precision file: its own dtype, and a
+    cache stored in it."""
+    model_dir, pte = exported(arch, trained=True, dtype="bf16")
+    program = load_program(pte, compute="auto")
+    assert program.compute_dtype == "bf16"
+    assert program.new_cache(capacity=8).dtype == "bf16"
+    tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="auto")
+    ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16)
+    assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL)
+    assert calls["sdpa"] and calls["rms_norm"] and calls["rope"]
+
+
+def test_4bit_linears_run_as_mlx_quantized_matmul_and_match_torchao(exported, calls):
+    model_dir, pte = exported("llama", trained=True, dtype="fp32", qlinear="4w")
+    tokens, ours = greedy(pte, prompt_for(2), NEW_TOKENS, kv_dtype="fp32")
+    ref = reference_logits(model_dir, tokens[:-1], quantize="4w")
+    assert_close_where_decisive(tokens, ours[:-1], ref, Q4_REL_TOL)
+    assert calls["quantized_matmul"] >= 7 * 2 * NEW_TOKENS  # q, k, v, o, gate, up, down per layer
+
+
+def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    model_dir, pte = exported("llama")
+    tok = make_tokenizer(tmp_path / "tok")
+    runner = CliRunner()
+    r = runner.invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny"],
+                      catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    info = runner.invoke(cli, ["pte", "info", "tiny"], catch_exceptions=False).output
+    assert "attention:" not in info and "BLAS" not in info  # no CPU kernels are described off the CPU
+    prompt = "Why is the sky blue?"
+    _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 12)
+    r = runner.invoke(cli, ["-m", "pte:tiny", prompt, "-o", "max_tokens", "12", "--no-log"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.rstrip("\n") == expected
+    conversation = llm.get_model("pte:tiny").conversation()
+    conversation.prompt(prompt, max_tokens=6).text()
+    second = conversation.prompt("Tell me a story", max_tokens=6)
+    second.text()
+    assert second.response_json["cache_path"] == "hit"
+    assert calls["sdpa"] and calls["swiglu"]
