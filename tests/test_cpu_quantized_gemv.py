@@ -71,6 +71,32 @@ def test_matches_numpy_and_mlx_on_the_stored_weights(kernel, bits, group, N, K, 
     np.testing.assert_allclose(np.array(y), np.array(ref), rtol=0, atol=tolerance(x, w_hand))
 
 
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64), (4, 128)])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_several_products_of_one_x_equal_each_alone(kernel, bits, group, M):
+    """``quantized_gemvs``: x prepared once, the products one job; each output
+    is exactly the single product's (the same rows, the same sums)."""
+    rng = np.random.default_rng(bits + group + M)
+    weights = [quantized(rng, N, 768, bits, group) for N in (576, 192, 200)]
+    x = mx.array(rng.standard_normal((1, M, 768)).astype(np.float32))
+    together = kernel.quantized_gemvs(x, *map(list, zip(*weights)), group, bits)
+    assert len(together) == 3
+    for (q, scales, biases), y in zip(weights, together):
+        alone = kernel.quantized_gemv(x, q, scales, biases, group, bits)
+        assert y.shape == alone.shape == (1, M, q.shape[0])
+        np.testing.assert_array_equal(np.array(y), np.array(alone))
+        w_hand = by_hand(q, scales, biases, bits, group)
+        np.testing.assert_allclose(np.array(y), np.array(x) @ w_hand.T, rtol=0, atol=tolerance(np.array(x), w_hand))
+
+
+def test_products_of_one_x_take_weights_of_the_same_k_only(kernel):
+    rng = np.random.default_rng(3)
+    a, b = quantized(rng, 8, 256, 4, 32), quantized(rng, 8, 512, 4, 32)
+    x = mx.array(rng.standard_normal((1, 1, 256)).astype(np.float32))
+    with pytest.raises(ValueError, match=r"needs x \[\.\.\., K\]"):
+        kernel.quantized_gemvs(x, [a[0], b[0]], [a[1], b[1]], [a[2], b[2]], 32, 4)
+
+
 def test_a_strided_row_is_read_as_it_is(kernel):
     rng = np.random.default_rng(5)
     q, scales, biases = quantized(rng, 64, 256, 4, 32)

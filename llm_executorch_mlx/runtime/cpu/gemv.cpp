@@ -129,8 +129,7 @@ void quantized_rows_here(const QuantizedRows& r, int64_t lo, int64_t hi) {
 // then fit the registers); more rows take more passes over the same chunk,
 // which the first pass left in cache.
 template <int BITS>
-void quantized_job_rows(const SharedJob& job, int64_t lo, int64_t hi) {
-  const Product& j = *static_cast<const Product*>(job.task);
+void quantized_product_rows(const Product& j, int64_t lo, int64_t hi) {
   const int64_t groups = j.q.K / j.q.group;
   for (int m = 0; m < j.q_rows; m += 4) {
     QuantizedRows r = j.q;
@@ -145,6 +144,23 @@ void quantized_job_rows(const SharedJob& job, int64_t lo, int64_t hi) {
       case 3: quantized_rows_here<BITS, 3>(r, lo, hi); break;
       default: quantized_rows_here<BITS, 4>(r, lo, hi);
     }
+  }
+}
+
+// Several quantized products of one x (q, k and v; gate and up), as one
+// SharedJob's task: its chunks, each rows of one product.
+struct QuantizedProducts {
+  std::vector<Product> each;
+  std::vector<std::pair<int, int64_t>> chunks;  // (product, first row)
+  std::vector<int64_t> chunk_rows;  // per product
+};
+
+template <int BITS>
+void quantized_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
+  const QuantizedProducts& t = *static_cast<const QuantizedProducts*>(job.task);
+  for (int64_t c = lo; c < hi; ++c) {
+    const auto [i, first] = t.chunks[c];
+    quantized_product_rows<BITS>(t.each[i], first, std::min(t.each[i].q.N, first + t.chunk_rows[i]));
   }
 }
 
@@ -199,9 +215,13 @@ class SharedGemv : public SharedPrimitive {
   const char* name() const override { return "SharedGemv"; }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
-    auto shape = inputs[0].shape();
-    shape.back() = bits_ ? inputs[1].shape(0) : inputs[1].shape(1);
-    return {shape};
+    std::vector<mx::Shape> shapes;
+    for (size_t i = 1; i < inputs.size(); i += bits_ ? 3 : 1) {
+      auto shape = inputs[0].shape();
+      shape.back() = bits_ ? inputs[i].shape(0) : inputs[i].shape(1);
+      shapes.push_back(shape);
+    }
+    return shapes;
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
@@ -212,41 +232,51 @@ class SharedGemv : public SharedPrimitive {
  private:
   int bits_, group_;
 
-  // x [..., M, K] (M <= kQuantizedRows) against W [N, K] stored as MLX's affine
-  // quantization, read as stored (quantized_rows.h).
+  // x [..., M, K] (M <= kQuantizedRows) against each W [N, K] stored as MLX's
+  // affine quantization (inputs: x, then w, scales, biases per product), read
+  // as stored (quantized_dot.h, quantized_rows.h); x is prepared once.
   void eval_quantized(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-    const auto &x = inputs[0], &w = inputs[1], &scales = inputs[2], &biases = inputs[3];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const auto& x = inputs[0];
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
-    const int64_t K = x.shape(-1), N = w.shape(0), M = x.size() / K;
+    const int n = int(outputs.size());
+    std::vector<Product> each(n);
+    std::vector<std::shared_ptr<std::atomic<bool>>> started;
+    const int64_t K = x.shape(-1), M = x.size() / K;
+    for (int i = 0; i < n; ++i) {
+      const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
+      auto& out = outputs[i];
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      each[i].q = {w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr,
+                   nullptr, out.data<float>(), K, w.shape(0), group_};
+      each[i].q_rows = int(M);
+      started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
+    }
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const float* xp = x.data<float>();
-    const uint32_t* wp = w.data<uint32_t>();
-    const float *sp = scales.data<float>(), *bp = biases.data<float>();
-    float* yp = out.data<float>();
     const int bits = bits_, group = group_;
-    auto started = read_ahead_later(w, wp, w.nbytes());
-    encoder.dispatch([=]() {
-      started->store(true, std::memory_order_relaxed);
-      Product p{};
+    encoder.dispatch([=]() mutable {
+      for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> sums(M * (K / group));
 #if LLM_PTE_INTEGER_DOT
       std::vector<int16_t> rounded(M * 2 * K);
       std::vector<float> steps(M * (K / integer_span(bits, group)) * kLanes32);
       (bits == 4 ? prepare_x<4> : prepare_x<8>)(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(), sums.data());
-      p.q = {wp, sp, bp, nullptr, sums.data(), rounded.data(), steps.data(), yp, K, N, group};
+      for (auto& p : each) p.q.xsum = sums.data(), p.q.xq = rounded.data(), p.q.xd = steps.data();
 #else
       std::vector<float> permuted(M * K);
       permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
-      p.q = {wp, sp, bp, permuted.data(), sums.data(), nullptr, nullptr, yp, K, N, group};
+      for (auto& p : each) p.q.xsum = sums.data(), p.q.xp = permuted.data();
 #endif
-      p.q_rows = int(M);
-      // ~32 KB of packed weights a chunk, as the fp32 product's chunks
-      SharedJob j(bits == 4 ? quantized_job_rows<4> : quantized_job_rows<8>, &p, N,
-                  std::max<int64_t>(4, 32768 / std::max<int64_t>(w.shape(1) * 4, 1) / 4 * 4));
+      QuantizedProducts task{each, {}, {}};
+      for (int i = 0; i < n; ++i) {
+        // ~32 KB of packed weights a chunk, as the fp32 product's chunks
+        const int64_t rows = std::max<int64_t>(4, 32768 / std::max<int64_t>(K * bits / 8, 1) / 4 * 4);
+        task.chunk_rows.push_back(rows);
+        for (int64_t first = 0; first < each[i].q.N; first += rows) task.chunks.emplace_back(i, first);
+      }
+      SharedJob j(bits == 4 ? quantized_chunks<4> : quantized_chunks<8>, &task, int64_t(task.chunks.size()), 1);
       run_shared(j);
     });
   }
@@ -292,24 +322,39 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
   return err.str();
 }
 
-mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
+                                       const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                       int group_size, int bits, mx::StreamOrDevice s) {
   std::ostringstream err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
   if (x.dtype() != mx::float32) {
     err << "x must be float32";
-  } else if (std::string why = check_quantized(w, scales, biases, K, group_size, bits); !why.empty()) {
-    err << why;
+  } else if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size()) {
+    err << "needs one or more weights, each with its scales and biases";
   } else if (x.size() / K > kQuantizedRows || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
     err << "takes at most " << kQuantizedRows << " rows in its last two axes, got " << x.shape();
+  }
+  for (size_t i = 0; err.str().empty() && i < ws.size(); ++i) {
+    if (std::string why = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits); !why.empty()) err << why;
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
   if (!err.str().empty()) throw std::invalid_argument("quantized_gemv: " + err.str());
-  auto shape = x.shape();
-  shape.back() = w.shape(0);
-  return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream, bits, group_size),
-                   {x, w, scales, biases});
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::array> inputs{x};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto shape = x.shape();
+    shape.back() = ws[i].shape(0);
+    shapes.push_back(shape);
+    inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
+  }
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(ws.size(), mx::float32),
+                                std::make_shared<SharedGemv>(stream, bits, group_size), inputs);
+}
+
+mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
+                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
+  return quantized_gemvs(x, {w}, {scales}, {biases}, group_size, bits, s)[0];
 }
 
 // MLX's affine dequantization (4 or 8 bits, fp32 scales and biases) on the

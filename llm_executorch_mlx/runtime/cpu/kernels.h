@@ -30,6 +30,12 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s);
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
                          const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s);
 
+// quantized_gemv of one x with each of several weights (a layer's q, k and v
+// projections), x prepared once and the products one shared job.
+std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
+                                       const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
+                                       int group_size, int bits, mx::StreamOrDevice s);
+
 // mx.dequantize(w, scales, biases) for the layouts quantized_gemv takes, vectorised.
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                      int bits, mx::StreamOrDevice s);

@@ -25,6 +25,10 @@ NB_MODULE(cpu_kernels, m) {
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"
         "quantization (4 or 8 bits, groups of 32/64/128, fp32 scales and biases), on the CPU,\n"
         "read as stored; the host thread helps as with gemv.");
+  m.def("quantized_gemvs", &llm_pte::quantized_gemvs, "x"_a, "ws"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "[quantized_gemv(x, w, s, b) for w, s, b in zip(ws, scales, biases)] as one op: x prepared\n"
+        "once, the products one job shared with the host.");
   m.def("dequantize", &llm_pte::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         nb::kw_only(), "stream"_a = nb::none(),
         "mx.dequantize(w, scales, biases, group_size, bits) for 4- or 8-bit affine weights with\n"

@@ -23,6 +23,7 @@ from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..pte.graph import node_name, tensor_fields
 from .fusion import GROUP, plan_swiglu, try_fuse
+from .grouping import plan_quantized_group
 from .int32 import clamp_int32
 from .ops import BUILDERS
 from .ops.nn import build_addmm_last_row
@@ -253,7 +254,7 @@ class BuildContext:
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
-    deferred: dict[int, Run] = {}  # instruction index -> its fused replacement
+    deferred: dict[int, tuple[str, Run]] = {}  # instruction index -> its fused replacement
     # Fusions drop intermediates that only later nodes of this chain could
     # read; the init chain and sub-chains share the frame with other chains.
     fusing = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
@@ -278,13 +279,22 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
         instr = instructions[i]
         swiglu = plan_swiglu(ctx, instructions, i) if fusing else None
         if swiglu is not None:
-            silu_run, j, deferred[j] = swiglu
+            silu_run, j, multiply_run = swiglu
+            deferred[j] = ("SwiGLUFused", multiply_run)
             ops.append(("SiluNode", silu_run))
             ctx.record_write("SiluNode", instr.op)
             i += 1
             continue
         if i in deferred:
-            ops.append(("SwiGLUFused", deferred.pop(i)))
+            ops.append(deferred.pop(i))
+            ctx.record_write(node_name(instr), instr.op)
+            i += 1
+            continue
+        group = plan_quantized_group(ctx, instructions, i, deferred.keys()) if fusing else None
+        if group is not None:
+            first_run, later = group
+            deferred.update((j, ("QuantizedMatmulGrouped", run)) for j, run in later.items())
+            ops.append(("QuantizedMatmulGroup", first_run))
             ctx.record_write(node_name(instr), instr.op)
             i += 1
             continue
