@@ -291,6 +291,7 @@ def prompt_ids(hf: pathlib.Path, n: int) -> list[int]:
 class Ours(bd.Ours):
     def __init__(self, pte: pathlib.Path, label: str, kv: str):
         self.kv_dtype = KV_TYPES[kv][1]
+        self._session = None  # (cache, forward) of the short case's conversation
         super().__init__(pte, "auto")
         self.label = f".pte {label}, computes in {self.compute_dtype}; KV {kv}"
 
@@ -298,11 +299,17 @@ class Ours(bd.Ours):
         return self.program.new_cache(capacity=capacity, dtype=self.kv_dtype)
 
     def short(self, history: list[int], chunk: list[int]) -> bd.Run:
+        """As a chat turn in a conversation the plugin holds: its session's
+        cache and loaded method are kept from turn to turn (llama.cpp's
+        context is, too); the cache is cleared and the history fed untimed."""
         from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
         meta = self.program.metadata
-        cache = self.new_cache(meta.max_context)
-        forward = self.program.load_method("forward", cache=cache)
+        if self._session is None:
+            cache = self.new_cache(meta.max_context)
+            self._session = cache, self.program.load_method("forward", cache=cache)
+        cache, forward = self._session
+        cache.clear()
         greedy = lambda logits, ids: self.sampler.sample(logits)  # noqa: E731
         for _ in generate_tokens(forward, cache, history, 0, meta.prefill_chunk, greedy, 1, Timings()):
             pass  # one token: the history is fed, the token it yields is not

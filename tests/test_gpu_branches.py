@@ -41,7 +41,7 @@ from llm_executorch_mlx.runtime.cpu import fastmath
 from llm_executorch_mlx.runtime.interp import fusion
 from llm_executorch_mlx.runtime.interp.ops import attention as attention_ops
 from llm_executorch_mlx.runtime.interp.ops import nn as nn_ops
-from llm_executorch_mlx.text import turn as turn_module
+from llm_executorch_mlx.text import store
 
 
 def cpu_branch(name):
@@ -62,9 +62,9 @@ def calls(monkeypatch):
 
 
 def forget_loaded_programs():
-    turn_module.POOL.clear()
-    turn_module._programs.clear()
-    turn_module._generated.clear()
+    store.POOL.clear()
+    store._programs.clear()
+    store.REPLIES.clear()
 
 
 def _seeing_a_gpu(monkeypatch):

@@ -622,7 +622,7 @@ def test_ctrl_c_leaves_the_cache_as_transformers_would_continue_it(tiny, exporte
     with pytest.raises(KeyboardInterrupt):
         model.prompt(LONG_PROMPT, max_tokens=10).text()
     assert not armed  # it was reached
-    (session,) = [s for _, s in turn_module.POOL._sessions.values()]
+    (session,) = [s for _, s in store.POOL._sessions.values()]
     assert session.cache.length == len(session.tokens) > 0
     user_turns = [LONG_PROMPT, "Why is the sky blue?"]
     reference = hf_turns(tiny, user_turns, 10)

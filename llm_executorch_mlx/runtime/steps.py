@@ -1,8 +1,9 @@
 """How a method's step is queued and awaited: plain, or with the host thread helping.
 
 On the CPU, with the shared GEMV in use (``cpu.kernels()``), a decode step's
-one-row products are ``gemv`` nodes whose rows the stream thread shares with
-whichever host thread is inside ``submit`` or ``wait`` (``cpu/gemv.cpp``).
+products and attention are extension ops whose work the stream thread shares
+with whichever host thread is inside ``submit`` or ``wait``
+(``cpu/shared_work.cpp``).
 Otherwise ``submit`` is ``mx.async_eval`` and ``wait`` returns at once
 (reading the array waits). Chosen once per method, at load.
 """

@@ -1,5 +1,6 @@
 // Eight-lane float helpers shared by the extension's two parts (attention.cpp,
-// gemv.cpp): GCC/Clang vector extensions, AVX or NEON registers.
+// gemv.cpp): GCC/Clang vector extensions, AVX or NEON registers; sixteen-lane
+// loads where the build has AVX-512.
 
 #pragma once
 
