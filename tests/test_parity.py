@@ -158,13 +158,15 @@ def test_4bit_linear_matches_torchao_reference(exported, gemv, monkeypatch):
     tokens, ours = greedy(pte, prompt_for(2), NEW_TOKENS, kv_dtype="fp32")
     ref = reference_logits(model_dir, tokens[:-1], quantize="4w")
     assert_close_where_decisive(tokens, ours[:-1], ref, Q4_REL_TOL)
-    # with the extension, each layer's q, k, v and its gate, up ran as one op each (grouping.py)
+    # with the extension's GEMV, each layer's q, k, v and its gate, up ran as
+    # one op each (grouping.py); without it (the flag, or no compiler) none did
     program = load_program(pte)
-    program.prepare_cpu_kernels()
+    grouped = program.prepare_cpu_kernels().gemv.on
+    assert grouped == (gemv == "1" and program.cpu_kernels.extension is not None)
     forward = program.load_method("forward", cache=program.new_cache(capacity=16))
-    groups = 2 * program.metadata.n_caches if gemv == "1" else 0
-    assert forward.op_names.count("QuantizedMatmulGroup") == groups
-    assert forward.op_names.count("QuantizedMatmulGrouped") == 3 * program.metadata.n_caches * (gemv == "1")
+    layers = program.metadata.n_caches
+    assert forward.op_names.count("QuantizedMatmulGroup") == 2 * layers * grouped
+    assert forward.op_names.count("QuantizedMatmulGrouped") == 3 * layers * grouped
 
 
 def test_gemma3_ring_layers_wrap_in_decode(exported):
