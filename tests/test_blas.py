@@ -39,7 +39,9 @@ b = np.random.default_rng(1).standard_normal((48, 40)).astype(np.float32)
 product = np.array(mx.array(a) @ mx.array(b))
 row = np.array(mx.array(a[:1]) @ mx.array(b))
 status = blas.load_fast_blas()
+import os
 print("PROBE " + json.dumps({
+    "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     "library": status.library,
     "reason": status.reason,
     "advice": status.advice,
@@ -69,6 +71,17 @@ def test_openblas_behind_the_one_row_route_is_the_default(tmp_path):
     assert "SGEMM(" not in stdout and "SGEMV(" not in stdout  # MKL is not used
     assert facts["max_err"] < 1e-4
     assert facts["advice"] is None
+
+
+def test_openblas_threads_stop_spinning_soon_unless_told_otherwise():
+    """OpenBLAS reads its threads' spin time as it loads: ours, 2^22 cycles,
+    unless the user set one (benchmarks/bench_formats.py's short case shows
+    why: spinning threads took a core from the next chat turn)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
+    assert json.loads(done.stdout.split("PROBE ", 1)[1])["thread_timeout"] == "22"
+    facts, _ = probe(OPENBLAS_THREAD_TIMEOUT="10")
+    assert facts["thread_timeout"] == "10"
 
 
 def test_without_a_c_compiler_mkl_serves_mlx_matmuls():
@@ -249,7 +262,9 @@ b = np.random.default_rng(1).standard_normal((48, 40)).astype(np.float32)
 product = np.array(mx.array(a) @ mx.array(b))
 status = blas.load_fast_blas()
 sgemm = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
+import os
 print("PROBE " + json.dumps({
+    "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
     "library": status.library,
     "reason": status.reason,
     "libmlx_calls_global_sgemm": got.bound_to(str(blas._libmlx()), "cblas_sgemm") == [sgemm],

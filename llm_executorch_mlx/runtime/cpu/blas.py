@@ -41,6 +41,13 @@ from dataclasses import dataclass
 from . import got, sgemm_route
 
 ENV_VAR = "LLM_PTE_BLAS"
+# OpenBLAS's threads spin for 2^n cycles after a product before they sleep
+# (n = 28 by default: ~0.1 s). After a prefill that is a core taken from the
+# decode step's host-helped products: a 16-token chat turn right after a
+# 300-token prefill took 137 ms against 83 after a decode step. 2^22 cycles
+# (~1.5 ms) still spans the gap between a prefill's products (prefill within
+# ~3%, at 20 ~10% slower) and ends the stall; a value already set is kept.
+THREAD_TIMEOUT_VAR, THREAD_TIMEOUT = "OPENBLAS_THREAD_TIMEOUT", "22"
 REBOUND = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # what MLX's CPU backend calls
 KEEP_REFERENCE = "reference"
 
@@ -112,6 +119,7 @@ def _decide() -> BlasStatus:
     if bound is not None:
         return BlasStatus(bound, "already loaded (LD_PRELOAD or the host program)")
     late = "mlx.core" in sys.modules  # libmlx is bound to its reference BLAS already
+    os.environ.setdefault(THREAD_TIMEOUT_VAR, THREAD_TIMEOUT)  # read as OpenBLAS loads, below
     status = _select(choice)
     if late and status.library is not None:
         status = _rebind_loaded_mlx(status)
