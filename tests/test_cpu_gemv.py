@@ -1,4 +1,4 @@
-"""The extension's one-row product (``gemv``, runtime/cpu/gemv.cpp) against
+"""The extension's few-row product (``gemv``, runtime/cpu/gemv.cpp) against
 numpy, and the host thread's share of it (``submit_helping``/``wait_helping``,
 which a method's ``submit``/``wait`` call for every decode step on the CPU,
 runtime/steps.py)."""
@@ -39,11 +39,12 @@ def weight(rng, N, K):
         (5, 1),
     ],
 )
-def test_matches_numpy_for_a_row_major_weight(kernel, K, N):
-    rng = np.random.default_rng(K + N)
-    W, x = weight(rng, N, K), rng.standard_normal((1, 1, K)).astype(np.float32)
+@pytest.mark.parametrize("M", [1, 3, 4, 7, 16, 32])  # a decode step's row; a short chunk's
+def test_matches_numpy_for_a_row_major_weight(kernel, K, N, M):
+    rng = np.random.default_rng(K + N + M)
+    W, x = weight(rng, N, K), rng.standard_normal((1, M, K)).astype(np.float32)
     y = kernel.gemv(mx.array(x), mx.array(W).T)  # the exported linear: x @ W^T
-    assert y.shape == (1, 1, N)
+    assert y.shape == (1, M, N)
     np.testing.assert_allclose(np.array(y), x @ W.T, rtol=1e-5, atol=1e-4)
 
 
@@ -52,7 +53,8 @@ def test_other_layouts_and_a_strided_row_are_read_as_they_are(kernel):
     W = weight(rng, 40, 24)
     column_major = mx.contiguous(mx.array(W).T)  # [K, N] contiguous: W's columns
     every_other = mx.array(rng.standard_normal((1, 48)).astype(np.float32))[:, ::2]
-    for x in (mx.array(rng.standard_normal((24,)).astype(np.float32)), every_other):
+    rows_apart = mx.array(rng.standard_normal((5, 30)).astype(np.float32))[::2, 3:27]  # 3 rows, strided
+    for x in (mx.array(rng.standard_normal((24,)).astype(np.float32)), every_other, rows_apart):
         y = kernel.gemv(x, column_major)
         np.testing.assert_allclose(np.array(y), np.array(x) @ W.T, rtol=1e-5, atol=1e-5)
 
@@ -61,9 +63,11 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
     x, w = mx.zeros((1, 8)), mx.zeros((8, 4))
     with pytest.raises(ValueError, match="float32"):
         kernel.gemv(x.astype(mx.bfloat16), w)
-    with pytest.raises(ValueError, match="one row"):
-        kernel.gemv(mx.zeros((2, 8)), w)
-    with pytest.raises(ValueError, match="one row"):
+    with pytest.raises(ValueError, match="M <= 32 rows"):
+        kernel.gemv(mx.zeros((33, 8)), w)
+    with pytest.raises(ValueError, match="in its last two axes"):
+        kernel.gemv(mx.zeros((2, 2, 8)), w)
+    with pytest.raises(ValueError, match=r"w \[K, N\]"):
         kernel.gemv(x, mx.zeros((7, 4)))
 
 
@@ -135,10 +139,15 @@ def test_results_do_not_depend_on_which_thread_ran_a_chunk(kernel):
         np.testing.assert_array_equal(np.array(helped), np.array(alone))
 
 
-def test_a_model_decodes_with_it_and_prefills_with_blas(kernel, exported, monkeypatch):
+@pytest.mark.parametrize("few", [32, 4])  # the default; one that sends the first chunk to BLAS
+def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas(kernel, exported, monkeypatch,
+                                                                                 few):
     from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.runtime.interp.ops import nn
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
+    assert nn.DENSE_GEMV_ROWS == 32  # cpu/gemv.cpp's kDenseRows
+    monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few)
     rows = []
     real = kernel.gemv
     monkeypatch.setattr(kernel, "gemv", lambda x, w: rows.append(x.shape[:-1]) or real(x, w))
@@ -150,11 +159,14 @@ def test_a_model_decodes_with_it_and_prefills_with_blas(kernel, exported, monkey
     greedy = lambda logits, history: mx.argmax(logits, axis=-1)
     steps = list(generate_tokens(forward, cache, list(range(1, 12)), 0, 8, greedy, 4, Timings()))
     assert len(steps) == 4
-    # 3 decode steps (the 4th token is read, not fed): every linear of each
-    # is the extension's, on one row; the prefill chunks' are not
-    per_step = len(rows) // 3
-    assert len(rows) == 3 * per_step and per_step >= 7 * program.metadata.n_caches
-    assert set(rows) == {(1, 1)}
+    # chunks of 8 and 3 rows, then 3 decode steps (the 4th token is read, not
+    # fed): every linear of a step or a chunk of at most `few` rows is the
+    # extension's; a longer chunk's are BLAS's, its LM head included (one row)
+    per_step = rows.count((1, 3)) + 1  # a chunk's LM head takes its last row only
+    assert per_step >= 7 * program.metadata.n_caches
+    assert rows.count((1, 8)) == (per_step - 1 if few >= 8 else 0)
+    assert rows.count((1, 1)) == 3 * per_step + (2 if few >= 8 else 1)
+    assert set(rows) == ({(1, 1), (1, 3), (1, 8)} if few >= 8 else {(1, 1), (1, 3)})
 
 
 def test_a_helped_step_is_right_while_another_thread_runs_mlx_work(kernel):
@@ -199,13 +211,14 @@ def test_a_helped_step_is_right_while_another_thread_runs_mlx_work(kernel):
 
 
 @pytest.mark.parametrize("K, N", [(576, 576), (1536, 576), (13, 7)])
-def test_bf16_weights_are_widened_as_they_are_read(kernel, K, N):
+@pytest.mark.parametrize("M", [1, 5, 32])
+def test_bf16_weights_are_widened_as_they_are_read(kernel, K, N, M):
     """A bf16 weight under fp32 compute (kept as stored, program.py): the
     product is the fp32 product of its widened values (widening is exact;
     the compiler may fuse a multiply-add differently in the tail)."""
     rng = np.random.default_rng(K * N)
     W = mx.array(weight(rng, N, K)).astype(mx.bfloat16)
-    x = mx.array(rng.standard_normal((1, 1, K)).astype(np.float32))
+    x = mx.array(rng.standard_normal((1, M, K)).astype(np.float32))
     y = kernel.gemv(x, W.T)
     np.testing.assert_allclose(np.array(y), np.array(kernel.gemv(x, W.astype(mx.float32).T)), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.array(y), np.array(x) @ np.array(W.astype(mx.float32)).T, rtol=1e-5, atol=1e-4)

@@ -2,7 +2,7 @@
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. One module, ``cpu_kernels``, holds both parts: ``attention.cpp`` (fused
-attention) and ``gemv.cpp`` (one-row products), with ``shared_work.cpp``
+attention) and ``gemv.cpp`` (few-row products), with ``shared_work.cpp``
 (the helped submission of a step: the host thread runs chunks of both
 parts' decode work), bound by ``module.cpp``. It is compiled
 once per source, compiler, MLX (version and install), nanobind, Python and

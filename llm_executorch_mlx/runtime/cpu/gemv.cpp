@@ -1,5 +1,5 @@
-// One-row products (a decode step's linear layers, a short chunk's quantized
-// ones) on MLX's CPU stream, shared with the host thread (shared_work.cpp).
+// Few-row products (a decode step's linear layers, a short chunk's) on MLX's
+// CPU stream, shared with the host thread (shared_work.cpp).
 // A decode step reads every weight once in these products: 538 MB for
 // SmolLM-135M in fp32, ~100 MB at 4 bits.
 //
@@ -28,12 +28,14 @@ namespace {
 
 // One product, as its SharedJob's task: y for W's rows.
 struct Product {
-  // a dense product (dense_rows): W fp32, or bf16 under fp32 compute
+  // a dense product (dense_rows): W fp32, or bf16 under fp32 compute, against
+  // x_rows rows of x (contiguous, [x_rows, K]); y is [x_rows, N]
   const float* x;
   const void* w;
   float* y;
-  int64_t K;
+  int64_t K, N;
   int64_t w_row, w_col;  // strides of W [N, K] (W^T is the op's [K, N] operand)
+  int x_rows;
   QuantizedRows q;  // a quantized product (quantized_rows) of q_rows rows of x
   int q_rows;
 };
@@ -42,75 +44,129 @@ struct Product {
 // read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
 constexpr int kQuantizedRows = 16;
 
-// s[i] = x . w_i over [0, k) for the returned k (the rest is the caller's),
-// eight lanes at a time, or sixteen where the build has AVX-512: a bf16
-// weight then widens 16 at a time, which halves the instructions per weight
-// that made a bf16 decode compute-bound.
-template <typename T>
-int64_t dot4(const float* x, const T* w0, const T* w1, const T* w2, const T* w3, int64_t K, float* s) {
+// Most rows of x a dense product takes. Below this, BLAS's sgemm costs about
+// what a whole prefill chunk's would: it repacks every weight for each call
+// (benchmarks/bench_rows.py measures the crossing).
+constexpr int kDenseRows = 32;
+
+// s[r * 4 + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
+// four weight rows, for the returned k (the rest is the caller's): sixteen
+// lanes where the build has AVX-512, eight otherwise. A bf16 weight widens as
+// it is loaded, once for all R rows: with one row that halved the
+// instructions per weight that made a bf16 decode compute-bound. `next`
+// (the next four rows, at the same stride) is prefetched on the first pass
+// over a chunk: its rows are too short for the hardware prefetcher to ramp up.
+template <int R, typename T>
+int64_t dot_rows(const float* x, const T* w0, const T* w1, const T* w2, const T* w3, int64_t K, float* s,
+                 const T* next = nullptr, int64_t w_row = 0) {
 #if defined(__AVX512F__)
   const int64_t K16 = K / 16 * 16;
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K16; k += 16) {
-    const __m512 v = _mm512_loadu_ps(x + k);
-    a0 = _mm512_fmadd_ps(v, load16(w0 + k), a0);
-    a1 = _mm512_fmadd_ps(v, load16(w1 + k), a1);
-    a2 = _mm512_fmadd_ps(v, load16(w2 + k), a2);
-    a3 = _mm512_fmadd_ps(v, load16(w3 + k), a3);
+    if (next) {
+      for (int i = 0; i < 4; ++i) __builtin_prefetch(next + i * w_row + k);
+    }
+    const __m512 v0 = load16(w0 + k), v1 = load16(w1 + k), v2 = load16(w2 + k), v3 = load16(w3 + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = _mm512_loadu_ps(x + r * K + k);
+      a[r][0] = _mm512_fmadd_ps(v, v0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(v, v1, a[r][1]);
+      a[r][2] = _mm512_fmadd_ps(v, v2, a[r][2]);
+      a[r][3] = _mm512_fmadd_ps(v, v3, a[r][3]);
+    }
   }
-  s[0] = _mm512_reduce_add_ps(a0), s[1] = _mm512_reduce_add_ps(a1);
-  s[2] = _mm512_reduce_add_ps(a2), s[3] = _mm512_reduce_add_ps(a3);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) s[r * 4 + i] = _mm512_reduce_add_ps(a[r][i]);
   return K16;
 #else
   const int64_t K8 = K / 8 * 8;
-  f8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  f8 a[R][4] = {};
   for (int64_t k = 0; k < K8; k += 8) {
-    const f8 v = load8(x + k);
-    a0 += v * load8(w0 + k);
-    a1 += v * load8(w1 + k);
-    a2 += v * load8(w2 + k);
-    a3 += v * load8(w3 + k);
+    if (next) {
+      for (int i = 0; i < 4; ++i) __builtin_prefetch(next + i * w_row + k);
+    }
+    const f8 v0 = load8(w0 + k), v1 = load8(w1 + k), v2 = load8(w2 + k), v3 = load8(w3 + k);
+    for (int r = 0; r < R; ++r) {
+      const f8 v = load8(x + r * K + k);
+      a[r][0] += v * v0, a[r][1] += v * v1, a[r][2] += v * v2, a[r][3] += v * v3;
+    }
   }
-  s[0] = sum8(a0), s[1] = sum8(a1), s[2] = sum8(a2), s[3] = sum8(a3);
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < 4; ++i) s[r * 4 + i] = sum8(a[r][i]);
   return K8;
 #endif
 }
 
-// y[n] = W[n, :] . x for n in [lo, hi): four rows at a time when each row is
-// contiguous (how layout.py leaves linear weights when this op runs them),
-// a plain strided loop otherwise. T: float, or uint16_t for bf16 weights,
-// widened as they are loaded (exactly: a bf16 is the top half of an fp32).
-template <typename T>
-void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
-  const Product& j = *static_cast<const Product*>(job.task);
+// How far ahead the first pass over a chunk prefetches weight rows: the
+// next four (further measured no better on the 135M model).
+constexpr int64_t kPrefetchRows = 4;
+
+// y[r, n] = W[n, :] . x[r, :] for rows n in [lo, hi) and R rows of x, four
+// weight rows at a time (rows contiguous), then the last few one by one.
+template <int R, typename T>
+void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t hi, bool first_pass) {
   const int64_t K = j.K;
   const T* W = static_cast<const T*>(j.w);
-  if (j.w_col != 1) {
-    for (int64_t n = lo; n < hi; ++n) {
-      float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += widen(W[n * j.w_row + k * j.w_col]) * j.x[k];
-      j.y[n] = s;
-    }
-    return;
-  }
-  const int64_t K8 = K / 8 * 8;
   int64_t n = lo;
   for (; n + 4 <= hi; n += 4) {
     const T *w0 = W + n * j.w_row, *w1 = w0 + j.w_row, *w2 = w1 + j.w_row, *w3 = w2 + j.w_row;
-    float s[4];
-    for (int64_t k = dot4(j.x, w0, w1, w2, w3, K, s); k < K; ++k) {
-      s[0] += widen(w0[k]) * j.x[k], s[1] += widen(w1[k]) * j.x[k], s[2] += widen(w2[k]) * j.x[k], s[3] += widen(w3[k]) * j.x[k];
+    float s[R * 4];
+    const bool fetch = first_pass && n + kPrefetchRows + 4 <= j.N;
+    const int64_t done = dot_rows<R>(x, w0, w1, w2, w3, K, s, fetch ? w0 + kPrefetchRows * j.w_row : nullptr, j.w_row);
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K;
+      for (int64_t k = done; k < K; ++k) {
+        s[r * 4] += widen(w0[k]) * xr[k], s[r * 4 + 1] += widen(w1[k]) * xr[k];
+        s[r * 4 + 2] += widen(w2[k]) * xr[k], s[r * 4 + 3] += widen(w3[k]) * xr[k];
+      }
+      std::memcpy(y + r * j.N + n, s + r * 4, 4 * sizeof(float));
     }
-    std::memcpy(j.y + n, s, sizeof s);
   }
+  const int64_t K8 = K / 8 * 8;
   for (; n < hi; ++n) {
     const T* w = W + n * j.w_row;
-    f8 a = {};
-    int64_t k = 0;
-    for (; k < K8; k += 8) a += load8(j.x + k) * load8(w + k);
-    float s = sum8(a);
-    for (; k < K; ++k) s += widen(w[k]) * j.x[k];
-    j.y[n] = s;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * K;
+      f8 a = {};
+      int64_t k = 0;
+      for (; k < K8; k += 8) a += load8(xr + k) * load8(w + k);
+      float s = sum8(a);
+      for (; k < K; ++k) s += widen(w[k]) * xr[k];
+      y[r * j.N + n] = s;
+    }
+  }
+}
+
+// y = x W^T for W's rows [lo, hi): up to 4 rows of x per pass over those
+// weight rows (the accumulators then fit the registers); more rows take more
+// passes, which find the rows in cache. A plain strided loop where W's rows
+// are not contiguous (layout.py leaves linear weights contiguous when this
+// op runs them). T: float, or uint16_t for bf16 weights, widened as they are
+// loaded (exactly: a bf16 is the top half of an fp32).
+template <typename T>
+void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
+  const Product& j = *static_cast<const Product*>(job.task);
+  const T* W = static_cast<const T*>(j.w);
+  if (j.w_col != 1) {
+    for (int r = 0; r < j.x_rows; ++r) {
+      for (int64_t n = lo; n < hi; ++n) {
+        float s = 0.f;
+        for (int64_t k = 0; k < j.K; ++k) s += widen(W[n * j.w_row + k * j.w_col]) * j.x[r * j.K + k];
+        j.y[r * j.N + n] = s;
+      }
+    }
+    return;
+  }
+  for (int r = 0; r < j.x_rows; r += 4) {
+    const float* x = j.x + r * j.K;
+    float* y = j.y + r * j.N;
+    switch (std::min(4, j.x_rows - r)) {
+      case 1: dense_block<1, T>(j, x, y, lo, hi, r == 0); break;
+      case 2: dense_block<2, T>(j, x, y, lo, hi, r == 0); break;
+      case 3: dense_block<3, T>(j, x, y, lo, hi, r == 0); break;
+      default: dense_block<4, T>(j, x, y, lo, hi, r == 0);
+    }
   }
 }
 
@@ -185,25 +241,29 @@ class SharedGemv : public SharedPrimitive {
     const bool bf16 = w.dtype() == mx::bfloat16;
     const void* wp = w.data<void>();
     float* yp = out.data<float>();
-    const int64_t K = w.shape(0), N = w.shape(1), x_step = x.strides().back();
+    const int64_t K = w.shape(0), N = w.shape(1), M = x.size() / K;
+    const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const int64_t w_row = w.strides(1), w_col = w.strides(0);
     // rows contiguous: the weights are one span, which the host may read ahead
     const int64_t span = w_col == 1 ? ((N - 1) * w_row + K) * int64_t(w.itemsize()) : 0;
     auto started = read_ahead_later(w, wp, span);
     encoder.dispatch([=]() {
       started->store(true, std::memory_order_relaxed);
-      std::vector<float> packed;  // x is one row, but may be strided
+      std::vector<float> packed;  // x's rows, contiguous
       const float* xs = xp;
-      if (x_step != 1) {
-        packed.resize(K);
-        for (int64_t k = 0; k < K; ++k) packed[k] = xp[k * x_step];
+      if (x_col != 1 || (M > 1 && x_row != K)) {
+        packed.resize(M * K);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t k = 0; k < K; ++k) packed[m * K + k] = xp[m * x_row + k * x_col];
         xs = packed.data();
       }
-      Product p{xs, wp, yp, K, w_row, w_col, {}, 0};
+      Product p{xs, wp, yp, K, N, w_row, w_col, int(M), {}, 0};
       // ~8k weights (32 KB) a chunk, whole groups of four rows: small enough
-      // to share a 576-row product, large enough to stream
+      // to share a 576-row product, large enough to stream; a few rows of x
+      // make a chunk's work as many times larger, so the chunks get smaller
+      const int64_t weights = 8192 / std::min<int64_t>(M, 4);
       SharedJob j(bf16 ? dense_rows<uint16_t> : dense_rows<float>, &p, N,
-                  std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4));
+                  std::max<int64_t>(4, weights / std::max<int64_t>(K, 1) / 4 * 4));
       run_shared(j);
     });
   }
@@ -288,8 +348,11 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
   std::ostringstream err;
   if (x.dtype() != mx::float32 || (w.dtype() != mx::float32 && w.dtype() != mx::bfloat16)) {
     err << "x must be float32 and w float32 or bfloat16";
-  } else if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(0) || x.size() != x.shape(-1)) {
-    err << "needs one row x [..., K] and w [K, N], got " << x.shape() << " and " << w.shape();
+  } else if (w.ndim() != 2 || x.ndim() < 1 || w.shape(0) == 0 || x.shape(-1) != w.shape(0) ||
+             x.size() / w.shape(0) > kDenseRows ||
+             (x.ndim() > 2 && x.size() != x.shape(-1) * x.shape(-2))) {
+    err << "needs x [..., M, K] with M <= " << kDenseRows << " rows in its last two axes and w [K, N], got "
+        << x.shape() << " and " << w.shape();
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";

@@ -1,5 +1,5 @@
 // The extension's two parts as module.cpp binds them: CPU attention
-// (attention.cpp) and the one-row products (gemv.cpp), each one MLX op on
+// (attention.cpp) and the few-row products (gemv.cpp), each one MLX op on
 // the CPU stream whose decode-step work the host thread helps with
 // (shared_work.cpp: submit_helping, wait_helping).
 
@@ -20,8 +20,9 @@ namespace mx = mlx::core;
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, int window, mx::StreamOrDevice s);
 
-// x @ w for one fp32 row x [..., K] and w [K, N]; the host thread helps run
-// it while it is in submit_helping or wait_helping.
+// x @ w for x [..., M, K] fp32 with M <= 32 rows (a decode step's one, a
+// short chunk's) and w [K, N] fp32 or bf16, read as stored; the host thread
+// helps run it while it is in submit_helping or wait_helping.
 mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s);
 
 // x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w

@@ -1,8 +1,8 @@
 """Which CPU kernels programs run with here: the one place that decides.
 
 ``kernels()`` answers for the whole runtime: whether attention runs as the
-extension's fused op, whether a decode step's one-row products run as its
-shared GEMV, and which BLAS MLX's other matmuls use. ``Program`` asks it once
+extension's fused op, whether a decode step's and a short chunk's products
+run as its shared GEMV, and which BLAS MLX's other matmuls use. ``Program`` asks it once
 when it loads and hands the answer down: the weight layout, the op builders
 and a method's step submission all read that object and never ask again.
 Each part has its own opt-out: ``LLM_PTE_CPU_ATTENTION=0``,
@@ -37,7 +37,7 @@ class CpuKernels:
     """The CPU kernels a program loaded with this answer runs."""
 
     attention: Use  # the extension's fused attention, else MLX ops (fastmath.attention)
-    gemv: Use  # the extension's shared one-row product for decode steps, else BLAS
+    gemv: Use  # the extension's shared few-row product (decode steps, short chunks), else BLAS
     blas: BlasStatus  # the BLAS behind MLX's matmuls
     extension: ModuleType | None = field(default=None, repr=False, compare=False)  # when a part is on
 

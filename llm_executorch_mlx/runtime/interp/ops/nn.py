@@ -11,6 +11,12 @@ from ...dtypes import on_cpu
 from ...errors import PteError
 from .table import op
 
+# Most rows of x the extension's dense GEMV takes (cpu/gemv.cpp's kDenseRows):
+# a decode step's one, a chat turn's short chunk. BLAS's sgemm repacks the
+# whole weight for every call, which costs a few-row product as much as a
+# 128-row one; the GEMV reads it once as stored (fp32 or bf16).
+DENSE_GEMV_ROWS = 32
+
 
 @op("AddmmNode")
 def build_addmm(n, ctx):
@@ -27,8 +33,8 @@ def build_addmm_last_row(n, ctx):
 def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
-    # on the CPU, a decode step's products may be the extension's GEMV, run
-    # with the host thread's help (runtime/steps.py)
+    # on the CPU, a decode step's or a short chunk's products may be the
+    # extension's GEMV, run with the host thread's help (runtime/steps.py)
     kernels = ctx.kernels
     gemv = kernels.extension.gemv if kernels is not None and kernels.gemv.on else None
     alpha, beta = float(n.alpha), float(n.beta)
@@ -37,7 +43,7 @@ def _addmm(n, ctx, rows):
 
         def run(f):
             x, w = rows(f[a]), f[b]
-            if gemv and _decode_row(f[a], w):
+            if gemv and _few_rows(f[a], w):
                 f[out] = gemv(x, w)
             else:
                 f[out] = batched.matmul(x, w if w.dtype == x.dtype else w.astype(x.dtype))
@@ -46,7 +52,7 @@ def _addmm(n, ctx, rows):
 
     def run(f):
         x, w = rows(f[a]), f[b]
-        if gemv and alpha == beta == 1.0 and _decode_row(f[a], w):
+        if gemv and alpha == beta == 1.0 and _few_rows(f[a], w):
             f[out] = gemv(x, w) + f[bias]
         else:
             f[out] = mx.addmm(f[bias], x, w if w.dtype == x.dtype else w.astype(x.dtype), alpha, beta)
@@ -54,13 +60,14 @@ def _addmm(n, ctx, rows):
     return run
 
 
-def _decode_row(x, w) -> bool:
-    """One fp32 row against a 2-D fp32 weight, or a bf16 one kept as stored
-    (program.py). ``x`` is taken before any last-row slice, so a prefill
-    chunk's LM head stays a BLAS product: no host thread helps during
-    prefill. A bf16 weight meets a many-row ``x`` only when this GEMV is in
-    use, and is then widened per call for BLAS."""
-    return x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2 and x.size == x.shape[-1]
+def _few_rows(x, w) -> bool:
+    """At most ``DENSE_GEMV_ROWS`` fp32 rows against a 2-D fp32 weight, or a
+    bf16 one kept as stored (program.py). ``x`` is taken before any last-row
+    slice, so a long prefill chunk's LM head stays a BLAS product: no host
+    thread helps a long chunk. A bf16 weight meets more rows only when this
+    GEMV is in use, and is then widened per call for BLAS."""
+    return (x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2
+            and x.size <= DENSE_GEMV_ROWS * x.shape[-1] and x.size == x.shape[-1] * (x.shape[-2] if x.ndim > 1 else 1))
 
 
 _GEMV_WEIGHTS = (mx.float32, mx.bfloat16)
