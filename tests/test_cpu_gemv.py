@@ -222,3 +222,16 @@ def test_bf16_weights_are_widened_as_they_are_read(kernel, K, N, M):
     y = kernel.gemv(x, W.T)
     np.testing.assert_allclose(np.array(y), np.array(kernel.gemv(x, W.astype(mx.float32).T)), rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(np.array(y), np.array(x) @ np.array(W.astype(mx.float32)).T, rtol=1e-5, atol=1e-4)
+
+
+def test_widen_bf16_is_mlx_astype_for_any_view(kernel):
+    """What a long chunk's products against bf16 weights multiply with BLAS:
+    exactly MLX's widening, for the weight's rows as stored, a transposed
+    view, slices and a length that is not a multiple of the vector width."""
+    w = mx.array(np.random.default_rng(11).standard_normal((37, 53)).astype(np.float32)).astype(mx.bfloat16)
+    for view in (w, w.T, w[:, 3:40], w[::2], w[1:]):
+        widened = kernel.widen_bf16(view)
+        assert widened.dtype == mx.float32 and widened.shape == view.shape
+        assert mx.array_equal(widened, view.astype(mx.float32)).item()
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        kernel.widen_bf16(w.astype(mx.float32))

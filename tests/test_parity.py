@@ -115,15 +115,20 @@ def test_bf16_native_matches_transformers_bf16(exported, arch):
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL)
 
 
-@pytest.mark.parametrize("gemv", ["1", "0"], ids=["bf16-linears-as-stored", "all-widened"])
+@pytest.mark.parametrize("gemv, few_rows", [("1", 32), ("1", 4), ("0", 32)],
+                         ids=["bf16-linears-as-stored", "as-stored-chunks-widened-for-blas", "all-widened"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv, monkeypatch, compiler):
+def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv, few_rows, monkeypatch, compiler):
     """The CPU route: a bf16 program computes in fp32 exactly what
     transformers computes in fp32 on the same bf16-rounded weights, whether
     its linear weights stay bf16 for the extension's GEMV (which widens them
-    as it reads them, and prefill per product) or, without it, everything is
-    widened at load."""
+    as it reads them; a chunk of more than ``DENSE_GEMV_ROWS`` rows has them
+    widened per product for BLAS, which the second case makes every prefill
+    chunk) or, without it, everything is widened at load."""
+    from llm_executorch_mlx.runtime.interp.ops import nn
+
     monkeypatch.setenv("LLM_PTE_CPU_GEMV", gemv)
+    monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few_rows)
     model_dir, pte = exported(arch, trained=True, dtype="bf16")
     program = load_program(pte, compute="fp32")
     assert program.compute_dtype == "fp32"

@@ -41,6 +41,9 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                      int bits, mx::StreamOrDevice s);
 
+// w.astype(float32) for a 2-D bf16 w, vectorised where w's rows are contiguous.
+mx::array widen_bf16(const mx::array& w, mx::StreamOrDevice s);
+
 // mx.async_eval(outputs), queued a slice at a time for a graph with gemv
 // nodes, the host running posted gemv chunks meanwhile.
 void submit_helping(const std::vector<mx::array>& outputs);

@@ -33,6 +33,9 @@ NB_MODULE(cpu_kernels, m) {
         nb::kw_only(), "stream"_a = nb::none(),
         "mx.dequantize(w, scales, biases, group_size, bits) for 4- or 8-bit affine weights with\n"
         "fp32 scales and biases, on the CPU, vectorised.");
+  m.def("widen_bf16", &llm_pte::widen_bf16, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "w.astype(mx.float32) for a 2-D bfloat16 w on the CPU, vectorised where its rows are\n"
+        "contiguous.");
   m.def("submit_helping", &llm_pte::submit_helping, "outputs"_a,
         "mx.async_eval(outputs), queued a slice at a time, running posted gemv chunks meanwhile.");
   m.def("wait_helping", &llm_pte::wait_helping, "a"_a,

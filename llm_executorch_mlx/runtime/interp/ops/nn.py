@@ -36,26 +36,42 @@ def _addmm(n, ctx, rows):
     # on the CPU, a decode step's or a short chunk's products may be the
     # extension's GEMV, run with the host thread's help (runtime/steps.py)
     kernels = ctx.kernels
-    gemv = kernels.extension.gemv if kernels is not None and kernels.gemv.on else None
+    extension = kernels.extension if kernels is not None and kernels.gemv.on else None
+    gemv = extension.gemv if extension else None
     alpha, beta = float(n.alpha), float(n.beta)
+
+    def as_x(w, x):
+        """``w`` in ``x``'s dtype for BLAS: a bf16 weight kept as stored is
+        widened by the extension, rows as stored (``w`` is their transpose)."""
+        if w.dtype == x.dtype:
+            return w
+        if extension and w.dtype == mx.bfloat16 and x.dtype == mx.float32 and w.ndim == 2:
+            return extension.widen_bf16(w.T).T
+        return w.astype(x.dtype)
+
+    def few(x_in, x, w) -> bool:
+        # a bf16 weight is read as stored for one row even without the host's
+        # help (a long chunk's LM head): widening it would cost more
+        return _few_rows(x_in, w) or (w.dtype == mx.bfloat16 and _few_rows(x, w) and x.size == x.shape[-1])
+
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
         batched = _BatchedWeight()
 
         def run(f):
             x, w = rows(f[a]), f[b]
-            if gemv and _few_rows(f[a], w):
+            if gemv and few(f[a], x, w):
                 f[out] = gemv(x, w)
             else:
-                f[out] = batched.matmul(x, w if w.dtype == x.dtype else w.astype(x.dtype))
+                f[out] = batched.matmul(x, as_x(w, x))
 
         return run
 
     def run(f):
         x, w = rows(f[a]), f[b]
-        if gemv and alpha == beta == 1.0 and _few_rows(f[a], w):
+        if gemv and alpha == beta == 1.0 and few(f[a], x, w):
             f[out] = gemv(x, w) + f[bias]
         else:
-            f[out] = mx.addmm(f[bias], x, w if w.dtype == x.dtype else w.astype(x.dtype), alpha, beta)
+            f[out] = mx.addmm(f[bias], x, as_x(w, x), alpha, beta)
 
     return run
 
