@@ -53,6 +53,16 @@ for bits in (4, 8):
 x, w = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((576, 200)).astype(np.float32)
 y = np.array(ext.gemv(mx.array(x), mx.array(w)))
 worst["gemv fp32"] = float(np.abs(y - x @ w).max() / (1e-5 * np.sqrt(576) * np.abs(x).max() * np.abs(w).max()))
+x5 = rng.standard_normal((1, 5, 576)).astype(np.float32)  # a short chunk's rows
+w16 = mx.array(w).astype(mx.bfloat16)
+for name, weight in (("fp32", mx.array(w)), ("bf16", w16)):
+    wide = np.array(weight.astype(mx.float32))
+    y = np.array(ext.gemv(mx.array(x5), weight))
+    worst[f"gemv {name} M5"] = float(np.abs(y - x5 @ wide).max() / (1e-5 * np.sqrt(576) * np.abs(x5).max() * np.abs(wide).max()))
+worst["widen_bf16"] = float(np.abs(np.array(ext.widen_bf16(w16.T)) - np.array(w16.T.astype(mx.float32))).max())
+for bits in (4, 8):
+    q, s, b = mx.quantize(mx.array(rng.standard_normal((33, 256)).astype(np.float32)), group_size=32, bits=bits)
+    worst[f"dequantize q{bits}"] = float(np.abs(np.array(ext.dequantize(q, s, b, 32, bits)) - by_hand(q, s, b, bits, 32)).max() / 1e-5)
 q = mx.array(rng.standard_normal((1, 6, 3, 64)).astype(np.float32))
 k, v = (mx.array(rng.standard_normal((1, 2, 40, 64)).astype(np.float32)) for _ in range(2))
 ours = np.array(ext.attention(q, k, v, 0.125, True))
