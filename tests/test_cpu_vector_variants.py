@@ -48,7 +48,8 @@ for bits in (4, 8):
             for M in (1, 3, 4, 16):
                 x = rng.standard_normal((1, M, K)).astype(np.float32)
                 y = np.array(ext.quantized_gemv(mx.array(x), q, s, b, group, bits))
-                tol = 1e-5 * np.sqrt(K) * np.abs(x).max() * np.abs(w).max()
+                # fp32 rounding, and x's int16 rounding where x86 takes integer dot products
+                tol = 1e-5 * np.sqrt(K) * np.abs(x).max() * np.abs(w).max() + np.abs(x).max() * np.abs(w).sum(1).max() / 65534
                 worst[f"q{bits} g{group} {N}x{K} M{M}"] = float(np.abs(y - x @ w.T).max() / tol)
 x, w = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((576, 200)).astype(np.float32)
 y = np.array(ext.gemv(mx.array(x), mx.array(w)))

@@ -192,7 +192,7 @@ void quantized_product_rows(const Product& j, int64_t lo, int64_t hi) {
     r.xsum += m * groups, r.y += m * r.N;
     if (r.xp) r.xp += m * r.K;
 #if LLM_PTE_INTEGER_DOT
-    if (r.xq) r.xq += m * 2 * r.K, r.xd += m * (r.K / integer_span(BITS, r.group)) * kLanes32;
+    if (r.xq) r.xq += m * r.K, r.xd += m * (r.K / integer_span(BITS, r.group)) * kLanes32;
 #endif
     switch (std::min(4, j.q_rows - m)) {
       case 1: quantized_rows_here<BITS, 1>(r, lo, hi); break;
@@ -320,7 +320,7 @@ class SharedGemv : public SharedPrimitive {
       for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> sums(M * (K / group));
 #if LLM_PTE_INTEGER_DOT
-      std::vector<int16_t> rounded(M * 2 * K);
+      std::vector<int16_t> rounded(M * K);
       std::vector<float> steps(M * (K / integer_span(bits, group)) * kLanes32);
       (bits == 4 ? prepare_x<4> : prepare_x<8>)(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(), sums.data());
       for (auto& p : each) p.q.xsum = sums.data(), p.q.xq = rounded.data(), p.q.xd = steps.data();

@@ -4,16 +4,18 @@
 //
 // The float kernel spends a shift, mask, int-to-float convert and FMA on
 // every 8 weights, which made decode compute-bound (~6 G weights/s a core).
-// Here x is written once per product, per group of the weights, as two int16
-// terms: x = d (xh + xl / 32768) with d = max|x| / 32767 over the group,
-// exact to 1/2^31 of the group's largest |x| (below fp32's own rounding of a
-// sum). A group's sums of q * xh and q * xl are then exact in int32 lanes
-// (pmaddwd, or VNNI's vpdpwssd: 16-bit pairs into 32-bit sums), widened once
-// per group:
-//   sum_k x_k (s q_k + b) = s d (q . xh + q . xl / 32768) + b sum_k x_k,
+// Here x is written once per product, per group of the weights, as int16:
+// x = d xh with d = max|x| / 32767 over the group, so each value is within
+// d / 2 = 2^-16 of the group's largest |x| (llama.cpp rounds x to 8 bits,
+// 2^-8; the weights' own 4- or 8-bit steps are 2^-4 and 2^-8 of theirs). A
+// group's sums of q * xh are then exact in int32 lanes (pmaddwd, or VNNI's
+// vpdpwssd: 16-bit pairs into 32-bit sums), widened once per group:
+//   sum_k x_k (s q_k + b) = s d (q . xh) + b sum_k x_k,
 // with sum_k x_k in fp32 from x itself. A 4-bit weight vector then costs one
 // widening load, one mask and one shift per 2 * lanes values, shared by every
-// row of x, and two dot instructions per row.
+// row of x, and one dot instruction per row and lanes values. (Two int16
+// terms, exact to 2^-31, took twice the dot instructions and made a 4-bit
+// decode step ~10% slower.)
 //
 // Lane order: a vector load of L16 bytes widens to L16 int16 lanes, lane j
 // byte j. 4 bits: byte j holds values 2j (low nibble) and 2j + 1, so a block
@@ -100,9 +102,9 @@ constexpr int integer_block(int bits) { return bits == 4 ? 2 * kLanes16 : kLanes
 // when a 4-bit block covers both (AVX-512: 64 values a load).
 inline int integer_span(int bits, int group) { return std::max(group, integer_block(bits)); }
 
-// The x side of a product (M rows of K): per row, xh then xl as described
-// above, 2 * K int16; d per int32 lane of every span, M * (K / span) *
-// kLanes32 floats; and the fp32 sums per group, M * (K / group).
+// The x side of a product (M rows of K): per row, xh as described above, K
+// int16; d per int32 lane of every span, M * (K / span) * kLanes32 floats;
+// and the fp32 sums per group, M * (K / group).
 template <int BITS>
 void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int group, int16_t* xq,
                float* xd, float* xsum) {
@@ -112,12 +114,12 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
   std::vector<float> d(groups);
   for (int m = 0; m < M; ++m) {
     const float* xm = x + m * x_row;
-    int16_t *high = xq + m * 2 * K, *low = high + K;
+    int16_t* high = xq + m * K;
     for (int64_t g = 0; g < groups; ++g) {
       // the group's values, 8 lanes at a time (AVX2): |x| max, sum, then
-      // each value's two terms, placed into its block's lane order after
+      // each value rounded, placed into its block's lane order after
       alignas(32) float v[kMaxGroup];
-      alignas(32) int32_t h[kMaxGroup], l[kMaxGroup];
+      alignas(32) int32_t h[kMaxGroup];
       for (int k = 0; k < group; ++k) v[k] = xm[(g * group + k) * x_col];
       const __m256 sign = _mm256_set1_ps(-0.f);
       __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps();
@@ -132,23 +134,17 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
       _mm256_store_ps(lanes, sum8);
       xsum[m * groups + g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
       d[g] = top / 32767.f;
-      // |h| <= 32767 and the remainder v - h d is within d / 2 (and the
-      // rounding of 1 / d), so |l| <= ~16384
-      const float inverse = top > 0.f ? 32767.f / top : 0.f;
-      const __m256 to_high = _mm256_set1_ps(inverse), to_low = _mm256_set1_ps(inverse * 32768.f), step = _mm256_set1_ps(d[g]);
+      const float inverse = top > 0.f ? 32767.f / top : 0.f;  // |h| <= 32767
+      const __m256 to_high = _mm256_set1_ps(inverse);
       constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       for (int k = 0; k < group; k += 8) {
-        const __m256 a = _mm256_load_ps(v + k);
-        const __m256 hk = _mm256_round_ps(_mm256_mul_ps(a, to_high), nearest);
-        const __m256 lk = _mm256_round_ps(_mm256_mul_ps(_mm256_fnmadd_ps(hk, step, a), to_low), nearest);
+        const __m256 hk = _mm256_round_ps(_mm256_mul_ps(_mm256_load_ps(v + k), to_high), nearest);
         _mm256_store_si256(reinterpret_cast<__m256i*>(h + k), _mm256_cvtps_epi32(hk));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(l + k), _mm256_cvtps_epi32(lk));
       }
       for (int k = 0; k < group; ++k) {
         const int64_t at = g * group + k, in_block = at % block;  // where it goes in its block:
         const int64_t slot = BITS == 4 ? at - in_block + (in_block % 2) * kLanes16 + in_block / 2 : at;
         high[slot] = static_cast<int16_t>(h[k]);
-        low[slot] = static_cast<int16_t>(l[k]);
       }
     }
     float* dm = xd + m * spans * kLanes32;
@@ -173,15 +169,12 @@ inline void prefetch_span(const void* p, int64_t bytes) {
 
 // y[m, n] for weight rows n in [lo, hi) and the M rows of x; r.xq, r.xd and
 // r.xsum from prepare_x; K a whole number of spans.
-// y[m, n] for weight rows n in [lo, hi) and the M rows of x; r.xq, r.xd and
-// r.xsum from prepare_x; K a whole number of spans.
 template <int BITS, int M>
 void quantized_rows_integer(const QuantizedRows& r, int64_t lo, int64_t hi) {
   constexpr int block = integer_block(BITS);
   const int group = r.group, span = integer_span(BITS, group);
   const int64_t groups = r.K / group, spans = r.K / span, row_bytes = r.K * BITS / 8;
   const int per_span = span / group;  // groups a span covers: 1, or 2 (4 bits, 32, AVX-512)
-  const vf low_weight = splat_f(1.f / 32768.f);
   const int64_t tail = groups / kLanes32 * kLanes32;
   for (int64_t n = lo; n < hi; ++n) {
     const uint8_t* w = reinterpret_cast<const uint8_t*>(r.w) + n * row_bytes;
@@ -194,30 +187,23 @@ void quantized_rows_integer(const QuantizedRows& r, int64_t lo, int64_t hi) {
     vf acc[M];
     for (int m = 0; m < M; ++m) acc[m] = zero_f();
     for (int64_t t = 0, g = 0; t < spans; ++t, g += per_span) {
-      vi high[M], low[M];
-      for (int m = 0; m < M; ++m) high[m] = low[m] = zero_i();
+      vi dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = zero_i();
       for (int64_t k = t * span; k < (t + 1) * span; k += block) {
         if constexpr (BITS == 4) {
           const vi q = widen_u8(w + k / 2), even = low_nibbles(q), odd = high_nibbles(q);
           for (int m = 0; m < M; ++m) {
-            const int16_t* xh = r.xq + m * 2 * r.K + k;
-            const int16_t* xl = xh + r.K;
-            high[m] = dot_pairs(dot_pairs(high[m], even, load_i16(xh)), odd, load_i16(xh + kLanes16));
-            low[m] = dot_pairs(dot_pairs(low[m], even, load_i16(xl)), odd, load_i16(xl + kLanes16));
+            const int16_t* xh = r.xq + m * r.K + k;
+            dot[m] = dot_pairs(dot_pairs(dot[m], even, load_i16(xh)), odd, load_i16(xh + kLanes16));
           }
         } else {
           const vi q = widen_u8(w + k);
-          for (int m = 0; m < M; ++m) {
-            const int16_t* xh = r.xq + m * 2 * r.K + k;
-            high[m] = dot_pairs(high[m], q, load_i16(xh));
-            low[m] = dot_pairs(low[m], q, load_i16(xh + r.K));
-          }
+          for (int m = 0; m < M; ++m) dot[m] = dot_pairs(dot[m], q, load_i16(r.xq + m * r.K + k));
         }
       }
       const vf s = per_span == 2 ? halves(scale[g], scale[g + 1]) : splat_f(scale[g]);
       for (int m = 0; m < M; ++m) {
-        const vf q_dot_x = mul_add(to_float(low[m]), low_weight, to_float(high[m]));
-        acc[m] = mul_add(mul(q_dot_x, load_f(r.xd + (m * spans + t) * kLanes32)), s, acc[m]);
+        acc[m] = mul_add(mul(to_float(dot[m]), load_f(r.xd + (m * spans + t) * kLanes32)), s, acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) {  // + sum_g b_g sum x over group g

@@ -28,7 +28,7 @@ struct QuantizedRows {
   const float *scales, *biases;  // [N, K / group]
   const float* xp;  // M rows of permute_x's output, K apart (the float kernel)
   const float* xsum;  // M rows of K / group sums of x
-  const int16_t* xq;  // M rows of x as two int16 terms, and their scales (quantized_dot.h)
+  const int16_t* xq;  // M rows of x rounded to int16, and their scales (quantized_dot.h)
   const float* xd;
   float* y;  // M rows of N
   int64_t K, N;
