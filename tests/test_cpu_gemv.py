@@ -1,5 +1,6 @@
-"""The extension's few-row product (``gemv``, runtime/cpu/gemv.cpp) against
-numpy, and the host thread's share of it (``submit_helping``/``wait_helping``,
+"""The extension's few-row product (``gemv``, runtime/cpu/gemv.cpp) and its
+SwiGLU (``silu_mul``, swiglu.cpp) against numpy, and the host thread's share
+of the product (``submit_helping``/``wait_helping``,
 which a method's ``submit``/``wait`` call for every decode step on the CPU,
 runtime/steps.py)."""
 
@@ -235,3 +236,28 @@ def test_widen_bf16_is_mlx_astype_for_any_view(kernel):
         assert mx.array_equal(widened, view.astype(mx.float32)).item()
     with pytest.raises(ValueError, match="2-D bfloat16"):
         kernel.widen_bf16(w.astype(mx.float32))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (1, 7, 13), (3,), (2, 130, 96)])
+def test_silu_mul_matches_float64(kernel, shape):
+    """A SwiGLU's silu(gate) * up (swiglu.cpp): against float64 numpy, for a
+    decode step's row, odd lengths (the padded tail) and saturating gates."""
+    rng = np.random.default_rng(len(shape))
+    gate = rng.standard_normal(shape).astype(np.float32) * 6
+    up = rng.standard_normal(shape).astype(np.float32)
+    gate.flat[:3] = [100.0, -100.0, 0.0]
+    ours = np.array(kernel.silu_mul(mx.array(gate), mx.array(up)))
+    g = gate.astype(np.float64)
+    np.testing.assert_allclose(ours, g / (1 + np.exp(-g)) * up, rtol=2e-6, atol=1e-30)
+
+
+def test_silu_mul_reads_views_and_refuses_other_inputs(kernel):
+    rng = np.random.default_rng(12)
+    gate = mx.array(rng.standard_normal((5, 8)).astype(np.float32)).T  # a transposed view
+    up = mx.array(rng.standard_normal((8, 5)).astype(np.float32))
+    reference = np.array(gate) / (1 + np.exp(-np.array(gate, dtype=np.float64))) * np.array(up)
+    np.testing.assert_allclose(np.array(kernel.silu_mul(gate, up)), reference, rtol=2e-6)
+    with pytest.raises(ValueError, match="one shape"):
+        kernel.silu_mul(up, up[:, :4])
+    with pytest.raises(ValueError, match="float32"):
+        kernel.silu_mul(up.astype(mx.bfloat16), up)

@@ -93,41 +93,6 @@ inline float widen(Half half) {  // load8's steps on one value
   return std::bit_cast<float>(std::bit_cast<int32_t>(x) | ((h & 0x8000) << 16));
 }
 
-// mask ? a : b lane by lane, mask from a vector comparison (all ones or
-// zeros). Spelled with bit operations: Clang has no vector ?: in C++.
-inline f8 select8(i8 mask, f8 a, f8 b) {
-  i8 x, y;
-  std::memcpy(&x, &a, sizeof x);
-  std::memcpy(&y, &b, sizeof y);
-  const i8 bits = (mask & x) | (~mask & y);
-  f8 out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
-inline f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
-
-// e^x for x <= 0 (a softmax's shifted scores), eight at a time: Cody-Waite
-// reduction to 2^n e^r with |r| <= ln2/2 and Cephes' degree-6 polynomial,
-// ~1 ulp. Adding 1.5 * 2^23 rounds to the nearest integer.
-inline f8 exp8_nonpositive(f8 x) {
-  x = max8(x, splat(-87.0f));  // 2^n stays a normal float
-  const f8 round = splat(12582912.0f);
-  const f8 n = (x * 1.44269504088896341f + round) - round;
-  const f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  f8 p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const f8 e = p * r * r + r + 1.0f;
-  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  f8 two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return e * two_n;
-}
-
 // row[j] = e^(row[j] - max) for j < n, and 0 up to n rounded up to 8 (the
 // row has room for them); returns their sum, and the max in `top_out`.
 inline float softmax_numerators(float* row, int n, float* top_out = nullptr) {
@@ -141,7 +106,7 @@ inline float softmax_numerators(float* row, int n, float* top_out = nullptr) {
   const i8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
   f8 sum = {};
   for (int j = 0; j < n8; j += 8) {
-    f8 e = exp8_nonpositive(load8(row + j) - top);
+    f8 e = exp8(load8(row + j) - top);
     e = select8(lane < n - j, e, f8{});  // past the row's end
     store8(row + j, e);
     sum += e;

@@ -1,10 +1,11 @@
-"""Build and load the CPU kernel extension: CPU attention and the shared GEMV (fp32 and quantized) as MLX ops.
+"""Build and load the CPU kernel extension: CPU attention, the shared GEMV (fp32 and quantized) and SwiGLU as MLX ops.
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. One module, ``cpu_kernels``, holds both parts: ``attention.cpp`` (fused
 attention) and ``gemv.cpp`` (few-row products), with ``shared_work.cpp``
 (the helped submission of a step: the host thread runs chunks of both
-parts' decode work), bound by ``module.cpp``. It is compiled
+parts' decode work), and ``swiglu.cpp`` (an element-wise kernel either part
+brings), bound by ``module.cpp``. It is compiled
 once per source, compiler, MLX (version and install), nanobind, Python and
 CPU into the user's cache directory (``native.py``), with nanobind's own
 sources (the ``cpu`` extra installs nanobind) and MLX's headers from its
@@ -38,7 +39,7 @@ import mlx.core as mx
 from . import native
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "shared_work.cpp", "module.cpp"))
+SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "swiglu.cpp", "shared_work.cpp", "module.cpp"))
 HEADERS = tuple(HERE / name for name in ("kernels.h", "shared_work.h", "simd.h", "quantized_rows.h", "quantized_dot.h"))
 MODULE = "cpu_kernels"
 VECTORS_FLAG = "LLM_PTE_CPU_VECTORS"

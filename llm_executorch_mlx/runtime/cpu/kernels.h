@@ -1,7 +1,8 @@
-// The extension's two parts as module.cpp binds them: CPU attention
+// The extension's kernels as module.cpp binds them: CPU attention
 // (attention.cpp) and the few-row products (gemv.cpp), each one MLX op on
 // the CPU stream whose decode-step work the host thread helps with
-// (shared_work.cpp: submit_helping, wait_helping).
+// (shared_work.cpp: submit_helping, wait_helping); and element-wise SwiGLU
+// (swiglu.cpp).
 
 #pragma once
 
@@ -40,6 +41,9 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
 // mx.dequantize(w, scales, biases) for the layouts quantized_gemv takes, vectorised.
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                      int bits, mx::StreamOrDevice s);
+
+// silu(gate) * up for fp32 gate and up of one shape (swiglu.cpp).
+mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s);
 
 // w.astype(float32) for a 2-D bf16 w, vectorised where w's rows are contiguous.
 mx::array widen_bf16(const mx::array& w, mx::StreamOrDevice s);

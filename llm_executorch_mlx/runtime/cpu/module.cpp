@@ -33,6 +33,8 @@ NB_MODULE(cpu_kernels, m) {
         nb::kw_only(), "stream"_a = nb::none(),
         "mx.dequantize(w, scales, biases, group_size, bits) for 4- or 8-bit affine weights with\n"
         "fp32 scales and biases, on the CPU, vectorised.");
+  m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "silu(gate) * up for float32 gate and up of one shape, on the CPU, vectorised.");
   m.def("widen_bf16", &llm_pte::widen_bf16, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "w.astype(mx.float32) for a 2-D bfloat16 w on the CPU, vectorised where its rows are\n"
         "contiguous.");

@@ -1,6 +1,6 @@
-// Eight-lane float helpers shared by the extension's two parts (attention.cpp,
-// gemv.cpp): GCC/Clang vector extensions, AVX or NEON registers; sixteen-lane
-// loads where the build has AVX-512.
+// Eight-lane float helpers shared by the extension's kernels (attention.cpp,
+// gemv.cpp, swiglu.cpp): GCC/Clang vector extensions, AVX or NEON registers;
+// sixteen-lane loads where the build has AVX-512.
 
 #pragma once
 
@@ -59,6 +59,43 @@ inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
 
 inline float sum8(f8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
+}
+
+// mask ? a : b lane by lane, mask from a vector comparison (all ones or
+// zeros). Spelled with bit operations: Clang has no vector ?: in C++.
+inline f8 select8(i8 mask, f8 a, f8 b) {
+  i8 x, y;
+  std::memcpy(&x, &a, sizeof x);
+  std::memcpy(&y, &b, sizeof y);
+  const i8 bits = (mask & x) | (~mask & y);
+  f8 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
+inline f8 min8(f8 a, f8 b) { return select8(a < b, a, b); }
+
+// e^x eight at a time, x clamped to [-87, 88] so 2^n stays a normal float
+// (a softmax's shifted scores, SiLU's e^-x): Cody-Waite reduction to
+// 2^n e^r with |r| <= ln2/2 and Cephes' degree-6 polynomial, ~1 ulp. Adding
+// 1.5 * 2^23 rounds to the nearest integer.
+inline f8 exp8(f8 x) {
+  x = min8(max8(x, splat(-87.0f)), splat(88.0f));
+  const f8 round = splat(12582912.0f);
+  const f8 n = (x * 1.44269504088896341f + round) - round;
+  const f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  f8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f8 e = p * r * r + r + 1.0f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  f8 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return e * two_n;
 }
 
 }  // namespace llm_pte

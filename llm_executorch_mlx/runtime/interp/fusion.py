@@ -27,8 +27,9 @@ kernels for the silu (sigmoid, multiply) and one for the product. When the
 multiply is the only reader of the silu's output, the multiply computes
 ``gate * sigmoid(gate) * up`` in one compiled kernel from the gate stashed at
 the silu node (whose own lazy output is then never evaluated), as mlx-lm
-does; on the CPU, with ``fastmath.swiglu`` (its exp, or for a decode step's
-few elements one kernel with MLX's sigmoid).
+does; on the CPU, the extension's ``silu_mul`` where it is loaded (one
+vectorised kernel), else ``fastmath.swiglu`` (its exp, or for a decode
+step's few elements one kernel with MLX's sigmoid).
 """
 
 from __future__ import annotations
@@ -309,7 +310,15 @@ def plan_swiglu(ctx, instructions: list, i: int):
     if mul.out.idx != silu_out and (silu_out in kept_slots(ctx) or read_before_written(rest, {silu_out})):
         return None
     stash, out = ctx.scratch_slot(), mul.out.idx
-    swiglu = fastmath.swiglu if on_cpu() else _swiglu
+    swiglu = _swiglu
+    if on_cpu():
+        extension = ctx.kernels.extension if ctx.kernels is not None else None
+        swiglu = fastmath.swiglu
+        if extension is not None:
+            def swiglu(gate, up):
+                if gate.dtype == up.dtype == mx.float32 and gate.shape == up.shape:
+                    return extension.silu_mul(gate, up)
+                return fastmath.swiglu(gate, up)
 
     def silu_run(f):
         f[stash] = f[gate_in]  # silu_out is never read: the multiply computes both
