@@ -162,7 +162,7 @@ void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
     const float* x = j.x + r * j.K;
     float* y = j.y + r * j.N;
     switch (std::min(4, j.x_rows - r)) {
-      case 1: dense_block<1, T>(j, x, y, lo, hi, r == 0); break;
+      case 1: dense_block<1, T>(j, x, y, lo, hi, r == 0 && j.x_rows > 1); break;
       case 2: dense_block<2, T>(j, x, y, lo, hi, r == 0); break;
       case 3: dense_block<3, T>(j, x, y, lo, hi, r == 0); break;
       default: dense_block<4, T>(j, x, y, lo, hi, r == 0);
