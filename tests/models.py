@@ -19,6 +19,11 @@ ARCHITECTURES = {
         "LlamaForCausalLM",
         dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
     ),
+    "llama-tied": (  # the LM head reads the embedding's table, as in SmolLM2
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    ),
     "qwen3": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
@@ -48,8 +53,7 @@ def build_config(arch: str):
         hidden_size=64,
         intermediate_size=128,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
-        **extra,
+        **dict(dict(tie_word_embeddings=False), **extra),
     )
 
 

@@ -151,7 +151,7 @@ def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas
     monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few)
     rows = []
     real = kernel.gemv
-    monkeypatch.setattr(kernel, "gemv", lambda x, w: rows.append(x.shape[:-1]) or real(x, w))
+    monkeypatch.setattr(kernel, "gemv", lambda x, w, **kw: rows.append(x.shape[:-1]) or real(x, w, **kw))
     _, pte = exported("llama")
     program = load_program(pte)
     assert program.prepare_cpu_kernels().gemv.on

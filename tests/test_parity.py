@@ -13,7 +13,8 @@ import transformers
 
 from llm_executorch_mlx.runtime import load_program
 from llm_executorch_mlx.runtime.dtypes import mlx_dtype
-from llm_executorch_mlx.runtime.interp.layout import weights_read_only_by_matmuls
+from llm_executorch_mlx.runtime.interp.layout import matmul_weights, weights_read_only_by_matmuls_and_gathers
+from llm_executorch_mlx.runtime.pte.graph import node_name
 
 PROMPT_LEN, NEW_TOKENS = 40, 20
 
@@ -117,7 +118,7 @@ def test_bf16_native_matches_transformers_bf16(exported, arch):
 
 @pytest.mark.parametrize("gemv, few_rows", [("1", 32), ("1", 4), ("0", 32)],
                          ids=["bf16-linears-as-stored", "as-stored-chunks-widened-for-blas", "all-widened"])
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gemma3"])
 def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv, few_rows, monkeypatch, compiler):
     """The CPU route: a bf16 program computes in fp32 exactly what
     transformers computes in fp32 on the same bf16-rounded weights, whether
@@ -137,8 +138,11 @@ def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv,
     program.load_method("forward", cache=program.new_cache(capacity=8))
     held = sum(a.nbytes for a in program._constants["forward"])  # what MLX holds
     graph = program._graph("forward")
-    linear = weights_read_only_by_matmuls(graph)
+    linear = weights_read_only_by_matmuls_and_gathers(graph)
     assert linear  # the model's linear layers
+    gathered = {i.op.x.idx for c in graph.instructionChains for i in c.instructions if node_name(i) == "TakeNode"}
+    tied = gathered & matmul_weights(graph)
+    assert bool(tied) == (arch == "llama-tied") and tied <= linear  # a tied table: an LM head and a gather
     expected = 0
     for tid, meta in enumerate(graph.tensorMeta[: graph.numConstantTensors]):
         n = int(np.prod([d.value for d in meta.shape]))

@@ -20,7 +20,7 @@ from .dtypes import (
 )
 from .errors import PteError
 from .interp.interpreter import GraphExecutor
-from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls
+from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls_and_gathers
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
 from .pte.graph import decode_graph, node_name
@@ -353,12 +353,13 @@ class Program:
 
     def _bf16_kept(self, graph: md.MLXGraphT) -> set[int]:
         """Constants a program widened to fp32 keeps in bf16 on the CPU: its
-        linear weights, when the extension's GEMV runs its one-row products
-        (it widens them as it loads them; prefill widens per product,
-        interp/ops/nn.py). Half the memory, half a decode step's reads."""
+        linear weights and a tied embedding's table, when the extension's
+        GEMV runs its few-row products (it widens them as it loads them; a
+        long chunk widens per product, interp/ops/nn.py; a gather widens the
+        rows it takes). Half the memory, half a decode step's reads."""
         if not (on_cpu() and self.cpu_kernels.gemv.on and self._dtype_map.get(mx.bfloat16, mx.bfloat16) == mx.float32):
             return set()
-        return weights_read_only_by_matmuls(graph)
+        return weights_read_only_by_matmuls_and_gathers(graph)
 
     def _held_dtype(self, tid: int, dtype: mx.Dtype, bf16_kept: set[int]) -> mx.Dtype:
         if dtype == mx.bfloat16 and tid in bf16_kept:

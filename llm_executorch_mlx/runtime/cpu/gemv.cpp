@@ -225,8 +225,12 @@ void quantized_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
 // packed, with scales and biases).
 class SharedGemv : public SharedPrimitive {
  public:
-  SharedGemv(mx::Stream stream, int bits = 0, int group = 0)
-      : SharedPrimitive(stream), bits_(bits), group_(group) {}
+  SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true)
+      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped) {}
+
+  // not helped: a long prefill chunk's LM head row, whose graph is better
+  // queued whole, the host sleeping, than taking a core from BLAS's threads
+  bool shares_work() const override { return helped_; }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     if (bits_) return eval_quantized(inputs, outputs);
@@ -286,11 +290,12 @@ class SharedGemv : public SharedPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SharedGemv&>(other);
-    return bits_ == o.bits_ && group_ == o.group_;
+    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_;
   }
 
  private:
   int bits_, group_;
+  bool helped_;
 
   // x [..., M, K] (M <= kQuantizedRows) against each W [N, K] stored as MLX's
   // affine quantization (inputs: x, then w, scales, biases per product), read
@@ -344,7 +349,7 @@ class SharedGemv : public SharedPrimitive {
 
 }  // namespace
 
-mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
+mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s) {
   std::ostringstream err;
   if (x.dtype() != mx::float32 || (w.dtype() != mx::float32 && w.dtype() != mx::bfloat16)) {
     err << "x must be float32 and w float32 or bfloat16";
@@ -359,7 +364,7 @@ mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s) {
   if (!err.str().empty()) throw std::invalid_argument("gemv: " + err.str());
   auto shape = x.shape();
   shape.back() = w.shape(1);
-  return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream), {x, w});
+  return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream, 0, 0, helped), {x, w});
 }
 
 // The checks quantized_gemv and dequantize share: "" when w, scales, biases

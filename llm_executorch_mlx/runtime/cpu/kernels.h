@@ -22,9 +22,10 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
                     bool causal, int window, mx::StreamOrDevice s);
 
 // x @ w for x [..., M, K] fp32 with M <= 32 rows (a decode step's one, a
-// short chunk's) and w [K, N] fp32 or bf16, read as stored; the host thread
-// helps run it while it is in submit_helping or wait_helping.
-mx::array gemv(const mx::array& x, const mx::array& w, mx::StreamOrDevice s);
+// short chunk's) and w [K, N] fp32 or bf16, read as stored; unless not
+// `helped`, the host thread helps run it while it is in submit_helping or
+// wait_helping.
+mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s);
 
 // x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w
 // MLX's affine quantization (4 or 8 bits, groups of 32, 64 or 128, fp32

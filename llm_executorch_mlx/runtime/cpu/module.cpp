@@ -17,9 +17,9 @@ NB_MODULE(cpu_kernels, m) {
         "fp16), on the CPU.\n"
         "causal: the T queries are the last T of the S positions; window > 0: each query sees\n"
         "only the last `window` keys up to its own.");
-  m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
-        "x @ w for x [..., M, K] fp32 (M <= 32) and w [K, N] fp32 or bf16 on the CPU; the host\n"
-        "thread helps while it is in submit_helping or wait_helping.");
+  m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
+        "x @ w for x [..., M, K] fp32 (M <= 32) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
+        "helped, the host thread helps while it is in submit_helping or wait_helping.");
   m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"

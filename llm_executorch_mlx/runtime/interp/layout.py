@@ -56,17 +56,22 @@ def matmul_weights(graph: md.MLXGraphT) -> set[int]:
     return found
 
 
-def weights_read_only_by_matmuls(graph: md.MLXGraphT) -> set[int]:
-    """The ``matmul_weights`` that nothing else reads (a tied embedding's
-    table is also gathered, so it is not one): they may be stored in another
-    dtype than the program computes in, for the one reader that knows."""
+def weights_read_only_by_matmuls_and_gathers(graph: md.MLXGraphT) -> set[int]:
+    """The ``matmul_weights`` that nothing else reads but a ``TakeNode``
+    gathering rows of it (a tied embedding's table): they may be stored in
+    another dtype than the program computes in, for the readers that know
+    (the matmul builders; ``TakeNode`` widens what it gathers)."""
     linear = matmul_weights(graph)
     other_reads = set()
     for chain in graph.instructionChains or []:
         for instr in chain.instructions or []:
+            name = node_name(instr)
+            if name == "TransposeNode":
+                continue
             reads, _ = tensor_fields(instr.op)
-            if node_name(instr) != "TransposeNode":
-                other_reads.update(reads)
+            if name == "TakeNode":
+                reads = reads - {instr.op.x.idx}
+            other_reads.update(reads)
     return linear - other_reads
 
 

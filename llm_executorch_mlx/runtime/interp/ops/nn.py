@@ -49,29 +49,31 @@ def _addmm(n, ctx, rows):
             return extension.widen_bf16(w.T).T
         return w.astype(x.dtype)
 
-    def few(x_in, x, w) -> bool:
-        # a bf16 weight is read as stored for one row even without the host's
-        # help (a long chunk's LM head): widening it would cost more
-        return _few_rows(x_in, w) or (w.dtype == mx.bfloat16 and _few_rows(x, w) and x.size == x.shape[-1])
+    def product(x_in, x, w):
+        """The GEMV's product, or None where BLAS's is better."""
+        if _few_rows(x_in, w):
+            return gemv(x, w)
+        if w.dtype == mx.bfloat16 and _few_rows(x, w) and x.size == x.shape[-1]:
+            # a long chunk's bf16 LM head row: read as stored (widening would
+            # cost more), by the stream thread alone (the host would take a
+            # core from BLAS's threads for the rest of the chunk)
+            return gemv(x, w, helped=False)
+        return None
 
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
         batched = _BatchedWeight()
 
         def run(f):
             x, w = rows(f[a]), f[b]
-            if gemv and few(f[a], x, w):
-                f[out] = gemv(x, w)
-            else:
-                f[out] = batched.matmul(x, as_x(w, x))
+            y = product(f[a], x, w) if gemv else None
+            f[out] = batched.matmul(x, as_x(w, x)) if y is None else y
 
         return run
 
     def run(f):
         x, w = rows(f[a]), f[b]
-        if gemv and alpha == beta == 1.0 and few(f[a], x, w):
-            f[out] = gemv(x, w) + f[bias]
-        else:
-            f[out] = mx.addmm(f[bias], x, as_x(w, x), alpha, beta)
+        y = product(f[a], x, w) if gemv and alpha == beta == 1.0 else None
+        f[out] = mx.addmm(f[bias], x, as_x(w, x), alpha, beta) if y is None else y + f[bias]
 
     return run
 

@@ -346,10 +346,14 @@ def build_take(n, ctx):
         raise PteError(f"{name}: index is missing")
     if index.kind == 2:
         idx = ctx.t(index.tid)
+        # a bf16 program computing in fp32 may hold its tied embedding's table
+        # in bf16 (program.py): the rows it gathers are widened
+        widened = ctx.dtype_map.get(mx.bfloat16, mx.bfloat16) == mx.float32
 
         def run(f):
             a = f[x]
-            f[out] = mx.take(a, f[idx], _normalize_axis(axis, a.ndim, name))
+            rows = mx.take(a, f[idx], _normalize_axis(axis, a.ndim, name))
+            f[out] = rows.astype(mx.float32) if widened and rows.dtype == mx.bfloat16 else rows
 
         return run
     if index.kind == 1:
