@@ -262,12 +262,14 @@ class SharedGemv : public SharedPrimitive {
         xs = packed.data();
       }
       Product p{xs, wp, yp, K, N, w_row, w_col, int(M), {}, 0};
-      // ~8k weights (32 KB) a chunk, whole groups of four rows: small enough
-      // to share a 576-row product, large enough to stream; a few rows of x
-      // make a chunk's work as many times larger, so the chunks get smaller
-      const int64_t weights = 8192 / std::min<int64_t>(M, 4);
-      SharedJob j(bf16 ? dense_rows<uint16_t> : dense_rows<float>, &p, N,
-                  std::max<int64_t>(4, weights / std::max<int64_t>(K, 1) / 4 * 4));
+      // one row of x: ~8k weights (32 KB) a chunk, whole groups of four
+      // rows, small enough to share a 576-row product, large enough to
+      // stream. More rows: 16 weight rows a chunk, which each pass over x's
+      // rows finds in cache and whose next rows the first pass prefetches
+      // (4 or 8 rows a chunk measured ~15% slower at 16 rows of x,
+      // benchmarks/bench_rows.py).
+      const int64_t rows = M > 1 ? 16 : std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
+      SharedJob j(bf16 ? dense_rows<uint16_t> : dense_rows<float>, &p, N, rows);
       run_shared(j);
     });
   }
