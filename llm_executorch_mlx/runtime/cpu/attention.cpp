@@ -6,10 +6,10 @@
 // for a decode step costs ~0.5 ms a layer on a 2-core x86 machine, ten times
 // the work, and for a 128-query prefill chunk 2-11 ms. This primitive does the
 // whole thing as one op, with a polynomial exp eight lanes wide:
-// - a few queries (a decode step): per query row it scores the keys of its kv
-//   head four at a time and accumulates the values in registers, in parts of
-//   128 keys that the host thread helps with (shared_work.cpp), merged as
-//   flash-decoding does;
+// - a few queries (a decode step): the query heads of a kv head score its
+//   keys together, four keys at a time, each key widened once for them all,
+//   and accumulate the values in registers, in parts of 128 keys that the
+//   host thread helps with (shared_work.cpp), merged as flash-decoding does;
 // - from 8 queries a head (a prefill chunk): GEMM-style register tiles over K
 //   packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
@@ -126,61 +126,91 @@ struct Geometry {
   int first_key(int t) const { return window > 0 ? std::max(0, end_key(t) - window) : 0; }
 };
 
-// s[j] = q . k_j for j < n, keys of D (a multiple of 8) contiguous floats
-// `stride` apart: eight keys at a time, so eight dot products are in flight
-// (fewer would wait on each FMA's latency).
-template <typename KV>
-void scores_of_row(const float* q, const KV* k, int64_t stride, int n, int D, float* s) {
+// The four sums of a[0..3]'s lanes, as one vector's first four lanes:
+// pairwise adds of shuffled halves, ~5 instructions for four sums where
+// four sum8 take ~28.
+inline f8 pair_sums(f8 a, f8 b) {  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+inline void sums4(const f8* a, float* out) {
+  const f8 t = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3]));
+  const f8 s = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
+  out[0] = s[0], out[1] = s[1], out[2] = s[2], out[3] = s[3];
+}
+
+// s[r * s_row + j] = q_r . k_j for R query rows (D apart) over keys j < n,
+// keys of D (a multiple of 8) contiguous values `stride` apart: four keys
+// at a time, each widened once for all R rows (the query heads sharing a
+// kv head).
+template <int R, typename KV>
+void scores_of_rows(const float* q, const KV* k, int64_t stride, int n, int D, float* s, int s_row) {
   int j = 0;
-  for (; j + 8 <= n; j += 8) {
+  for (; j + 4 <= n; j += 4) {
     const KV* kj = k + j * stride;
-    f8 a[8] = {};
+    f8 a[R][4] = {};
     for (int d = 0; d < D; d += 8) {
-      const f8 x = load8(q + d);
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; ++i) a[i] += x * load8(kj + i * stride + d);
+      const f8 k0 = load8(kj + d), k1 = load8(kj + stride + d), k2 = load8(kj + 2 * stride + d),
+               k3 = load8(kj + 3 * stride + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const f8 x = load8(q + r * D + d);
+        a[r][0] += x * k0, a[r][1] += x * k1, a[r][2] += x * k2, a[r][3] += x * k3;
+      }
     }
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) s[j + i] = sum8(a[i]);
+    for (int r = 0; r < R; ++r) sums4(a[r], s + r * s_row + j);
   }
   for (; j < n; ++j) {
-    f8 a = {};
-    for (int d = 0; d < D; d += 8) a += load8(q + d) * load8(k + j * stride + d);
-    s[j] = sum8(a);
+    for (int r = 0; r < R; ++r) {
+      f8 a = {};
+      for (int d = 0; d < D; d += 8) a += load8(q + r * D + d) * load8(k + j * stride + d);
+      s[r * s_row + j] = sum8(a);
+    }
   }
 }
 
-// out = sum_j p[j] v_j for j < n, 64 columns at a time in eight registers
-// (named, so the compiler keeps them there), then 8 at a time.
-template <typename KV>
-void weighted_values(const float* p, const KV* v, int64_t stride, int n, int D, float* out) {
+// out[r * out_row + c] = sum_j p[r * p_row + j] v_j[c] for R rows over
+// j < n: 32 columns at a time, each value widened once for all R rows,
+// then 8 at a time.
+template <int R, typename KV>
+void weighted_values(const float* p, int p_row, const KV* v, int64_t stride, int n, int D, float* out,
+                     int out_row) {
   int c = 0;
-  for (; c + 64 <= D; c += 64) {
-    f8 a0 = {}, a1 = {}, a2 = {}, a3 = {}, a4 = {}, a5 = {}, a6 = {}, a7 = {};
+  for (; c + 32 <= D; c += 32) {
+    f8 a[R][4] = {};
     for (int j = 0; j < n; ++j) {
       const KV* vj = v + j * stride + c;
-      const f8 pj = splat(p[j]);
-      a0 += pj * load8(vj), a1 += pj * load8(vj + 8), a2 += pj * load8(vj + 16), a3 += pj * load8(vj + 24);
-      a4 += pj * load8(vj + 32), a5 += pj * load8(vj + 40), a6 += pj * load8(vj + 48), a7 += pj * load8(vj + 56);
+      const f8 v0 = load8(vj), v1 = load8(vj + 8), v2 = load8(vj + 16), v3 = load8(vj + 24);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const f8 pj = splat(p[r * p_row + j]);
+        a[r][0] += pj * v0, a[r][1] += pj * v1, a[r][2] += pj * v2, a[r][3] += pj * v3;
+      }
     }
-    store8(out + c, a0), store8(out + c + 8, a1), store8(out + c + 16, a2), store8(out + c + 24, a3);
-    store8(out + c + 32, a4), store8(out + c + 40, a5), store8(out + c + 48, a6), store8(out + c + 56, a7);
+    for (int r = 0; r < R; ++r) {
+      float* o = out + r * out_row + c;
+      store8(o, a[r][0]), store8(o + 8, a[r][1]), store8(o + 16, a[r][2]), store8(o + 24, a[r][3]);
+    }
   }
   for (; c < D; c += 8) {
-    f8 a = {};
-    for (int j = 0; j < n; ++j) a += splat(p[j]) * load8(v + j * stride + c);
-    store8(out + c, a);
+    for (int r = 0; r < R; ++r) {
+      f8 a = {};
+      for (int j = 0; j < n; ++j) a += splat(p[r * p_row + j]) * load8(v + j * stride + c);
+      store8(out + r * out_row + c, a);
+    }
   }
 }
 
 // A few queries (a decode step) in parts that the host thread helps with:
 // a part is one kv head's rep * T query rows over one block of kKeysPerPart
 // keys, so each key and value is read once, by one thread, and stays in its
-// cache for the rows that share it. Each row's part leaves its softmax
-// unnormalised (max, sum of e^(s - max), sum of e^(s - max) v); the parts
-// of a row then merge by rescaling to their common max, as flash-decoding
-// does.
+// cache for the rows that share it; the rep rows of one query position (the
+// query heads of the kv head) go through the keys together, up to four at a
+// time. Each row's part leaves its softmax unnormalised (max, sum of
+// e^(s - max), sum of e^(s - max) v); the parts of a row then merge by
+// rescaling to their common max, as flash-decoding does.
 constexpr int kKeysPerPart = 128;
+constexpr int kRowsTogether = 4;
 
 struct PartsTask {
   const float* q;
@@ -190,48 +220,75 @@ struct PartsTask {
   float* partial;  // per (b, query head, t, part): max, sum, then D sums
 };
 
+// R rows' part: their slots are `slot_row` apart (consecutive query heads).
+template <int R, typename KV>
+void attend_rows(const float* qrows, const KV* kr, const KV* vr, const Geometry& g, int n, float* scores,
+                 float* slot, int slot_row) {
+  const int s_row = kKeysPerPart + 8, D = g.D;
+  scores_of_rows<R>(qrows, kr, g.k[2], n, D, scores, s_row);
+  for (int r = 0; r < R; ++r) {
+    float* row_slot = slot + r * slot_row;
+    row_slot[1] = softmax_numerators(scores + r * s_row, n, &row_slot[0]);
+  }
+  weighted_values<R>(scores, s_row, vr, g.v[2], n, D, slot + 2, slot_row);
+}
+
 template <typename KV>
 void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
   const PartsTask& task = *static_cast<const PartsTask*>(job.task);
   const Geometry& g = task.g;
   const KV *k = static_cast<const KV*>(task.k), *v = static_cast<const KV*>(task.v);
-  const int rep = g.Hq / g.Hkv, rows = rep * g.T, D = g.D, parts = task.parts;
+  const int rep = g.Hq / g.Hkv, D = g.D, parts = task.parts;
   const bool fast = D % 8 == 0 && g.k[3] == 1 && g.v[3] == 1;
-  thread_local std::vector<float> scores, qrow;  // this thread's, reused
-  scores.resize(kKeysPerPart + 8), qrow.resize(D);
+  thread_local std::vector<float> scores, qrows;  // this thread's, reused
+  scores.resize(kRowsTogether * (kKeysPerPart + 8)), qrows.resize(kRowsTogether * D);
+  const int slot_row = g.T * parts * (D + 2);  // between consecutive heads' slots of one t and part
   for (int64_t unit = lo; unit < hi; ++unit) {
     const int b = int(unit / (int64_t(g.Hkv) * parts)), h = int(unit / parts % g.Hkv), part = int(unit % parts);
     const KV* kh = k + b * g.k[0] + h * g.k[1];
     const KV* vh = v + b * g.v[0] + h * g.v[1];
-    for (int r = 0; r < rows; ++r) {
-      const int head = h * rep + r / g.T, t = r % g.T;
-      float* slot = task.partial + ((int64_t(b * g.Hq + head) * g.T + t) * parts + part) * (D + 2);
+    for (int t = 0; t < g.T; ++t) {
       const int j0 = std::max(g.first_key(t), part * kKeysPerPart);
       const int n = std::min(g.end_key(t), (part + 1) * kKeysPerPart) - j0;
-      if (n <= 0) {  // none of this row's keys: a part the merge skips
-        slot[0] = -INFINITY, slot[1] = 0.0f;
-        continue;
-      }
-      const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
-      const float* src = task.q + b * g.q[0] + head * g.q[1] + t * g.q[2];
-      for (int d = 0; d < D; ++d) qrow[d] = src[d * g.q[3]] * g.scale;
-      float* acc = slot + 2;
-      if (fast) {
-        scores_of_row(qrow.data(), kr, g.k[2], n, D, scores.data());
-      } else {
-        for (int j = 0; j < n; ++j) {
-          float s = 0.0f;
-          for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
-          scores[j] = s;
+      for (int first = 0; first < rep; first += kRowsTogether) {
+        const int R = std::min(kRowsTogether, rep - first);
+        float* slots[kRowsTogether];
+        for (int r = 0; r < R; ++r) {
+          const int head = h * rep + first + r;
+          slots[r] = task.partial + ((int64_t(b * g.Hq + head) * g.T + t) * parts + part) * (D + 2);
         }
-      }
-      slot[1] = softmax_numerators(scores.data(), n, &slot[0]);
-      if (fast) {
-        weighted_values(scores.data(), vr, g.v[2], n, D, acc);
-      } else {
-        std::fill(acc, acc + D, 0.0f);
-        for (int j = 0; j < n; ++j)
-          for (int d = 0; d < D; ++d) acc[d] += scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
+        if (n <= 0) {  // none of these rows' keys: a part the merge skips
+          for (int r = 0; r < R; ++r) slots[r][0] = -INFINITY, slots[r][1] = 0.0f;
+          continue;
+        }
+        const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
+        for (int r = 0; r < R; ++r) {
+          const float* src = task.q + b * g.q[0] + (h * rep + first + r) * g.q[1] + t * g.q[2];
+          for (int d = 0; d < D; ++d) qrows[r * D + d] = src[d * g.q[3]] * g.scale;
+        }
+        if (fast) {
+          switch (R) {
+            case 1: attend_rows<1>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row); break;
+            case 2: attend_rows<2>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row); break;
+            case 3: attend_rows<3>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row); break;
+            default: attend_rows<4>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row);
+          }
+          continue;
+        }
+        for (int r = 0; r < R; ++r) {  // any strides: one row at a time
+          const float* qrow = qrows.data() + r * D;
+          float* row_scores = scores.data();
+          for (int j = 0; j < n; ++j) {
+            float s = 0.0f;
+            for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
+            row_scores[j] = s;
+          }
+          slots[r][1] = softmax_numerators(row_scores, n, &slots[r][0]);
+          float* acc = slots[r] + 2;
+          std::fill(acc, acc + D, 0.0f);
+          for (int j = 0; j < n; ++j)
+            for (int d = 0; d < D; ++d) acc[d] += row_scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
+        }
       }
     }
   }
