@@ -16,6 +16,8 @@ import executorch_suite as suite
 
 CASES = suite.configs()
 IDS = suite.representatives(CASES)
+NOT_EXPORTED = [i for i in IDS if suite.known_export_failure(i)]
+COMPARED = [i for i in IDS if i not in NOT_EXPORTED]
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +29,13 @@ def suite_cache(request) -> pathlib.Path:
 
 
 @pytest.mark.parametrize("compute", ["native", "auto"])
-@pytest.mark.parametrize("case_id", IDS)
+@pytest.mark.parametrize("case_id", COMPARED)
 def test_executorch_case_matches_torch_eager(suite_cache, case_id, compute):
     passed, why = suite.outcome(suite.exported(suite_cache, case_id), compute)
     assert passed, why
+
+
+@pytest.mark.parametrize("case_id", NOT_EXPORTED)
+def test_executorch_case_still_fails_to_export_as_known(suite_cache, case_id):
+    """When ExecuTorch exports it again, it belongs in the comparison above."""
+    assert suite.exported(suite_cache, case_id).export_error == suite.known_export_failure(case_id)

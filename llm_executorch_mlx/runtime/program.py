@@ -25,7 +25,7 @@ from .interp.interpreter import GraphExecutor
 from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
-from .pte.graph import decode_graph, node_name
+from .pte.graph import decode_graph, node_name, tensor_fields
 from .pte.metadata import ForwardSignature, ModelMetadata, read_metadata
 from .steps import PLAIN, Steps, steps_for
 
@@ -391,21 +391,38 @@ def _uses_offgraph_cache(graph: md.MLXGraphT) -> bool:
 
 def _attended_layers(graph: md.MLXGraphT) -> list[tuple[int, int]]:
     """``(n_kv_heads, head_dim)`` per cache layer, from the keys each
-    ``UpdateAndAttendNode`` writes ([B, H_kv, T, D]); [] when there is none."""
+    ``UpdateAndAttendNode`` writes ([B, H_kv, T, D]); [] when there is none.
+
+    A key that is a temporary has no metadata of its own; its shape is then
+    followed through the elementwise nodes that made it (a scale, a cast).
+    """
     metas, layers = graph.tensorMeta or [], {}
+    shapes = {
+        tid: [d.value for d in m.shape or []] for tid, m in enumerate(metas) if m is not None
+    }
     for chain in graph.instructionChains:
         for i in chain.instructions or []:
-            if node_name(i) != "UpdateAndAttendNode" or i.op.layerId is None or i.op.k is None:
+            name, op = node_name(i), i.op
+            if name in _SHAPE_KEEPING and getattr(op, "out", None) is not None:
+                reads = [shapes.get(t, []) for t in sorted(tensor_fields(op)[0])]
+                shapes[op.out.idx] = max(reads, key=len, default=[])
+            if name != "UpdateAndAttendNode" or op.layerId is None or op.k is None:
                 continue
-            tid = i.op.k.idx
-            shape = [d.value for d in metas[tid].shape or []] if 0 <= tid < len(metas) and metas[tid] else []
+            shape = shapes.get(op.k.idx, [])
             if len(shape) != 4 or min(shape[1], shape[3]) <= 0:
-                raise PteError(f"UpdateAndAttendNode of layer {i.op.layerId}: its keys are not [B, H, T, D]")
-            if layers.setdefault(i.op.layerId, (shape[1], shape[3])) != (shape[1], shape[3]):
-                raise PteError(f"layer {i.op.layerId}'s attention nodes write keys of different shapes")
+                raise PteError(f"UpdateAndAttendNode of layer {op.layerId}: its keys are not [B, H, T, D]")
+            if layers.setdefault(op.layerId, (shape[1], shape[3])) != (shape[1], shape[3]):
+                raise PteError(f"layer {op.layerId}'s attention nodes write keys of different shapes")
     if layers and sorted(layers) != list(range(len(layers))):
         raise PteError(f"the attention nodes' layers {sorted(layers)} are not 0..{len(layers) - 1}")
     return [layers[i] for i in range(len(layers))]
+
+
+# Nodes whose output has the shape of their largest operand.
+_SHAPE_KEEPING = {
+    "AsTypeNode", "MultiplyNode", "AddNode", "SubtractNode", "DivideNode", "NegNode",
+    "ContiguousNode", "IdCopyNode",
+}
 
 
 def _attention_dtype(graph: md.MLXGraphT) -> str | None:
