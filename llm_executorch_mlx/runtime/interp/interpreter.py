@@ -376,8 +376,10 @@ class GraphExecutor:
         self.output_meta = [_tensor_meta(graph, s) for s in graph.outputMap or []]
         # The dtypes the outputs are declared in (after the compute route):
         # some MLX ops return another (argmax's uint32 for an int64 index).
+        # A meta without its (schema-required) shape declares nothing.
         self._output_dtypes = [
-            None if m is None else ctx.dtype(m.scalarType) for m in self.output_meta
+            None if m is None or m.shape is None else ctx.dtype(m.scalarType)
+            for m in self.output_meta
         ]
         self._mutable = []
         for s in graph.mutableBufferMap or []:
