@@ -188,9 +188,11 @@ class OpGraph:
             metas[t.idx] = _meta(shape, st, dyn)
         for t, shape, st in self._mutable:
             metas[t.idx] = _meta(shape, st)
-        empty = md.TensorMetaT()
-        empty.shape = []
-        g.tensorMeta = [m if m is not None else empty for m in metas]
+        # Temporaries declare nothing, not even the shape the schema requires
+        # of a real export's metadata: an output of one keeps the dtype its
+        # node computed (the interpreter casts declared outputs only).
+        undeclared = md.TensorMetaT()
+        g.tensorMeta = [m if m is not None else undeclared for m in metas]
         g.namedSlots = []
         constants = [a if isinstance(a, mx.array) else mx.array(np.asarray(a)) for _, a in self._constants]
         return g, constants

@@ -40,9 +40,10 @@ KV_DTYPES: dict[str, mx.Dtype] = {
 # How half-precision programs compute, by the names users type (the choices of
 # -o compute_dtype in options.py). MLX's CPU backend runs bf16/fp16 matmuls
 # without BLAS (~5 GFLOP/s here, against ~100 for fp32 through OpenBLAS or
-# MKL), so on a CPU "auto" widens them to fp32: weights are converted once at
-# load (twice the memory) and every activation computes in fp32. GPUs keep the
-# file's dtype. docs/design.md has the numbers.
+# MKL), so on a CPU "auto" widens LLM programs to fp32: weights are converted
+# once at load (twice the memory) and every activation computes in fp32. Other
+# programs, and every program on a GPU, keep the file's dtypes. docs/design.md
+# has the numbers and the rule.
 COMPUTE_ROUTES = ("auto", "native", "fp32")
 _WIDENED = {mx.float16: mx.float32, mx.bfloat16: mx.float32}
 
@@ -52,12 +53,17 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def compute_dtype_map(route: str) -> dict[mx.Dtype, mx.Dtype]:
-    """The dtype substitutions a compute route applies to a program."""
+def check_compute_route(route: str) -> None:
     if route not in COMPUTE_ROUTES:
         raise PteError(f"unknown compute route {route!r}: use one of {', '.join(COMPUTE_ROUTES)}")
+
+
+def compute_dtype_map(route: str, llm: bool) -> dict[mx.Dtype, mx.Dtype]:
+    """The dtype substitutions a compute route applies to a program; ``llm``:
+    the program publishes the LLM metadata (``auto`` widens only those)."""
+    check_compute_route(route)
     if route == "auto":
-        route = "fp32" if on_cpu() else "native"
+        route = "fp32" if llm and on_cpu() else "native"
     return dict(_WIDENED) if route == "fp32" else {}
 
 

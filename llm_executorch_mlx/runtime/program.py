@@ -12,18 +12,20 @@ from .cpu import CpuKernels, kernels
 from .dtypes import (
     KV_DTYPES,
     array_from_buffer,
+    check_compute_route,
     compute_dtype_map,
     kv_dtype_name,
     mlx_dtype,
     on_cpu,
     scalar_type_name,
 )
+from .delegate_call import DelegateCall, map_delegate_call
 from .errors import PteError
 from .interp.interpreter import GraphExecutor
 from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls_and_gathers
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
-from .pte.graph import decode_graph, node_name
+from .pte.graph import decode_graph, node_name, tensor_fields
 from .pte.metadata import ForwardSignature, ModelMetadata, read_metadata
 from .steps import PLAIN, Steps, steps_for
 
@@ -43,11 +45,12 @@ def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
     Args:
         path: the .pte file.
         compute: how bf16/fp16 programs compute: "native" in the file's
-            dtype, "fp32" widened at load, or "auto" (fp32 on a CPU, native on
-            a GPU; see ``dtypes.COMPUTE_ROUTES``). fp32 programs are unaffected.
+            dtypes, "fp32" widened at load (outputs too), or "auto": fp32 for
+            an LLM program on a CPU, else native (see ``dtypes.COMPUTE_ROUTES``).
+            fp32 programs are unaffected.
     """
-    dtype_map = compute_dtype_map(compute)  # checked before the file is read
-    return Program(PteFile(path), dtype_map)
+    check_compute_route(compute)  # before the file is read
+    return Program(PteFile(path), compute)
 
 
 class Method:
@@ -85,12 +88,12 @@ class Method:
 class Program:
     """A .pte program: its methods, metadata, and off-graph cache geometry."""
 
-    def __init__(self, pte: PteFile, dtype_map: dict | None = None):
+    def __init__(self, pte: PteFile, compute: str = "native"):
         self.pte = pte
-        self._dtype_map = dtype_map or {}
         self.path = pte.path
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
+        self._calls: dict[str, DelegateCall] = {}
         self._constants: dict[str, list[mx.array]] = {}
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
@@ -102,6 +105,7 @@ class Program:
         is_llm = "forward" in pte.plans and any(k in raw for k in LLM_METADATA)
         forward = self._forward_signature() if is_llm else None
         self.metadata: ModelMetadata = read_metadata(raw, forward)
+        self._dtype_map = compute_dtype_map(compute, llm=is_llm)
 
     # -- methods --------------------------------------------------------------
 
@@ -141,7 +145,8 @@ class Program:
             graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
             self.cpu_kernels,
         )
-        return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names),
+        run = self._calls[name].wrap(executor.execute, len(plan.inputs))
+        return Method(name, run, len(plan.inputs), tuple(executor.node_names),
                       steps_for(self.cpu_kernels))
 
     def _plan(self, name: str) -> Plan:
@@ -187,13 +192,10 @@ class Program:
             )
         delegate = plan.delegates[0]
         graph = decode_graph(delegate.payload)
-        args = plan.delegate_args[0]
         n_in, n_out = len(graph.inputMap or []), len(graph.outputMap or [])
-        if args != plan.inputs + plan.outputs or n_in != len(plan.inputs) or n_out != len(plan.outputs):
-            raise PteError(
-                f"{name}'s delegate call does not map the method's {len(plan.inputs)} inputs "
-                f"and {len(plan.outputs)} outputs onto the MLX program's {n_in} and {n_out}"
-            )
+        self._calls[name] = map_delegate_call(
+            plan, plan.delegate_args[0], n_in, n_out, lambda t: self._constant_tensor(name, t)
+        )
         self._graphs[name] = graph
         return graph
 
@@ -269,15 +271,23 @@ class Program:
         """Per-layer cache geometry the file publishes, with an optional window
         pattern (``"512"``, ``"512,0"``, ``0``...) replacing the model's own."""
         m = self.metadata
-        if not m.has_offgraph_cache:
+        if m.has_offgraph_cache:
+            heads_dims = list(zip(m.kv_heads, m.head_dims))
+            pattern = m.windows if windows is None else parse_windows(windows)
+        elif "forward" in self.method_names and self._plan("forward").delegates:
+            # No LLM metadata: the geometry the graph's attention nodes read.
+            heads_dims = _attended_layers(self._graph("forward"))
+            pattern = [0] if windows is None else parse_windows(windows)
+        else:
+            heads_dims = []
+        if not heads_dims:
             raise PteError(
                 f"{self.path} publishes no off-graph cache geometry (get_n_caches): "
                 "re-export with --use-offgraph-cache"
             )
-        pattern = m.windows if windows is None else parse_windows(windows)
         return [
-            LayerGeometry(m.kv_heads[i], m.head_dims[i], pattern[i % len(pattern)])
-            for i in range(m.n_caches)
+            LayerGeometry(heads, dim, pattern[i % len(pattern)])
+            for i, (heads, dim) in enumerate(heads_dims)
         ]
 
     def new_cache(
@@ -315,11 +325,8 @@ class Program:
         )
 
     def _check_cache(self, cache: SequenceCache) -> None:
-        m = self.metadata
-        if len(cache.layers) != m.n_caches or any(
-            (g.n_kv_heads, g.head_dim) != (m.kv_heads[i], m.head_dims[i])
-            for i, g in enumerate(cache.layers)
-        ):
+        want = [(g.n_kv_heads, g.head_dim) for g in self.cache_geometry()]
+        if [(g.n_kv_heads, g.head_dim) for g in cache.layers] != want:
             raise PteError(
                 "the cache's layer geometry does not match this program's; build it "
                 "with program.new_cache(...)"
@@ -381,6 +388,42 @@ def _uses_offgraph_cache(graph: md.MLXGraphT) -> bool:
         for chain in graph.instructionChains
         for i in chain.instructions or []
     )
+
+
+def _attended_layers(graph: md.MLXGraphT) -> list[tuple[int, int]]:
+    """``(n_kv_heads, head_dim)`` per cache layer, from the keys each
+    ``UpdateAndAttendNode`` writes ([B, H_kv, T, D]); [] when there is none.
+
+    A key that is a temporary has no metadata of its own; its shape is then
+    followed through the elementwise nodes that made it (a scale, a cast).
+    """
+    metas, layers = graph.tensorMeta or [], {}
+    shapes = {
+        tid: [d.value for d in m.shape or []] for tid, m in enumerate(metas) if m is not None
+    }
+    for chain in graph.instructionChains:
+        for i in chain.instructions or []:
+            name, op = node_name(i), i.op
+            if name in _SHAPE_KEEPING and getattr(op, "out", None) is not None:
+                reads = [shapes.get(t, []) for t in sorted(tensor_fields(op)[0])]
+                shapes[op.out.idx] = max(reads, key=len, default=[])
+            if name != "UpdateAndAttendNode" or op.layerId is None or op.k is None:
+                continue
+            shape = shapes.get(op.k.idx, [])
+            if len(shape) != 4 or min(shape[1], shape[3]) <= 0:
+                raise PteError(f"UpdateAndAttendNode of layer {op.layerId}: its keys are not [B, H, T, D]")
+            if layers.setdefault(op.layerId, (shape[1], shape[3])) != (shape[1], shape[3]):
+                raise PteError(f"layer {op.layerId}'s attention nodes write keys of different shapes")
+    if layers and sorted(layers) != list(range(len(layers))):
+        raise PteError(f"the attention nodes' layers {sorted(layers)} are not 0..{len(layers) - 1}")
+    return [layers[i] for i in range(len(layers))]
+
+
+# Nodes whose output has the shape of their largest operand.
+_SHAPE_KEEPING = {
+    "AsTypeNode", "MultiplyNode", "AddNode", "SubtractNode", "DivideNode", "NegNode",
+    "ContiguousNode", "IdCopyNode",
+}
 
 
 def _attention_dtype(graph: md.MLXGraphT) -> str | None:

@@ -374,6 +374,13 @@ class GraphExecutor:
         self.output_slots = [_slot_index(ctx, s) for s in graph.outputMap or []]
         self.input_meta = [_tensor_meta(graph, s) for s in graph.inputMap or []]
         self.output_meta = [_tensor_meta(graph, s) for s in graph.outputMap or []]
+        # The dtypes the outputs are declared in (after the compute route):
+        # some MLX ops return another (argmax's uint32 for an int64 index).
+        # A meta without its (schema-required) shape declares nothing.
+        self._output_dtypes = [
+            None if m is None or m.shape is None else ctx.dtype(m.scalarType)
+            for m in self.output_meta
+        ]
         self._mutable = []
         for s in graph.mutableBufferMap or []:
             if s.slotType != md.SlotType.TensorSlot:
@@ -478,10 +485,12 @@ class GraphExecutor:
         for tid in self._mutable:
             self._template[tid] = f[tid]
         outs = []
-        for slot in self.output_slots:
+        for slot, dtype in zip(self.output_slots, self._output_dtypes):
             value = f[slot]
             if value is None:
                 raise PteError(f"the program never wrote its output slot {slot}")
+            if dtype is not None and value.dtype != dtype:
+                value = value.astype(dtype)
             outs.append(value)
         return outs
 

@@ -115,11 +115,17 @@ def build_gather_mm(n, ctx):
     a, b, out = ctx.t(n.a), ctx.t(n.b), ctx.out(n.out)
     lhs, rhs = ctx.t_opt(n.lhsIndices), ctx.t_opt(n.rhsIndices)
     is_sorted = _sorted_flag(n, ctx)
+    # MLX's CPU GatherMM runs float32 only: half operands are widened for
+    # it (products summed in fp32, as a GPU does) and the result rounded back.
+    widen = on_cpu()
 
     def run(f):
-        f[out] = mx.gather_mm(
-            f[a], f[b], _opt(f, lhs), _opt(f, rhs), sorted_indices=is_sorted(f)
-        )
+        x, y = f[a], f[b]
+        dtype = x.dtype
+        if widen and dtype in (mx.float16, mx.bfloat16):
+            x, y = x.astype(mx.float32), y.astype(mx.float32)
+        product = mx.gather_mm(x, y, _opt(f, lhs), _opt(f, rhs), sorted_indices=is_sorted(f))
+        f[out] = product if product.dtype == dtype else product.astype(dtype)
 
     return run
 
