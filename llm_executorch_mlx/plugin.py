@@ -10,6 +10,8 @@ from pydantic import Field, create_model, field_validator
 from .options import OPTIONS
 from .registry import Entry
 
+STATES_DIRNAME = "executorch-mlx-states"
+
 
 def _check(cls, value, info):
     # None means not given: the declared default applies when the turn runs.
@@ -53,6 +55,7 @@ class PteModel(llm.Model):
                 self.entry.tokenizer,
                 messages_from_llm(prompt.messages),
                 TurnOptions(stop=stop, **given),
+                state_dir=saved_states_dir(),
             )
             _advise_on_blas_once()
             yield from turn
@@ -61,6 +64,11 @@ class PteModel(llm.Model):
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats
+
+
+def saved_states_dir():
+    """Where cache states are saved between processes (text/saved_states.py)."""
+    return llm.user_dir() / STATES_DIRNAME
 
 
 def _advise_on_blas_once() -> None:
