@@ -102,6 +102,8 @@ def _read_header(path: pathlib.Path) -> dict:
         header = json.loads(json.loads(raw)["__metadata__"]["state"])
         if header["format"] != FORMAT:
             raise StateError(f"format {header['format']!r}, this version reads {FORMAT}")
+        if header["header_sha256"] != _header_checksum(header):
+            raise StateError("its header's checksum does not match it")
         ids, floor = header["ids"], header["floor"]
         if not (isinstance(ids, list) and ids and all(type(i) is int for i in ids)
                 and type(floor) is int and 0 <= floor <= len(ids)):
@@ -111,11 +113,18 @@ def _read_header(path: pathlib.Path) -> dict:
     return header
 
 
+def _header_checksum(header: dict) -> str:
+    """sha256 of the header less its checksums: what listing a state checks
+    before using its ids and replies, without reading its arrays."""
+    rest = {k: v for k, v in header.items() if k not in ("checksum", "header_sha256")}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
 def _checksum(header: dict, arrays: dict) -> str:
-    """sha256 over the header (less its checksum) and the arrays' bytes, by name."""
+    """sha256 over the header (less its checksums) and the arrays' bytes, by name."""
     import mlx.core as mx
 
-    h = hashlib.sha256(json.dumps({k: v for k, v in header.items() if k != "checksum"}, sort_keys=True).encode())
+    h = hashlib.sha256(_header_checksum(header).encode())
     for name in sorted(arrays):
         h.update(name.encode())
         h.update(memoryview(arrays[name].view(mx.uint8)))
@@ -184,9 +193,10 @@ class StateStore:
         found = [s for s in map(self._state, self._files()) if s is not None]
         return sorted(found, key=lambda s: s.used, reverse=True)
 
-    def load(self, state: SavedState, n: int, cache) -> bool:
-        """Restore the first ``n`` ids of ``state`` into ``cache``; False (the
-        file noted and deleted) when it turns out damaged."""
+    def load(self, state: SavedState, n: int, cache) -> bool | None:
+        """Restore the first ``n`` ids of ``state`` into ``cache``: True; False
+        (the file noted and deleted) when it turns out damaged; None when
+        another process deleted or replaced it meanwhile."""
         import mlx.core as mx
 
         try:
@@ -194,14 +204,14 @@ class StateStore:
                 inode = os.fstat(f.fileno()).st_ino
                 data = f.read()
         except OSError:
-            return False  # deleted by another process meanwhile
+            return None  # deleted by another process meanwhile
         try:
             arrays, meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
             header = json.loads(meta["state"])
             if header.get("checksum") != _checksum(header, arrays):
                 raise StateError("its checksum does not match its contents")
             if header["ids"][:n] != state.ids[:n] or n < header["floor"]:
-                return False  # replaced by another process with a state that no longer fits
+                return None  # replaced by another process with a state that no longer fits
             layers = [(first, arrays[f"k.{i}"], arrays[f"v.{i}"]) for i, first in enumerate(header["layers"])]
             cache.restore(n, header["floor"], layers)
             mx.eval(cache.state)
@@ -233,6 +243,7 @@ class StateStore:
         mx.eval(list(arrays.values()))
         header = {"format": FORMAT, "model": identity, "policy": policy, "ids": list(ids), "floor": floor,
                   "layers": [first for first, _, _ in layers], "replies": replies}
+        header["header_sha256"] = _header_checksum(header)
         header["checksum"] = _checksum(header, arrays)
         key = self.key(identity, policy)
         path = self.directory / f"{key}-{hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]}{SUFFIX}"

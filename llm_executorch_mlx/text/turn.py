@@ -79,7 +79,7 @@ class Turn:
         )
         self.messages = messages
         self.stops = stop_tokens(self.program.metadata.eos_ids, self.tokenizer, self.template.turn_end)
-        self.disk = (StateStore(state_dir, opts.kv_disk_mb << 20, self.notice)
+        self.disk = (StateStore(state_dir, int(opts.kv_disk_mb * 2**20), self.notice)
                      if state_dir is not None and opts.kv_disk_mb else None)
 
     def _disk_key(self) -> tuple[dict, dict]:
@@ -91,20 +91,29 @@ class Turn:
         }
         return model_identity(self.program.path), policy
 
-    def _load_saved(self, states, prompt: list[int]) -> tuple[int, float]:
+    def _load_saved(self, states, prompt: list[int], relist) -> tuple[int, float]:
         """Load the saved state that gives the most of ``prompt``, when it gives
         more than a live session holds, as a new session of the pool; return
-        (tokens loaded, seconds)."""
+        (tokens loaded, seconds). When a state vanishes meanwhile (another
+        process saved the conversation further and dropped it), the states
+        are listed again, once."""
         t0 = time.perf_counter()
         held = store.POOL.held(self.key, self.policy, prompt)
-        for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
-            if n <= held:
+        for attempt in range(2):
+            vanished = False
+            for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
+                if n <= held:
+                    break
+                session = Session(self.program, self.policy)
+                done = self.disk.load(state, n, session.cache)
+                if done:
+                    session.tokens = list(prompt[:n])
+                    store.POOL.adopt(self.key, session)
+                    return n, time.perf_counter() - t0
+                vanished = vanished or done is None
+            if not vanished:
                 break
-            session = Session(self.program, self.policy)
-            if self.disk.load(state, n, session.cache):
-                session.tokens = list(prompt[:n])
-                store.POOL.adopt(self.key, session)
-                return n, time.perf_counter() - t0
+            states = relist()
         return 0, 0.0
 
     def __iter__(self):
@@ -133,7 +142,8 @@ class Turn:
         decoder = StreamDecoder(self.tokenizer, prefix_ids=prompt[-4:])
         matcher = StopMatcher(self.opts.stop)
         start = reply_start(fitted.messages, self.template, self.tokenizer, generated)
-        loaded, load_s = self._load_saved(states, prompt) if states else (0, 0.0)
+        loaded, load_s = (self._load_saved(states, prompt, lambda: self.disk.states(identity, disk_policy))
+                          if states else (0, 0.0))
         session = store.POOL.acquire(self.key, self.program, self.policy, prompt, start)
         path, cached = session.reuse(prompt)
         if loaded and path == "hit" and cached == loaded:
