@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import pathlib
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -121,14 +121,14 @@ def _header_checksum(header: dict) -> str:
 
 
 def _checksum(header: dict, arrays: dict) -> str:
-    """sha256 over the header (less its checksums) and the arrays' bytes, by name."""
+    """CRC-32 over the header's checksum and the arrays' bytes, by name: it
+    catches a damaged or truncated file, at ~3x the speed of sha256 here."""
     import mlx.core as mx
 
-    h = hashlib.sha256(_header_checksum(header).encode())
+    crc = zlib.crc32(_header_checksum(header).encode())
     for name in sorted(arrays):
-        h.update(name.encode())
-        h.update(memoryview(arrays[name].view(mx.uint8)))
-    return h.hexdigest()
+        crc = zlib.crc32(memoryview(arrays[name].view(mx.uint8)), zlib.crc32(name.encode(), crc))
+    return f"crc32:{crc:08x}"
 
 
 class StateStore:
@@ -200,13 +200,14 @@ class StateStore:
         import mlx.core as mx
 
         try:
-            with open(state.path, "rb") as f:
-                inode = os.fstat(f.fileno()).st_ino
-                data = f.read()
+            f = open(state.path, "rb")
         except OSError:
             return None  # deleted by another process meanwhile
+        inode = os.fstat(f.fileno()).st_ino
         try:
-            arrays, meta = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
+            with f:
+                arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
+                mx.eval(list(arrays.values()))
             header = json.loads(meta["state"])
             if header.get("checksum") != _checksum(header, arrays):
                 raise StateError("its checksum does not match its contents")

@@ -94,27 +94,29 @@ class Turn:
     def _load_saved(self, states, prompt: list[int], relist) -> tuple[int, float]:
         """Load the saved state that gives the most of ``prompt``, when it gives
         more than a live session holds, as a new session of the pool; return
-        (tokens loaded, seconds). When a state vanishes meanwhile (another
-        process saved the conversation further and dropped it), the states
-        are listed again, once."""
-        t0 = time.perf_counter()
+        (tokens loaded, seconds reading and restoring it). When a state
+        vanishes meanwhile (another process saved the conversation further
+        and dropped it), the states are listed again, once."""
         held = store.POOL.held(self.key, self.policy, prompt)
+        session, seconds = None, 0.0
         for attempt in range(2):
             vanished = False
             for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
                 if n <= held:
                     break
-                session = Session(self.program, self.policy)
+                session = session or Session(self.program, self.policy)  # the first one loads the weights
+                t0 = time.perf_counter()
                 done = self.disk.load(state, n, session.cache)
+                seconds += time.perf_counter() - t0
                 if done:
                     session.tokens = list(prompt[:n])
                     store.POOL.adopt(self.key, session)
-                    return n, time.perf_counter() - t0
+                    return n, seconds
                 vanished = vanished or done is None
             if not vanished:
                 break
             states = relist()
-        return 0, 0.0
+        return 0, seconds
 
     def __iter__(self):
         generated = store.REPLIES.of(self.key)
