@@ -11,6 +11,7 @@ from .options import OPTIONS
 from .registry import Entry
 
 STATES_DIRNAME = "executorch-mlx-states"
+_mlx_ready = False  # MLX's backend was found usable in this process
 
 
 def _check(cls, value, info):
@@ -34,12 +35,15 @@ class PteModel(llm.Model):
         self.model_id = entry.model_id
 
     def execute(self, prompt, stream, response, conversation):
-        from .mlx_backend import MlxBackendError, require
+        global _mlx_ready
+        if not _mlx_ready:  # the check reads package metadata (~10 ms): once per process
+            from .mlx_backend import MlxBackendError, require
 
-        try:
-            require()
-        except MlxBackendError as e:
-            raise llm.ModelError(str(e)) from None
+            try:
+                require()
+            except MlxBackendError as e:
+                raise llm.ModelError(str(e)) from None
+            _mlx_ready = True
         from .runtime.errors import PteError
         from .text.conversation import messages_from_llm
         from .text.errors import TextError

@@ -139,7 +139,7 @@ def test_ring_layers_past_their_window_load_from_disk(exported, tokenizer_dir):
     # a sliding layer's arrays hold its window's cells, a full layer all of them
     import mlx.core as mx
 
-    path = max(states(), key=lambda p: p.stat().st_mtime)  # (each turn's state kept: see saved_states.py)
+    (path,) = states()  # the last turn's, which superseded the others
     arrays = mx.load(str(path))
     # the cells a sliding layer holds: its window and a chunk's worth less one
     # (16 + 16 - 1), those a step after any rewind the cache allows still reads
@@ -287,3 +287,16 @@ def test_pte_cache_lists_and_clears_the_states(tiny):
     assert r.exit_code == 0 and r.output.startswith("Deleted 2 saved cache states")
     assert states() == []
     assert invoke("pte", "cache").output.startswith("No saved cache states")
+
+
+def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys):
+    pte, tok_dir, model_dir = tiny
+    saved_states_dir().parent.mkdir(parents=True, exist_ok=True)
+    saved_states_dir().write_text("a file where the directory would be")
+    expected = models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": "Hello there"}], 6)[1]
+    capsys.readouterr()
+    r = llm.get_model("pte:tiny").prompt("Hello there", max_tokens=6)
+    assert r.text() == expected
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[pte] could not save the cache state in ")
+    assert r.response_json["disk_save_s"] is None

@@ -258,21 +258,22 @@ class StateStore:
             with contextlib.suppress(*_RACES):
                 os.unlink(tmp)
             raise
-        self._prune(identity, policy, path, ids, floor)
+        self._prune(identity, policy, path, ids)
         return path
 
-    def _prune(self, identity: dict, policy: dict, kept: pathlib.Path, ids: list[int], floor: int) -> None:
+    def _prune(self, identity: dict, policy: dict, kept: pathlib.Path, ids: list[int]) -> None:
         key = self.key(identity, policy)
         files = []
         for path in self._files():
             if path == kept:
                 continue
             if path.name.startswith(key + "-"):
-                # a prefix of the new state is superseded by it (when it can
-                # give every prefix the older one could)
+                # a state the new one extends is superseded: the next turn
+                # continues the new one (only going back to an older turn of
+                # a model with ring layers could have used the older state)
                 with contextlib.suppress(*_RACES):
-                    old = _read_header(path)
-                    if len(old["ids"]) < len(ids) and ids[: len(old["ids"])] == old["ids"] and floor <= old["floor"]:
+                    old = _read_header(path)["ids"]
+                    if len(old) < len(ids) and ids[: len(old)] == old:
                         path.unlink()
                         continue
             else:

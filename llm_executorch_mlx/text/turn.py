@@ -172,6 +172,10 @@ class Turn:
                        if m["role"] == "assistant" and m["content"] in generated]
             if not reply.stop_string:
                 replies.append([reply.text, reply.ids])
-            saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies)
+            try:
+                saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies)
+            except OSError as e:  # a full disk or an unwritable user dir: the reply stands
+                saved = None
+                self.notice(f"[pte] could not save the cache state in {self.disk.directory}: {e.strerror or e}")
             result.stats["disk_save_s"] = round(time.perf_counter() - t0, 4) if saved else None
         self.result = result
