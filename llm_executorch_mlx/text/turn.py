@@ -99,7 +99,7 @@ class Turn:
         and dropped it), the states are listed again, once."""
         held = store.POOL.held(self.key, self.policy, prompt)
         session, seconds = None, 0.0
-        for attempt in range(2):
+        for _ in range(2):
             vanished = False
             for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
                 if n <= held:
