@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import pathlib
 
@@ -249,3 +250,38 @@ def register_commands(cli):
             click.echo(f"        decode products: {runtime['decode_products']}")
             click.echo(f"        quantized products: {runtime['quantized_products']}")
     add_export_commands(pte)  # llm pte export, llm pte demo
+    add_cache_commands(pte)  # llm pte cache, llm pte cache clear
+
+
+def add_cache_commands(pte):
+    from .plugin import saved_states_dir
+
+    def saved():
+        from .text.saved_states import StateStore
+
+        return StateStore(saved_states_dir(), 0, lambda msg: click.echo(msg, err=True))
+
+    @pte.group(name="cache", invoke_without_command=True)
+    @click.pass_context
+    def cache(ctx):
+        "List the KV cache states saved on disk (llm pte cache clear removes them)"
+        if ctx.invoked_subcommand is not None:
+            return
+        states = saved().all()
+        if not states:
+            click.echo(f"No saved cache states in {saved_states_dir()}")
+            return
+        for s in states:
+            model = s.header["model"]
+            used = datetime.datetime.fromtimestamp(s.used).strftime("%Y-%m-%d %H:%M:%S")
+            click.echo(f"{s.path.name}  {s.size / 1e6:7.2f} MB  {len(s.ids):5d} tokens  "
+                       f"{s.header['policy']['dtype']}  used {used}  {model['path']}")
+        total = sum(s.size for s in states)
+        click.echo(f"{len(states)} states, {total / 1e6:.2f} MB in {saved_states_dir()} "
+                   f"(budget: -o kv_disk_mb, default {OPTIONS['kv_disk_mb'].default} MB)")
+
+    @cache.command(name="clear")
+    def clear():
+        "Delete every saved KV cache state"
+        count, size = saved().clear()
+        click.echo(f"Deleted {count} saved cache states ({size / 1e6:.2f} MB)")

@@ -128,6 +128,10 @@ _DECLARED = (
            "Attention windows replacing the model's own, repeating over layers: "
            "'512' all sliding, '512,0' alternating, '0' all full",
            rule="comma-separated non-negative integers, e.g. 512 or 512,0", valid=_windows),
+    Option("kv_disk_mb", float, 256,
+           "MB of KV cache states kept on disk, so a new process (llm -c, a repeated system prompt) "
+           "starts warm; least recently used dropped first (default {default}; 0 = off)",
+           rule=">= 0 (0 turns it off)", valid=lambda v: _number(v) and v >= 0),
     Option("kv_overflow", str, "truncate",
            "When a conversation outgrows the cache: truncate (default; drop the oldest turns, "
            "keep the system prompt) or error",

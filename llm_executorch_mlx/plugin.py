@@ -10,6 +10,9 @@ from pydantic import Field, create_model, field_validator
 from .options import OPTIONS
 from .registry import Entry
 
+STATES_DIRNAME = "executorch-mlx-states"
+_mlx_ready = False  # MLX's backend was found usable in this process
+
 
 def _check(cls, value, info):
     # None means not given: the declared default applies when the turn runs.
@@ -32,12 +35,15 @@ class PteModel(llm.Model):
         self.model_id = entry.model_id
 
     def execute(self, prompt, stream, response, conversation):
-        from .mlx_backend import MlxBackendError, require
+        global _mlx_ready
+        if not _mlx_ready:  # the check reads package metadata (~10 ms): once per process
+            from .mlx_backend import MlxBackendError, require
 
-        try:
-            require()
-        except MlxBackendError as e:
-            raise llm.ModelError(str(e)) from None
+            try:
+                require()
+            except MlxBackendError as e:
+                raise llm.ModelError(str(e)) from None
+            _mlx_ready = True
         from .runtime.errors import PteError
         from .text.conversation import messages_from_llm
         from .text.errors import TextError
@@ -53,6 +59,7 @@ class PteModel(llm.Model):
                 self.entry.tokenizer,
                 messages_from_llm(prompt.messages),
                 TurnOptions(stop=stop, **given),
+                state_dir=saved_states_dir(),
             )
             _advise_on_blas_once()
             yield from turn
@@ -61,6 +68,11 @@ class PteModel(llm.Model):
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats
+
+
+def saved_states_dir():
+    """Where cache states are saved between processes (text/saved_states.py)."""
+    return llm.user_dir() / STATES_DIRNAME
 
 
 def _advise_on_blas_once() -> None:

@@ -237,3 +237,53 @@ def test_an_aborted_step_restores_the_length_and_guards_overwritten_ring_cells()
     assert not cache.rewind(9)
     cache.clear()
     assert cache.rewind_floor() == 0
+
+
+@pytest.mark.parametrize("back", [0, 4], ids=["at-its-length", "at-its-floor"])
+def test_a_restored_snapshot_continues_as_the_reference(back):
+    """A snapshot (flat and ring layers, the ring wrapped) restored into a
+    fresh cache, at its length or a shorter one down to its floor, then
+    continued: each step attends as ExecuTorch's reference cache fed the
+    same history."""
+    windows = [6, 0]
+    rng = np.random.default_rng(6)
+    history = [random_step(rng, 4) for _ in range(7)]  # 28 tokens: the 9-slot ring has wrapped
+    branch = [random_step(rng, 3), random_step(rng, 1), random_step(rng, 4)]
+    layers = [LayerGeometry(H_KV, D, w) for w in windows]
+    original = SequenceCache(layers, 64, "fp32", max_write=4)
+    att = Attention(original)
+    for i, (q, k, v) in enumerate(history):
+        for layer in range(len(windows)):
+            att.step(layer, q, k, v, 4 * i)
+    floor, saved = original.snapshot()
+    # the floor is a step's worth back (28 - max_write); the ring keeps the
+    # cells a query at the floor reads on: all its 6 + 4 - 1 slots
+    assert floor == 24 and [s[1].shape[2] for s in saved] == [9, 28]
+    length = 28 - back
+
+    restored = SequenceCache(layers, 64, "fp32", initial_capacity=8, max_write=4)
+    restored.restore(length, floor, saved)
+    assert restored.length == length and restored.rewind_floor() == floor
+    ours, ref = Attention(restored), Reference(windows, 64, "fp32")
+    for i, (q, k, v) in enumerate(history):
+        T = min(4, length - 4 * i)
+        for layer in range(len(windows)):
+            ref.step(layer, q[:, :, :T], k[:, :, :T], v[:, :, :T], 4 * i)
+    position = length
+    for q, k, v in branch:
+        for layer in range(len(windows)):
+            np.testing.assert_allclose(ours.step(layer, q, k, v, position),
+                                       ref.step(layer, q, k, v, position), atol=1e-5)
+        position += q.shape[2]
+
+
+def test_restore_refuses_cells_that_do_not_fit():
+    layers = [LayerGeometry(H_KV, D, 0)]
+    cache = SequenceCache(layers, 32, "fp32")
+    k = mx.zeros((1, H_KV, 10, D))
+    with pytest.raises(PteError, match="does not fit"):
+        cache.restore(10, 0, [(0, k.astype(mx.float16), k.astype(mx.float16))])  # another dtype
+    with pytest.raises(PteError, match="does not fit"):
+        cache.restore(12, 0, [(0, k, k)])  # fewer cells than the length
+    with pytest.raises(PteError, match="cannot restore"):
+        cache.restore(40, 0, [(0, k, k)])  # past the capacity

@@ -8,6 +8,7 @@ GGUF reader and tokenizer, its own chat template rendering), greedy. The
 build runs once per test session (~1-2 min: the download and the export).
 """
 
+import json
 import os
 import pathlib
 
@@ -142,6 +143,32 @@ def test_three_turns_are_cache_hits_that_equal_transformers_on_the_history(demo_
         # max_tokens without its last token (sampled, never fed)
         held = ids + expected + [tok.eos_token_id] if stats["finish_reason"] == "stop" else ids + expected[:-1]
         assert stats["cache_length"] == len(held)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def test_continue_in_new_processes_loads_saved_states_and_equals_transformers(demo_build, reference):
+    """`llm -c` as a new process runs it (all the process kept between turns
+    forgotten): each turn loads the state the previous one saved, prefills
+    only its own tokens and answers as transformers does on the history."""
+    register_demo(demo_build)
+    tok, _ = reference
+    messages, held = [], []
+    for i, text in enumerate(["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]):
+        store.POOL.clear()
+        store.REPLIES.clear()
+        store.TRUNCATIONS.clear()
+        messages.append({"role": "user", "content": text})
+        ids, expected = hf_greedy(reference, messages)
+        r = invoke("-m", "smol", text, "-o", "max_tokens", MAX_TOKENS) if i == 0 else \
+            invoke("-c", text, "-o", "max_tokens", MAX_TOKENS)
+        assert r.exit_code == 0, r.output
+        reply = r.stdout.rstrip("\n")
+        assert reply == tok.decode(expected, skip_special_tokens=True)
+        stats = json.loads(invoke("logs", "-n", 1, "--json").stdout)[0]["response_json"]
+        assert stats["cache_path"] == ("cold" if i == 0 else "disk")
+        assert stats["cached_tokens"] == stats["disk_loaded_tokens"] == len(held)
+        assert stats["prefilled_tokens"] == len(ids) - len(held)
+        held = ids + expected + [tok.eos_token_id] if stats["finish_reason"] == "stop" else ids + expected[:-1]
         messages.append({"role": "assistant", "content": reply})
 
 

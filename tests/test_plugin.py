@@ -257,26 +257,6 @@ def test_interleaved_conversations_keep_their_own_sessions(tiny):
     assert ra.response_json["cache_path"] == "hit" and rb.response_json["cache_path"] == "hit"
 
 
-def test_continue_in_a_fresh_process_sees_the_history(tiny, user_dir):
-    """`llm -c` in a new process: the history comes back as text from llm's
-    log, so it is tokenized again, as transformers' template does."""
-    register(tiny)
-    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
-    llm_bin = [sys.executable, "-m", "llm"]
-    first = subprocess.run(llm_bin + ["-m", "pte:tiny", "Hello there", "-o", "max_tokens", "6"],
-                           capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
-    assert first == hf_greedy(tiny, [{"role": "user", "content": "Hello there"}], 6)[1]
-    second = subprocess.run(llm_bin + ["-c", "Tell me a story", "-o", "max_tokens", "6"],
-                            capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
-    ids, expected = hf_greedy(tiny, [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
-                                     {"role": "user", "content": "Tell me a story"}], 6)
-    assert second == expected
-    logged = json.loads(subprocess.run(llm_bin + ["logs", "-n", "1", "--json"], capture_output=True,
-                                       text=True, env=env, check=True).stdout)
-    assert logged[0]["response_json"]["cache_path"] == "cold"  # a new process: nothing cached
-    assert logged[0]["input_tokens"] == len(ids)
-
-
 def test_continue_and_a_regenerated_turn_equal_transformers_on_the_history(tiny):
     """`llm -c` in the same process reuses the cache and the generated ids;
     asking the last turn again (the same history, as a regenerate does)
@@ -472,10 +452,10 @@ def test_sessions_are_bounded_least_recently_used_first(tiny):
         r = c.prompt("and more", max_tokens=2)
         r.text()
         assert r.response_json["cached_tokens"] >= n
-    # ... the least recently used one's was dropped
+    # ... the least recently used one's was dropped, and comes back from its saved state
     r = conversations[0].prompt("and more", max_tokens=2)
     r.text()
-    assert r.response_json["cached_tokens"] < first_prompts[0]
+    assert r.response_json["cache_path"] == "disk" and r.response_json["cached_tokens"] >= first_prompts[0]
     assert len(pool) == pool.max_sessions
 
 

@@ -218,6 +218,62 @@ class SequenceCache:
         size = self._mx_dtype.size
         return sum(2 * g.n_kv_heads * g.head_dim * size for g in self.layers)
 
+    # -- saved state ------------------------------------------------------------
+
+    def snapshot(self) -> tuple[int, list[tuple[int, mx.array, mx.array]]]:
+        """The cells a saved state needs: ``(floor, layers)``.
+
+        ``floor`` is ``rewind_floor()``; per layer ``(first, K, V)`` holds
+        positions ``[first, length)`` in logical order. A flat layer keeps the
+        whole sequence (``first`` 0); a ring layer only what a step at any
+        length from the floor on still reads (``first = floor - window + 1``).
+        The arrays are lazy slices of the pools.
+        """
+        floor = self.rewind_floor()
+        layers = []
+        for i, (g, size) in enumerate(zip(self.layers, self._max_slots)):
+            if not g.is_ring:
+                layers.append((0, self._k[i][:, :, : self.length, :], self._v[i][:, :, : self.length, :]))
+                continue
+            first = max(0, floor - g.window + 1)
+            runs = _ring_runs(first, self.length - first, size) if self.length > first else [(0, 0)]
+            K = mx.concatenate([self._k[i][:, :, s : s + n, :] for s, n in runs], axis=2)
+            V = mx.concatenate([self._v[i][:, :, s : s + n, :] for s, n in runs], axis=2)
+            layers.append((first, K, V))
+        return floor, layers
+
+    def restore(self, length: int, floor: int, layers: list[tuple[int, mx.array, mx.array]]) -> None:
+        """Hold ``length`` tokens from saved cells (``snapshot``'s ``layers``,
+        covering at least ``[first, length)`` per layer), forgetting the
+        sequence held before. ``length`` must be at least the saved ``floor``,
+        which stays the rewind floor.
+        """
+        if len(layers) != len(self.layers):
+            raise PteError(f"a saved state of {len(layers)} layers for a cache of {len(self.layers)}")
+        if not floor <= length <= self.capacity:
+            raise PteError(f"cannot restore {length} tokens (floor {floor}, capacity {self.capacity})")
+        self.clear()
+        for i, (g, (first, K, V)) in enumerate(zip(self.layers, layers)):
+            n = length - first
+            if n <= 0:
+                continue
+            if (K.dtype != self._mx_dtype or V.shape != K.shape or K.shape[2] < n
+                    or tuple(K.shape[:2]) + (K.shape[3],) != (1, g.n_kv_heads, g.head_dim)
+                    or (g.is_ring and (first != max(0, floor - g.window + 1) or n > self._max_slots[i]))):
+                raise PteError(f"saved layer {i} {tuple(K.shape)} {K.dtype} does not fit this cache")
+            if g.is_ring:
+                offset = 0
+                for s, m in _ring_runs(first, n, self._max_slots[i]):
+                    self._k[i][:, :, s : s + m, :] = K[:, :, offset : offset + m, :]
+                    self._v[i][:, :, s : s + m, :] = V[:, :, offset : offset + m, :]
+                    offset += m
+            else:
+                self._grow(i, length)
+                self._k[i][:, :, :length, :] = K[:, :, :length, :]
+                self._v[i][:, :, :length, :] = V[:, :, :length, :]
+        self.length = self._checkpoint = self._written_end = length
+        self._floor = floor
+
     # -- op face --------------------------------------------------------------
 
     def update_and_fetch(self, layer: int, position: int, k: mx.array, v: mx.array):

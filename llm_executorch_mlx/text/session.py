@@ -120,6 +120,17 @@ class SessionPool:
         self._sessions[id(session)] = (key, session)
         return session
 
+    def held(self, key, policy: CachePolicy, prompt: list[int]) -> int:
+        """The most of ``prompt`` one live session holds (its common prefix)."""
+        return max((common_prefix(s.tokens, prompt) for k, s in self._sessions.values()
+                    if k == key and s.policy == policy), default=0)
+
+    def adopt(self, key, session: Session) -> None:
+        """Add a session made elsewhere (loaded from disk), as the most recently used."""
+        while len(self._sessions) >= self.max_sessions:
+            self._sessions.popitem(last=False)
+        self._sessions[id(session)] = (key, session)
+
     def drop(self, key) -> None:
         """Free every session of one program."""
         for sid in [sid for sid, (k, _) in self._sessions.items() if k == key]:

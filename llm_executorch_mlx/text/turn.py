@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass, field, make_dataclass
 
 import mlx.core as mx
@@ -19,7 +20,8 @@ from .conversation import encode_conversation, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
 from .sampling import Sampler
-from .session import CachePolicy
+from .saved_states import StateStore, model_identity
+from .session import CachePolicy, Session
 from .stats import turn_stats
 from .stops import StopMatcher, stop_tokens
 from .streaming import stream_reply
@@ -37,7 +39,7 @@ class TurnResult:
     cached_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str = "length"
-    cache_path: str = "cold"
+    cache_path: str = "cold"  # cold, hit, trim, reset, or disk (loaded from a saved state)
     stats: dict = field(default_factory=dict)
 
 
@@ -58,7 +60,9 @@ def cache_policy(opts: TurnOptions, program) -> CachePolicy:
 class Turn:
     """Iterate to stream text; ``result`` is complete once iteration ends."""
 
-    def __init__(self, pte_path: str, tokenizer_path: str, messages: list[dict], opts: TurnOptions, notice=None):
+    def __init__(self, pte_path: str, tokenizer_path: str, messages: list[dict], opts: TurnOptions, notice=None,
+                 state_dir=None):
+        """``state_dir``: where cache states are saved between processes (None: nowhere)."""
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
@@ -75,9 +79,54 @@ class Turn:
         )
         self.messages = messages
         self.stops = stop_tokens(self.program.metadata.eos_ids, self.tokenizer, self.template.turn_end)
+        self.disk = (StateStore(state_dir, int(opts.kv_disk_mb * 2**20), self.notice)
+                     if state_dir is not None and opts.kv_disk_mb else None)
+
+    def _disk_key(self) -> tuple[dict, dict]:
+        """The model identity and cache policy a saved state must match."""
+        policy = {
+            "capacity": self.policy.capacity, "dtype": self.policy.dtype,
+            "windows": [g.window for g in self.program.cache_geometry(self.policy.windows)],
+            "compute": self.program.compute_dtype, "device": mx.default_device().type.name,
+        }
+        return model_identity(self.program.path), policy
+
+    def _load_saved(self, states, prompt: list[int], relist) -> tuple[int, float]:
+        """Load the saved state that gives the most of ``prompt``, when it gives
+        more than a live session holds, as a new session of the pool; return
+        (tokens loaded, seconds reading and restoring it). When a state
+        vanishes meanwhile (another process saved the conversation further
+        and dropped it), the states are listed again, once."""
+        held = store.POOL.held(self.key, self.policy, prompt)
+        session, seconds = None, 0.0
+        for _ in range(2):
+            vanished = False
+            for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
+                if n <= held:
+                    break
+                session = session or Session(self.program, self.policy)  # the first one loads the weights
+                t0 = time.perf_counter()
+                done = self.disk.load(state, n, session.cache)
+                seconds += time.perf_counter() - t0
+                if done:
+                    session.tokens = list(prompt[:n])
+                    store.POOL.adopt(self.key, session)
+                    return n, seconds
+                vanished = vanished or done is None
+            if not vanished:
+                break
+            states = relist()
+        return 0, seconds
 
     def __iter__(self):
         generated = store.REPLIES.of(self.key)
+        states = []
+        if self.disk:
+            identity, disk_policy = self._disk_key()
+            states = self.disk.states(identity, disk_policy)
+            for state in states:  # replies generated in other processes, spliced as their ids
+                for text, ids in state.replies:
+                    generated.setdefault(text, ids)
 
         def encode(messages):
             return encode_conversation(messages, self.template, self.tokenizer, generated)
@@ -95,8 +144,12 @@ class Turn:
         decoder = StreamDecoder(self.tokenizer, prefix_ids=prompt[-4:])
         matcher = StopMatcher(self.opts.stop)
         start = reply_start(fitted.messages, self.template, self.tokenizer, generated)
+        loaded, load_s = (self._load_saved(states, prompt, lambda: self.disk.states(identity, disk_policy))
+                          if states else (0, 0.0))
         session = store.POOL.acquire(self.key, self.program, self.policy, prompt, start)
         path, cached = session.reuse(prompt)
+        if loaded and path == "hit" and cached == loaded:
+            path = "disk"
         mx.reset_peak_memory()
         # a narrowed window lowers the cache's max write below the export's chunk
         chunk = session.cache.max_write or self.program.metadata.prefill_chunk
@@ -111,4 +164,18 @@ class Turn:
             finish_reason=reply.finish_reason, cache_path=path,
         )
         result.stats = turn_stats(result, reply.timings, session.cache, self.program)
+        if self.disk:
+            result.stats["disk_loaded_tokens"] = loaded if path == "disk" else 0
+            result.stats["disk_load_s"] = round(load_s, 4)
+            t0 = time.perf_counter()
+            replies = [[m["content"], generated[m["content"]]] for m in fitted.messages
+                       if m["role"] == "assistant" and m["content"] in generated]
+            if not reply.stop_string:
+                replies.append([reply.text, reply.ids])
+            try:
+                saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies)
+            except OSError as e:  # a full disk or an unwritable user dir: the reply stands
+                saved = None
+                self.notice(f"[pte] could not save the cache state in {self.disk.directory}: {e.strerror or e}")
+            result.stats["disk_save_s"] = round(time.perf_counter() - t0, 4) if saved else None
         self.result = result

@@ -1,0 +1,310 @@
+"""Cache states saved on disk, so that a new process starts warm.
+
+After a turn, the session's cache (the exact ids it holds and every layer's
+K/V in the storage dtype) is saved as one safetensors file; a later process
+whose prompt shares a prefix with a state of the same model file and cache
+policy loads the longest usable one and prefills only the rest. The format
+is in docs/design.md ("Saved cache states").
+
+A state is written to a temp file and renamed, so a reader sees a whole
+state or none, and it carries a checksum of its header and arrays, so a
+damaged, truncated or foreign file is noticed, deleted and never used. The
+directory is kept under a byte budget, the least recently used (saved or
+loaded) states deleted first. Importing this is cheap: mlx only in load/save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .session import common_prefix
+
+FORMAT = 1
+SUFFIX = ".safetensors"
+SAMPLE_BYTES = 1 << 20  # the model file's content hash reads this much at each end
+MAX_HEADER_BYTES = 64 << 20
+STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a killed process
+
+
+class StateError(Exception):
+    """A state file that cannot be used (damaged, truncated or foreign)."""
+
+
+# what a file another process changed or deleted meanwhile raises: pruning skips it
+_RACES = (OSError, StateError, KeyError, TypeError, ValueError)
+
+
+_identities: dict = {}
+
+
+def model_identity(path: str) -> dict:
+    """What a state's model file must still be: path, size, mtime and a cheap
+    content hash (the first and last MiB)."""
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _identities:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            h.update(f.read(SAMPLE_BYTES))
+            if st.st_size > SAMPLE_BYTES:
+                f.seek(max(SAMPLE_BYTES, st.st_size - SAMPLE_BYTES))
+                h.update(f.read())
+        _identities[key] = {"path": key[0], "size": key[1], "mtime_ns": key[2], "sample_sha256": h.hexdigest()}
+    return _identities[key]
+
+
+@dataclass
+class SavedState:
+    path: pathlib.Path
+    size: int  # bytes on disk
+    used: float  # last saved or loaded (the file's mtime)
+    header: dict
+
+    @property
+    def ids(self) -> list[int]:
+        return self.header["ids"]
+
+    @property
+    def floor(self) -> int:
+        """The shortest prefix of ``ids`` it can give (ring layers keep only their window)."""
+        return self.header["floor"]
+
+    @property
+    def replies(self) -> list:
+        """[text, ids] of the replies generated in it, to splice as ids again."""
+        return self.header.get("replies", [])
+
+    def usable(self, prompt: list[int]) -> int:
+        """How many of ``prompt``'s ids this state can give (0: none). One
+        prompt id is always left to feed, for the next token's logits."""
+        n = min(common_prefix(self.ids, prompt), len(prompt) - 1)
+        return n if n > 0 and n >= self.floor else 0
+
+
+def _read_header(path: pathlib.Path) -> dict:
+    """The state header of a safetensors file, read without its arrays."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= MAX_HEADER_BYTES:
+            raise StateError("not a safetensors file")
+        raw = f.read(n)
+    try:
+        header = json.loads(json.loads(raw)["__metadata__"]["state"])
+        if header["format"] != FORMAT:
+            raise StateError(f"format {header['format']!r}, this version reads {FORMAT}")
+        if header["header_sha256"] != _header_checksum(header):
+            raise StateError("its header's checksum does not match it")
+        ids, floor = header["ids"], header["floor"]
+        if not (isinstance(ids, list) and ids and all(type(i) is int for i in ids)
+                and type(floor) is int and 0 <= floor <= len(ids)):
+            raise StateError("its ids or floor are malformed")
+    except (ValueError, KeyError, TypeError) as e:
+        raise StateError(f"its header is malformed ({type(e).__name__})") from None
+    return header
+
+
+def _header_checksum(header: dict) -> str:
+    """sha256 of the header less its checksums: what listing a state checks
+    before using its ids and replies, without reading its arrays."""
+    rest = {k: v for k, v in header.items() if k not in ("checksum", "header_sha256")}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
+
+
+def _checksum(header: dict, arrays: dict) -> str:
+    """CRC-32 over the header's checksum and the arrays' bytes, by name: it
+    catches a damaged or truncated file, at ~3x the speed of sha256 here."""
+    import mlx.core as mx
+
+    crc = zlib.crc32(_header_checksum(header).encode())
+    for name in sorted(arrays):
+        crc = zlib.crc32(memoryview(arrays[name].view(mx.uint8)), zlib.crc32(name.encode(), crc))
+    return f"crc32:{crc:08x}"
+
+
+class StateStore:
+    """The saved states in one directory.
+
+    Args:
+        budget: most bytes the directory may hold; 0 turns saving off.
+        notice: says a one-line note (a damaged file that was deleted).
+    """
+
+    def __init__(self, directory, budget: int, notice: Callable[[str], None]):
+        self.directory = pathlib.Path(directory)
+        self.budget = budget
+        self.notice = notice
+
+    @staticmethod
+    def key(identity: dict, policy: dict) -> str:
+        """What a file name starts with: its model identity and cache policy, hashed."""
+        text = json.dumps({"model": identity, "policy": policy}, sort_keys=True)
+        return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+    def _files(self, pattern: str = "*" + SUFFIX) -> list[pathlib.Path]:
+        try:
+            return [p for p in self.directory.glob(pattern) if not p.name.startswith(".")]
+        except OSError:
+            return []
+
+    def _damaged(self, path: pathlib.Path, why: str, inode: int | None = None) -> None:
+        """Note and delete a damaged state, unless it was replaced meanwhile."""
+        self.notice(f"[pte] ignored the saved cache state {path.name}: {why}; deleted it")
+        try:
+            if inode is None or os.stat(path).st_ino == inode:
+                path.unlink()
+        except OSError:
+            pass
+
+    def _state(self, path: pathlib.Path) -> SavedState | None:
+        try:
+            st = os.stat(path)
+            return SavedState(path, st.st_size, st.st_mtime, _read_header(path))
+        except FileNotFoundError:
+            return None  # deleted by another process meanwhile
+        except (OSError, StateError) as e:
+            self._damaged(path, str(e) if isinstance(e, StateError) else type(e).__name__)
+            return None
+
+    def states(self, identity: dict, policy: dict) -> list[SavedState]:
+        """The states of this model file and policy, most recently used first."""
+        found = []
+        for path in self._files(self.key(identity, policy) + "-*" + SUFFIX):
+            state = self._state(path)
+            if state is None:
+                continue
+            if state.header.get("model") != identity or state.header.get("policy") != policy:
+                self._damaged(path, "it belongs to another model or cache policy than its name says")
+                continue
+            found.append(state)
+        return sorted(found, key=lambda s: s.used, reverse=True)
+
+    def all(self) -> list[SavedState]:
+        """Every readable state, most recently used first (damaged ones noted and deleted)."""
+        found = [s for s in map(self._state, self._files()) if s is not None]
+        return sorted(found, key=lambda s: s.used, reverse=True)
+
+    def load(self, state: SavedState, n: int, cache) -> bool | None:
+        """Restore the first ``n`` ids of ``state`` into ``cache``: True; False
+        (the file noted and deleted) when it turns out damaged; None when
+        another process deleted or replaced it meanwhile."""
+        import mlx.core as mx
+
+        try:
+            f = open(state.path, "rb")
+        except OSError:
+            return None  # deleted by another process meanwhile
+        inode = os.fstat(f.fileno()).st_ino
+        try:
+            with f:
+                arrays, meta = mx.load(f, format="safetensors", return_metadata=True)
+                mx.eval(list(arrays.values()))
+            header = json.loads(meta["state"])
+            if header.get("checksum") != _checksum(header, arrays):
+                raise StateError("its checksum does not match its contents")
+            if header["ids"][:n] != state.ids[:n] or n < header["floor"]:
+                return None  # replaced by another process with a state that no longer fits
+            layers = [(first, arrays[f"k.{i}"], arrays[f"v.{i}"]) for i, first in enumerate(header["layers"])]
+            cache.restore(n, header["floor"], layers)
+            mx.eval(cache.state)
+        except Exception as e:  # mlx's reader raises RuntimeError/ValueError, restore PteError
+            cache.clear()
+            self._damaged(state.path, str(e) if isinstance(e, StateError) else f"unreadable ({type(e).__name__})",
+                          inode)
+            return False
+        try:
+            os.utime(state.path)  # recently used: evicted last
+        except OSError:
+            pass
+        return True
+
+    def save(self, identity: dict, policy: dict, cache, ids: list[int], replies: list) -> pathlib.Path | None:
+        """Save ``cache`` (holding ``ids``) atomically; drop the states it
+        supersedes and the least recently used ones past the budget. None when
+        it does not fit the budget."""
+        import mlx.core as mx
+
+        if not ids or cache.length != len(ids):
+            return None
+        floor, layers = cache.snapshot()
+        arrays = {}
+        for i, (_, K, V) in enumerate(layers):
+            arrays[f"k.{i}"], arrays[f"v.{i}"] = mx.contiguous(K), mx.contiguous(V)
+        if sum(a.nbytes for a in arrays.values()) > self.budget:
+            return None
+        mx.eval(list(arrays.values()))
+        header = {"format": FORMAT, "model": identity, "policy": policy, "ids": list(ids), "floor": floor,
+                  "layers": [first for first, _, _ in layers], "replies": replies}
+        header["header_sha256"] = _header_checksum(header)
+        header["checksum"] = _checksum(header, arrays)
+        key = self.key(identity, policy)
+        path = self.directory / f"{key}-{hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]}{SUFFIX}"
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                mx.save_safetensors(f, arrays, metadata={"state": json.dumps(header)})
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(*_RACES):
+                os.unlink(tmp)
+            raise
+        self._prune(identity, policy, path, ids)
+        return path
+
+    def _prune(self, identity: dict, policy: dict, kept: pathlib.Path, ids: list[int]) -> None:
+        key = self.key(identity, policy)
+        files = []
+        for path in self._files():
+            if path == kept:
+                continue
+            if path.name.startswith(key + "-"):
+                # a state the new one extends is superseded: the next turn
+                # continues the new one (only going back to an older turn of
+                # a model with ring layers could have used the older state)
+                with contextlib.suppress(*_RACES):
+                    old = _read_header(path)["ids"]
+                    if len(old) < len(ids) and ids[: len(old)] == old:
+                        path.unlink()
+                        continue
+            else:
+                with contextlib.suppress(*_RACES):
+                    model = _read_header(path).get("model", {})
+                    if model.get("path") == identity["path"] and model != identity:
+                        path.unlink()  # its model file changed: never usable again
+                        continue
+            with contextlib.suppress(*_RACES):
+                st = os.stat(path)
+                files.append((st.st_mtime, st.st_size, path))
+        with contextlib.suppress(*_RACES):
+            total = os.stat(kept).st_size + sum(size for _, size, _ in files)
+            for _, size, path in sorted(files):
+                if total <= self.budget:
+                    break
+                with contextlib.suppress(*_RACES):
+                    path.unlink()
+                total -= size
+        now = time.time()
+        for tmp in self.directory.glob(".*.tmp"):
+            with contextlib.suppress(*_RACES):
+                if now - os.stat(tmp).st_mtime > STALE_TEMP_SECONDS:
+                    tmp.unlink()
+
+    def clear(self) -> tuple[int, int]:
+        """Delete every state; (files, bytes) deleted."""
+        count = size = 0
+        for path in self._files() + list(self.directory.glob(".*.tmp")):
+            with contextlib.suppress(*_RACES):
+                n = os.stat(path).st_size
+                path.unlink()
+                count, size = count + 1, size + n
+        return count, size

@@ -1,0 +1,302 @@
+"""Cache states saved on disk: a new process starts warm, and its replies are
+those of transformers on the history with the ids generated before in it.
+
+"A new process" is either a real one (``llm`` run as a subprocess) or this
+one with everything a process keeps between turns forgotten (``forget``):
+its sessions, the ids of its replies and its truncation cuts. The
+references are transformers (``models.hf_turns``, ``models.hf_greedy``) and
+a run with the disk states off (``-o kv_disk_mb 0``).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import llm
+import pytest
+from click.testing import CliRunner
+from llm.cli import cli
+
+import models
+from models import make_tokenizer
+
+from llm_executorch_mlx.plugin import saved_states_dir
+from llm_executorch_mlx.text import store
+
+USER_TURNS = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
+LLM = [sys.executable, "-m", "llm"]
+
+
+@pytest.fixture(autouse=True)
+def user_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    forget()
+    yield tmp_path / "llm"
+    forget()
+
+
+def forget():
+    """What a new process starts with: no sessions, no remembered replies or cuts."""
+    store.POOL.clear()
+    store.REPLIES.clear()
+    store.TRUNCATIONS.clear()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok")
+    make_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture
+def tiny(exported, tokenizer_dir):
+    """The llama fixture registered as pte:tiny: (pte, tokenizer dir, hf dir)."""
+    model_dir, pte = exported("llama")
+    register(pte, tokenizer_dir)
+    return pte, tokenizer_dir, model_dir
+
+
+def register(pte, tokenizer_dir, name="tiny"):
+    r = invoke("pte", "register", str(pte), "--tokenizer", str(tokenizer_dir / "tokenizer.json"), "--name", name,
+               "--force")
+    assert r.exit_code == 0, r.output
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def states():
+    return sorted(saved_states_dir().glob("*.safetensors"))
+
+
+def last_logged(n=1):
+    return json.loads(invoke("logs", "-n", n, "--json").output)
+
+
+def run(args, env):
+    return subprocess.run(LLM + args, capture_output=True, text=True, env=env, check=True).stdout.rstrip("\n")
+
+
+def test_continue_in_new_processes_loads_the_saved_state_and_equals_one_process(tiny, user_dir):
+    """`llm -c` in a new process each turn: the previous state is loaded, only
+    the new tokens are prefilled, and each reply is transformers' on the
+    history holding the ids generated before (as one process holding the
+    conversation answers), not on the replies re-tokenized from their text."""
+    pte, tok_dir, model_dir = tiny
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    reference = models.hf_turns(tok_dir, model_dir, USER_TURNS, 8)
+    assert run(["-m", "pte:tiny", USER_TURNS[0], "-o", "max_tokens", "8"], env) == reference[0][2]
+    for text, (ids, _, expected) in zip(USER_TURNS[1:], reference[1:]):
+        assert run(["-c", text, "-o", "max_tokens", "8"], env) == expected
+    logged = last_logged(3)  # oldest first
+    assert [e["response_json"]["cache_path"] for e in logged] == ["cold", "disk", "disk"]
+    for e, previous, (ids, _, _) in zip(logged[1:], logged, reference[1:]):
+        j = e["response_json"]
+        assert e["input_tokens"] == len(ids)
+        # all the previous process held is loaded and counted as cached; the rest prefilled
+        assert j["disk_loaded_tokens"] == j["cached_tokens"] == previous["response_json"]["cache_length"] > 0
+        assert j["prefilled_tokens"] == len(ids) - j["cached_tokens"]
+        assert json.loads(e["token_details"]) == {"cached": j["cached_tokens"]}
+        assert j["disk_load_s"] > 0 and j["disk_save_s"] > 0
+    assert len(states()) == 1  # each turn's state supersedes the one it continued
+
+
+def test_with_disk_states_off_a_new_process_reprefills_the_text_history(tiny, user_dir):
+    """-o kv_disk_mb 0: nothing is saved or loaded, and the history comes back
+    as text, tokenized again as transformers' template does."""
+    pte, tok_dir, model_dir = tiny
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    first = run(["-m", "pte:tiny", "Hello there", "-o", "max_tokens", "6", "-o", "kv_disk_mb", "0"], env)
+    assert first == models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": "Hello there"}], 6)[1]
+    second = run(["-c", "Tell me a story", "-o", "max_tokens", "6", "-o", "kv_disk_mb", "0"], env)
+    history = [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": first},
+               {"role": "user", "content": "Tell me a story"}]
+    ids, expected = models.hf_greedy(tok_dir, model_dir, history, 6)
+    assert second == expected
+    logged = last_logged()[0]
+    assert logged["response_json"]["cache_path"] == "cold" and logged["input_tokens"] == len(ids)
+    assert states() == []
+
+
+def test_ring_layers_past_their_window_load_from_disk(exported, tokenizer_dir):
+    """gemma3's sliding layers (window 16): the state holds their last cells
+    only, and each turn in a new process equals transformers on the history."""
+    model_dir, pte = exported("gemma3")
+    register(pte, tokenizer_dir)
+    reference = models.hf_turns(tokenizer_dir, model_dir, USER_TURNS, 10)
+    model = llm.get_model("pte:tiny")
+    history = []
+    for i, (text, (ids, _, expected)) in enumerate(zip(USER_TURNS, reference)):
+        forget()
+        r = model.prompt(text, messages=history, max_tokens=10)
+        assert r.text() == expected and r.input_tokens == len(ids)
+        j = r.response_json
+        assert j["cache_path"] == ("cold" if i == 0 else "disk") and j["cache_length"] > 16  # past the window
+        history += [llm.user(text), llm.assistant(r.text())]
+    # a sliding layer's arrays hold its window's cells, a full layer all of them
+    import mlx.core as mx
+
+    (path,) = states()  # the last turn's, which superseded the others
+    arrays = mx.load(str(path))
+    # the cells a sliding layer holds: its window and a chunk's worth less one
+    # (16 + 16 - 1), those a step after any rewind the cache allows still reads
+    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, j["cache_length"]]
+
+
+def test_a_system_prompt_reused_in_another_process_starts_warm(tiny):
+    pte, tok_dir, model_dir = tiny
+    system = "You are a helpful assistant who answers about cats and the sky in short sentences."
+    model = llm.get_model("pte:tiny")
+    for i, question in enumerate(["Tell me a story", "Why is the sky blue?"]):
+        forget()
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        ids, expected = models.hf_greedy(tok_dir, model_dir, messages, 8)
+        r = model.prompt(question, system=system, max_tokens=8)
+        assert r.text() == expected
+        j = r.response_json
+        if i:
+            system_ids = models.hf_greedy(tok_dir, model_dir, messages[:1], 0)[0]
+            assert j["cache_path"] == "disk" and j["cached_tokens"] >= len(system_ids) - 5
+            assert j["prefilled_tokens"] == len(ids) - j["cached_tokens"]
+    assert len(states()) == 2  # two conversations sharing only the system prompt
+
+
+def _damage(path, how):
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) - 100])
+    elif how == "flipped":  # one bit of the last layer's values
+        path.write_bytes(data[:-10] + bytes([data[-10] ^ 1]) + data[-9:])
+    elif how == "garbage":
+        path.write_bytes(b"\x00" * 64 + data[64:])
+    elif how == "edited-ids":  # the header's first id changed (say, by hand), the arrays intact
+        at = data.index(b'\\"ids\\": [') + len(b'\\"ids\\": [')
+        path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "garbage", "edited-ids", "foreign"])
+def test_a_damaged_or_foreign_state_is_noted_deleted_and_never_used(tiny, exported, tokenizer_dir, how, capsys):
+    pte, tok_dir, model_dir = tiny
+    model = llm.get_model("pte:tiny")
+    first = model.prompt(USER_TURNS[0], max_tokens=8).text()
+    (path,) = states()
+    if how == "foreign":  # a state of another model (gemma3) under this state's name
+        gemma_dir, gemma = exported("gemma3")
+        register(gemma, tokenizer_dir, "other")
+        forget()
+        llm.get_model("pte:other").prompt(USER_TURNS[0], max_tokens=4).text()
+        other = next(p for p in states() if p != path)
+        os.replace(other, path)
+    else:
+        _damage(path, how)
+    capsys.readouterr()
+    forget()
+    r = model.prompt(USER_TURNS[1], messages=[llm.user(USER_TURNS[0]), llm.assistant(first)], max_tokens=8)
+    text = r.text()
+    note = capsys.readouterr().err
+    assert note.count("\n") == 1 and note.startswith(f"[pte] ignored the saved cache state {path.name}: ")
+    assert note.rstrip().endswith("deleted it")
+    assert r.response_json["cache_path"] == "cold"
+    # the same tokens as with no state at all: transformers on the history,
+    # with the first reply's generated ids where the header checked out
+    # (its arrays did not), else its text tokenized again
+    if how in ("truncated", "flipped"):
+        expected = models.hf_turns(tok_dir, model_dir, USER_TURNS[:2], 8)[1][2]
+    else:
+        history = [{"role": "user", "content": USER_TURNS[0]}, {"role": "assistant", "content": first},
+                   {"role": "user", "content": USER_TURNS[1]}]
+        expected = models.hf_greedy(tok_dir, model_dir, history, 8)[1]
+    assert text == expected
+    assert path not in states() or how == "foreign"  # deleted (a new one saved under a new name)
+
+
+def test_two_processes_continuing_the_same_conversation_at_once_both_answer_right(tiny, user_dir):
+    pte, tok_dir, model_dir = tiny
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    reference = models.hf_turns(tok_dir, model_dir, USER_TURNS[:2], 8)
+    assert run(["-m", "pte:tiny", USER_TURNS[0], "-o", "max_tokens", "8"], env) == reference[0][2]
+    # --no-log: llm's own log database refuses a second writer at once ("database is locked")
+    racing = [subprocess.Popen(LLM + ["-c", USER_TURNS[1], "-o", "max_tokens", "8", "--no-log"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    outputs = [p.communicate() for p in racing]
+    assert [p.returncode for p in racing] == [0, 0], outputs
+    assert [out.rstrip("\n") for out, _ in outputs] == [reference[1][2]] * 2
+    assert all("[pte]" not in err for _, err in outputs)
+    (path,) = states()  # both saved the same conversation: one whole state
+    forget()
+    model = llm.get_model("pte:tiny")
+    r = model.prompt(USER_TURNS[2], max_tokens=8, messages=[
+        llm.user(USER_TURNS[0]), llm.assistant(reference[0][2]), llm.user(USER_TURNS[1]),
+        llm.assistant(reference[1][2])])
+    assert r.text() == models.hf_turns(tok_dir, model_dir, USER_TURNS, 8)[2][2]
+    assert r.response_json["cache_path"] == "disk"
+
+
+def test_a_changed_model_file_invalidates_its_states(exported, tokenizer_dir, tmp_path):
+    model_dir, pte = exported("llama")
+    copy = tmp_path / "model.pte"
+    copy.write_bytes(pte.read_bytes())
+    register(copy, tokenizer_dir)
+    model = llm.get_model("pte:tiny")
+    first = model.prompt(USER_TURNS[0], max_tokens=8).text()
+    (old,) = states()
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed
+    forget()
+    r = model.prompt(USER_TURNS[1], messages=[llm.user(USER_TURNS[0]), llm.assistant(first)], max_tokens=8)
+    r.text()
+    assert r.response_json["cache_path"] == "cold"
+    assert old not in states() and len(states()) == 1  # the stale state deleted when the new one was saved
+
+
+def test_the_budget_keeps_the_most_recently_used_states(tiny):
+    """A budget of about two states keeps the new one and the most recently
+    used (saved or loaded) other."""
+    model = llm.get_model("pte:tiny")
+    questions = ["Tell me a story", "Why is the sky blue?", "Numbers like 42", "Hello there"]
+    for q in questions[:3]:
+        model.prompt(q, max_tokens=4).text()
+    saved = {p: p.stat().st_size for p in states()}
+    assert len(saved) == 3
+    forget()
+    again = model.prompt(questions[0], max_tokens=4)  # loaded: now the most recently used
+    again.text()
+    assert again.response_json["cache_path"] == "disk"
+    (recent,) = set(states()) & {p for p in saved if p.stat().st_mtime == max(q.stat().st_mtime for q in saved)}
+    forget()
+    budget_mb = (2 * max(saved.values()) + 1000) / 2**20
+    model.prompt(questions[3], max_tokens=4, kv_disk_mb=budget_mb).text()
+    kept = states()
+    assert len(kept) == 2 and recent in kept and len(set(kept) - set(saved)) == 1
+
+
+def test_pte_cache_lists_and_clears_the_states(tiny):
+    model = llm.get_model("pte:tiny")
+    model.prompt("Hello there", max_tokens=4).text()
+    forget()
+    model.prompt("Why is the sky blue?", max_tokens=4).text()
+    r = invoke("pte", "cache")
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("2 states, ")
+    assert all(str(tiny[0]) in line and "tokens" in line and "MB" in line for line in lines[:2])
+    r = invoke("pte", "cache", "clear")
+    assert r.exit_code == 0 and r.output.startswith("Deleted 2 saved cache states")
+    assert states() == []
+    assert invoke("pte", "cache").output.startswith("No saved cache states")
+
+
+def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys):
+    pte, tok_dir, model_dir = tiny
+    saved_states_dir().parent.mkdir(parents=True, exist_ok=True)
+    saved_states_dir().write_text("a file where the directory would be")
+    expected = models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": "Hello there"}], 6)[1]
+    capsys.readouterr()
+    r = llm.get_model("pte:tiny").prompt("Hello there", max_tokens=6)
+    assert r.text() == expected
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("[pte] could not save the cache state in ")
+    assert r.response_json["disk_save_s"] is None
