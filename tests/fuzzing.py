@@ -149,13 +149,31 @@ def _run_one(path: str) -> tuple[str, str]:
         program.close()
         return "ok", ""
     except PteError as e:
+        if _caused_by(e, MemoryError):  # ours in name only: it ran out of memory
+            return "memory", f"{type(e).__name__}: {e}"
         return "refused", f"{type(e).__name__}: {e}"
     except MemoryError as e:
         return "memory", f"MemoryError: {e}"
     except Exception as e:
-        return "foreign", f"{type(e).__name__}: {e}"
+        return "foreign", f"{type(e).__name__}: {e} [{_our_frame(e)}]"
     finally:
         mx.clear_cache()
+
+
+def _caused_by(e: BaseException, kind: type) -> bool:
+    while e is not None:
+        if isinstance(e, kind):
+            return True
+        e = e.__context__
+    return False
+
+
+def _our_frame(e: BaseException) -> str:
+    """Where in the package an exception came from (its innermost frame there)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "llm_executorch_mlx" in f.filename]
+    return f"{pathlib.Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
 
 def _worker(memory_limit: int) -> None:

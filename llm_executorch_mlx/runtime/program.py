@@ -137,10 +137,15 @@ class Program:
             )
         if cache is not None and uses_cache:
             self._check_cache(cache)
-        executor = GraphExecutor(
-            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
-            self.cpu_kernels,
-        )
+        try:
+            executor = GraphExecutor(
+                graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
+                self.cpu_kernels,
+            )
+        except (PteError, MemoryError):
+            raise
+        except Exception as e:  # a corrupt program that passed the load-time checks
+            raise PteError(f"{name}: its MLX program cannot be loaded ({type(e).__name__}: {e})") from None
         return Method(name, executor.execute, len(plan.inputs), tuple(executor.node_names),
                       steps_for(self.cpu_kernels))
 
