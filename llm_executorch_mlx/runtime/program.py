@@ -191,7 +191,10 @@ class Program:
                 "fully delegated to MLXBackend"
             )
         delegate = plan.delegates[0]
-        graph = decode_graph(delegate.payload)
+        try:
+            graph = decode_graph(delegate.payload)
+        except PteError as e:
+            raise PteError(f"{self.path}: {name}: {e}") from None
         args = plan.delegate_args[0]
         n_in, n_out = len(graph.inputMap or []), len(graph.outputMap or [])
         if args != plan.inputs + plan.outputs or n_in != len(plan.inputs) or n_out != len(plan.outputs):

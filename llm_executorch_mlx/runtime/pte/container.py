@@ -78,7 +78,7 @@ class PteFile:
                 raise
             raise PteError(f"{self.path}: {e}") from None
         except Exception as e:  # the flatbuffer reader raises anything on garbage
-            raise PteError(f"{self.path}: corrupt or truncated .pte program ({type(e).__name__}: {e})") from None
+            raise PteError(f"{self.path}: corrupt or truncated .pte program: {flatbuffer_fault(e)}") from None
 
     def _read_header(self) -> None:
         if self.size < 8 or bytes(self.buffer[4:6]) != b"ET":
@@ -156,7 +156,7 @@ class PteFile:
             raise
         except Exception as e:  # the flatbuffer reader raises anything on garbage
             raise PteError(
-                f"{self.path}: constant {data_buffer_idx}: corrupt constant table ({type(e).__name__}: {e})"
+                f"{self.path}: constant {data_buffer_idx}: corrupt constant table: {flatbuffer_fault(e)}"
             ) from None
 
     def _constant_data(self, data_buffer_idx: int, nbytes: int) -> memoryview:
@@ -239,6 +239,15 @@ class PteFile:
         """Unmap the file; arrays already made from it stay valid."""
         self.buffer.release()
         self._map.close()
+
+
+def flatbuffer_fault(e: Exception) -> str:
+    """What a flatbuffer reader's exception on garbage means, in words."""
+    if isinstance(e, struct.error) or "smaller than requested" in str(e):
+        return f"an offset or length points past the end of the data ({e})"
+    if isinstance(e, TypeError) and "bad number" in str(e):
+        return f"a field holds a number out of its type's range ({e})"
+    return f"{type(e).__name__}: {e}"
 
 
 def _text(raw: bytes | None, what: str) -> str:

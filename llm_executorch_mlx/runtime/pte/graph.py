@@ -12,6 +12,7 @@ import struct
 from ..errors import PteError
 from ._schema import mlx_delegate as md
 from ._schema.mlx_required import REQUIRED
+from .container import flatbuffer_fault
 
 HEADER_LENGTH = 24
 MAGIC = b"MLX0"
@@ -42,7 +43,7 @@ def decode_graph(payload) -> md.MLXGraphT:
         root = md.MLXGraph.GetRootAs(data, HEADER_LENGTH)
         graph = md.MLXGraphT.InitFromObj(root)
     except Exception as e:
-        raise PteError(f"corrupt MLX program flatbuffer ({type(e).__name__}: {e})") from None
+        raise PteError(f"corrupt MLX program flatbuffer: {flatbuffer_fault(e)}") from None
     check_graph(graph, len(data))
     return graph
 

@@ -1,0 +1,121 @@
+"""Hostile .pte files: seeded mutants of each fixture kind never escape as
+anything but a ``PteError`` (or a clean run), and the escapes fuzzing found
+stay fixed. ``scripts/fuzz_pte.py`` is the long run."""
+
+import pytest
+
+import fuzzing
+from llm_executorch_mlx.runtime import PteError, load_program
+from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
+from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph, node_name
+
+MUTANTS = 200  # per kind; ~10 s each here
+
+
+@pytest.mark.parametrize("kind", sorted(fuzzing.KINDS))
+def test_mutants_run_or_are_refused_never_escape(kind, exported):
+    _, pte = exported(*fuzzing.KINDS[kind])
+    worker = fuzzing.Worker(memory_limit=512 << 20, cpu_limit=60)
+    try:
+        assert worker.run(pte.read_bytes()) == ("ok", "")  # the file itself runs under the limits
+        result = fuzzing.fuzz(pte, MUTANTS, seed=sorted(fuzzing.KINDS).index(kind), worker=worker)
+    finally:
+        worker.close()
+    assert result["escapes"] == []
+    counts = result["counts"]
+    assert counts["ok"] > 0 and counts["refused"] > MUTANTS // 2, counts  # both paths were exercised
+
+
+def test_mutants_are_reproducible_from_their_seed(exported):
+    _, pte = exported(*fuzzing.KINDS["llama-fp32"])
+    data = pte.read_bytes()
+    a, b, other = (fuzzing.Mutator(data, seed) for seed in (7, 7, 8))
+    mutants = [a.mutate() for _ in range(3)]
+    assert mutants == [b.mutate() for _ in range(3)]
+    assert mutants != [other.mutate() for _ in range(3)]
+    assert all(m != data for m, _ in mutants)
+
+
+# -- the escapes fuzzing found, one each ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(exported):
+    return exported(*fuzzing.KINDS["llama-fp32"])
+
+
+def _edited(program, edit):
+    """forward's MLX program, edited as a corrupt file would have it, read back."""
+    graph = decode_graph(encode_graph(program._graph("forward")))
+    edit(graph)
+    return encode_graph(graph)
+
+
+def _first(graph, node):
+    return next(i for c in graph.instructionChains for i in c.instructions if node_name(i) == node)
+
+
+@pytest.mark.parametrize("edit, message", [
+    # UnicodeDecodeError: a weight's name that is not UTF-8
+    (lambda g: setattr(g.namedSlots[0], "name", b"\xe8bad"), r"namedSlots\[0\]: field 'name' is not UTF-8"),
+    # TypeError "vars() argument must have __dict__": a node of an unknown union type
+    (lambda g: setattr(g.instructionChains[0].instructions[2], "opType", 250),
+     r"instructions\[2\]: unknown or malformed node \(type 250\)"),
+    # AttributeError "'NoneType' object has no attribute 'slotType'": a missing required table
+    (lambda g: setattr(g.namedSlots[1], "slot", None), r"namedSlots\[1\]: required field 'slot' is missing"),
+    (lambda g: setattr(_first(g, "AddmmNode").op, "mat2", None), r"\(AddmmNode\)\.op: required field 'mat2'"),
+    # an index into a list the reader trusts
+    (lambda g: setattr(g.inputMap[0], "idx", 1 << 30), r"inputMap\[0\]: slot 1073741824 out of range"),
+    (lambda g: setattr(g, "mainChainIdx", 7), r"main chain 7 .* is not one of its 1 chains"),
+    # a frame of 2**32 slots
+    (lambda g: setattr(g, "numTempTensors", (1 << 32) - 1), r"declares \d+ tensor and \d+ value slots, more than"),
+    # ValueError from numpy: a constant of rank 256
+    (lambda g: setattr(g.tensorMeta[0], "shape", g.tensorMeta[0].shape * 128), r"tensorMeta\[0\]: rank 256"),
+])
+def test_a_corrupt_mlx_program_is_refused_naming_the_field(llama, edit, message):
+    program = load_program(llama[1])
+    with pytest.raises(PteError, match=message):
+        decode_graph(_edited(program, edit))
+
+
+def test_a_huge_slice_axis_is_refused_not_a_memory_blow_up(llama):
+    """A few flipped bytes gave a SliceNode axis 2**30: loading built
+    ``(slice(None),) * axis`` (gigabytes)."""
+    program = load_program(llama[1])
+
+    def edit(g):
+        _first(g, "SliceNode").op.axis.literal = 1 << 30
+
+    graph = decode_graph(_edited(program, edit))
+    with pytest.raises(PteError, match=r"SliceNode: axis 1073741824 is out of range for any tensor"):
+        GraphExecutor(graph, program._load_constants("forward", program._graph("forward")),
+                      cache=program.new_cache())
+
+
+def test_an_invalid_transpose_of_a_weight_is_refused_naming_the_node(llama):
+    """IndexError from MLX at load: a weight's transpose with an axis past its rank."""
+    program = load_program(llama[1])
+
+    def edit(g):
+        _first(g, "TransposeNode").op.perm = [4096, 0]
+
+    graph = decode_graph(_edited(program, edit))
+    with pytest.raises(PteError, match=r"TransposeNode \(instruction \d+\) is invalid: .*axis"):
+        GraphExecutor(graph, program._load_constants("forward", program._graph("forward")),
+                      cache=program.new_cache())
+
+
+def test_a_weight_name_that_is_not_utf8_in_the_container_is_refused(llama, tmp_path):
+    """UnicodeDecodeError reading the program's named-data keys."""
+    from llm_executorch_mlx.runtime.pte.container import PteFile
+
+    data = bytearray(llama[1].read_bytes())
+    pte = PteFile(llama[1])
+    key = pte.named_data_keys[0].encode()
+    at = data.index(key, 0, pte.program_size)
+    pte.close()
+    data[at] = 0xE8
+    bad = tmp_path / "key.pte"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(PteError, match=r"key.pte: named data \d+'s key is not UTF-8 text"):
+        load_program(bad)
