@@ -76,53 +76,56 @@ def check_graph(graph: md.MLXGraphT, payload_size: int) -> None:
         )
     if len(graph.tensorMeta or []) > n_tensors:
         raise PteError(f"MLX program has {len(graph.tensorMeta)} tensor metadata entries for {n_tensors} tensors")
-    _check_table(graph, "MLX program", n_tensors, graph.numValues)
+    _check_table(graph, "graph", n_tensors, graph.numValues)
 
 
-def _check_table(obj, where: str, n_tensors: int, n_values: int) -> None:
+def _check_table(obj, path: str, n_tensors: int, n_values: int, node: str = "MLX program") -> None:
+    """Check one table and those below it; messages start with the node that
+    holds the fault (or "MLX program") and end with its path in the graph."""
     kind = type(obj).__name__
+    at = f" (at {path})"
     if kind == "TidT":
         if not 0 <= obj.idx < n_tensors:
-            raise PteError(f"{where}: tensor slot {obj.idx} out of range (the program has {n_tensors})")
+            raise PteError(f"{node}: tensor slot {obj.idx} out of range (the program has {n_tensors}){at}")
         return
     if kind == "VidT":
         if not 0 <= obj.idx < n_values:
-            raise PteError(f"{where}: value slot {obj.idx} out of range (the program has {n_values})")
+            raise PteError(f"{node}: value slot {obj.idx} out of range (the program has {n_values}){at}")
         return
     if kind == "SlotVariantT":
         if obj.slotType not in _SLOT_TYPES:
-            raise PteError(f"{where}: unknown slot type {obj.slotType}")
+            raise PteError(f"{node}: unknown slot type {obj.slotType}{at}")
         bound = n_tensors if obj.slotType == md.SlotType.TensorSlot else n_values
         if not 0 <= obj.idx < bound:
-            raise PteError(f"{where}: slot {obj.idx} out of range (the program has {bound})")
+            raise PteError(f"{node}: slot {obj.idx} out of range (the program has {bound}){at}")
         return
     if kind == "TensorMetaT" and obj.shape is not None:
         if len(obj.shape) > MAX_RANK:
-            raise PteError(f"{where}: rank {len(obj.shape)} is more than any tensor has ({MAX_RANK})")
+            raise PteError(f"{node}: rank {len(obj.shape)} is more than any tensor has ({MAX_RANK}){at}")
         if any(d is not None and d.value < -1 for d in obj.shape):
-            raise PteError(f"{where}: negative dimension in shape {[d.value for d in obj.shape if d]}")
+            raise PteError(f"{node}: negative dimension in shape {[d.value for d in obj.shape if d]}{at}")
     if kind == "InstructionT":
         name = NODE_NAMES.get(obj.opType)
         if name is None or type(obj.op).__name__ != name + "T":
-            raise PteError(f"{where}: unknown or malformed node (type {obj.opType})")
-        where = f"{where} ({name})"
+            raise PteError(f"{node}: unknown or malformed node (type {obj.opType}){at}")
+        node = name
     for field in REQUIRED.get(kind, ()):
         if getattr(obj, field) is None:
-            raise PteError(f"{where}: required field '{field}' is missing")
+            raise PteError(f"{node}: {field} is missing{at}")
     for field, value in vars(obj).items():
         if isinstance(value, bytes):
             try:
                 setattr(obj, field, value.decode())
             except UnicodeDecodeError:
-                raise PteError(f"{where}: field '{field}' is not UTF-8 text") from None
+                raise PteError(f"{node}: {field} is not UTF-8 text{at}") from None
         elif isinstance(value, list):
             for i, item in enumerate(value):
                 if item is None:
-                    raise PteError(f"{where}: entry {i} of '{field}' is missing")
+                    raise PteError(f"{node}: entry {i} of {field} is missing{at}")
                 if hasattr(item, "__dict__"):
-                    _check_table(item, f"{where}.{field}[{i}]", n_tensors, n_values)
+                    _check_table(item, f"{path}.{field}[{i}]", n_tensors, n_values, node)
         elif hasattr(value, "__dict__"):
-            _check_table(value, f"{where}.{field}", n_tensors, n_values)
+            _check_table(value, f"{path}.{field}", n_tensors, n_values, node)
 
 
 def encode_graph(graph: md.MLXGraphT) -> bytes:
