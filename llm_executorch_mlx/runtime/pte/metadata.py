@@ -18,6 +18,7 @@ from ..dtypes import SCALAR_TYPE_NAMES
 from ..errors import PteError
 
 LOGITS_MODES = ("full", "last", "selected")
+MAX_GEOMETRY = 1 << 16  # layers, KV heads or head dims beyond any real model's
 
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -140,6 +141,8 @@ def read_metadata(raw: dict, forward) -> ModelMetadata:
             setattr(md, flag, bool(raw[flag]))
 
     md.n_caches = _int(raw, "get_n_caches") or 0
+    if not 0 <= md.n_caches <= MAX_GEOMETRY:
+        raise PteError(f"get_n_caches publishes {md.n_caches}; expected 0..{MAX_GEOMETRY} layers: corrupt file?")
     if md.n_caches:
         md.kv_heads = _per_layer(raw, "get_kv_heads", md.n_caches)
         md.head_dims = _per_layer(raw, "get_head_dims", md.n_caches)
@@ -148,6 +151,8 @@ def read_metadata(raw: dict, forward) -> ModelMetadata:
         for name, values, lo in (("get_kv_heads", md.kv_heads, 1), ("get_head_dims", md.head_dims, 1), ("get_windows", md.windows, 0)):
             if any(v < lo for v in values):
                 raise PteError(f"{name} publishes {values}; each entry must be >= {lo}")
+            if name != "get_windows" and any(v > MAX_GEOMETRY for v in values):
+                raise PteError(f"{name} publishes {values}; no model has more than {MAX_GEOMETRY}: corrupt file?")
     elif any(k in raw for k in ("get_kv_heads", "get_head_dims", "get_windows")):
         raise PteError("cache geometry is published without get_n_caches; re-export with --use-offgraph-cache")
 
