@@ -46,9 +46,14 @@ def run_mutants(args) -> dict:
         worker = fuzzing.Worker(memory_limit=args.memory_mb << 20, cpu_limit=args.cpu_limit)
         started = time.monotonic()
 
-        def progress(i, *_):
-            if (i + 1) % 5000 == 0:
-                print(f"  {kind}: {i + 1} mutants, {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        seen = dict.fromkeys(fuzzing.OUTCOMES, 0)
+
+        def progress(i, outcome, *_):
+            seen[outcome] += 1
+            if (i + 1) % 2000 == 0:
+                counts = " ".join(f"{k} {v}" for k, v in seen.items())
+                print(f"  {kind}: {i + 1} mutants, {time.monotonic() - started:.0f} s: {counts}",
+                      file=sys.stderr, flush=True)
 
         try:
             result = fuzzing.fuzz(pte, args.mutants, args.seed, worker, progress)
