@@ -119,3 +119,30 @@ def test_a_weight_name_that_is_not_utf8_in_the_container_is_refused(llama, tmp_p
     bad.write_bytes(bytes(data))
     with pytest.raises(PteError, match=r"key.pte: named data \d+'s key is not UTF-8 text"):
         load_program(bad)
+
+
+# -- cache geometry a corrupt file could ask for ----------------------------------
+
+
+@pytest.mark.parametrize("facts, problem", [
+    ({"get_n_caches": 1 << 20}, r"get_n_caches publishes 1048576; expected 0\.\.65536"),
+    ({"get_kv_heads": [1 << 30, 2]}, r"get_kv_heads publishes \[1073741824, 2\]; no model has more than 65536"),
+    ({"get_windows": [1 << 40, 0]}, r"a window is at most 2147483647 positions"),
+    ({"get_max_ctx_len": 1 << 40}, r"get_max_ctx_len publishes 1099511627776; it must be 1\.\.2147483647"),
+])
+def test_cache_geometry_beyond_any_model_is_refused_at_load(facts, problem):
+    from llm_executorch_mlx.runtime.pte.metadata import read_metadata
+
+    raw = {"get_n_caches": 2, "get_kv_heads": [2, 2], "get_head_dims": [16, 16], "get_windows": [16, 0],
+           "get_max_ctx_len": 128, **facts}
+    with pytest.raises(PteError, match=problem):
+        read_metadata(raw, None)
+
+
+def test_a_cache_no_machine_can_hold_is_refused_before_it_is_allocated(exported):
+    """Ring pools are allocated up front: a window of 2**30 positions is ~768 GiB."""
+    program = load_program(exported(*fuzzing.KINDS["gemma3-ring"])[1])
+    with pytest.raises(PteError, match=r"the cache needs 768\.0 GiB up front .*pass a smaller capacity= or windows="):
+        program.new_cache(capacity=(1 << 31) - 1, windows=str(1 << 30))
+    with pytest.raises(PteError, match=r"capacity 17179869184 is more than the 2147483647 positions"):
+        program.new_cache(capacity=1 << 34)

@@ -24,7 +24,7 @@ from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmul
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
 from .pte.graph import decode_graph, node_name
-from .pte.metadata import ForwardSignature, ModelMetadata, read_metadata
+from .pte.metadata import MAX_POSITIONS, ForwardSignature, ModelMetadata, read_metadata
 from .steps import PLAIN, Steps, steps_for
 
 MLX_BACKEND = "MLXBackend"
@@ -310,17 +310,29 @@ class Program:
             capacity = m.max_context
         if capacity is None:
             raise PteError("the file publishes no max context: pass capacity=")
+        if isinstance(capacity, int) and capacity > MAX_POSITIONS:
+            raise PteError(f"cache capacity {capacity} is more than the {MAX_POSITIONS} positions MLX can index")
         max_write = m.prefill_chunk
         narrowest = min((g.window for g in layers if g.window > 0), default=0)
         if windows is not None and narrowest and max_write and narrowest < max_write:
             max_write = narrowest  # the chunk follows a narrowed window down
-        return SequenceCache(
+        cache = SequenceCache(
             layers,
             capacity=capacity,
             dtype=dtype or self.compute_dtype or "bf16",
             initial_capacity=initial_capacity,
             max_write=max_write,
         )
+        # The pools are lazy until a step evaluates them: a geometry no machine
+        # can hold (a corrupt window, an absurd capacity) is refused here.
+        need, room = sum(a.nbytes for a in cache.state), _memory_limit()
+        if need > room:
+            raise PteError(
+                f"the cache needs {need / 2**30:.1f} GiB up front (capacity {capacity}, windows "
+                f"{sorted({g.window for g in layers})}), more than the {room / 2**30:.1f} GiB this process may use: "
+                "pass a smaller capacity= or windows="
+            )
+        return cache
 
     def _check_cache(self, cache: SequenceCache) -> None:
         m = self.metadata
@@ -380,6 +392,16 @@ class Program:
 
     def close(self) -> None:
         self.pte.close()
+
+
+def _memory_limit() -> int:
+    """Bytes this process may allocate at most: physical memory, or less under
+    an address-space limit."""
+    import resource
+
+    room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return room if soft == resource.RLIM_INFINITY else min(room, soft)
 
 
 def _uses_offgraph_cache(graph: md.MLXGraphT) -> bool:

@@ -19,6 +19,7 @@ from ..errors import PteError
 
 LOGITS_MODES = ("full", "last", "selected")
 MAX_GEOMETRY = 1 << 16  # layers, KV heads or head dims beyond any real model's
+MAX_POSITIONS = (1 << 31) - 1  # MLX shapes and the graph's positions are int32
 
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -167,10 +168,12 @@ def read_metadata(raw: dict, forward) -> ModelMetadata:
 
     if forward is not None:
         _check_forward(md, forward)
-    if md.max_context is not None and md.max_context <= 0:
-        raise PteError(f"get_max_ctx_len publishes {md.max_context}; it must be positive")
-    if md.prefill_chunk is not None and md.prefill_chunk <= 0:
-        raise PteError(f"the prefill chunk is {md.prefill_chunk}; it must be positive")
+    if md.max_context is not None and not 0 < md.max_context <= MAX_POSITIONS:
+        raise PteError(f"get_max_ctx_len publishes {md.max_context}; it must be 1..{MAX_POSITIONS}")
+    if md.prefill_chunk is not None and not 0 < md.prefill_chunk <= MAX_POSITIONS:
+        raise PteError(f"the prefill chunk is {md.prefill_chunk}; it must be 1..{MAX_POSITIONS}")
+    if any(w > MAX_POSITIONS for w in md.windows):
+        raise PteError(f"get_windows publishes {md.windows}; a window is at most {MAX_POSITIONS} positions")
     return md
 
 
