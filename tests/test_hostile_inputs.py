@@ -232,3 +232,24 @@ def test_a_damaged_registry_is_named_and_kept(llama, tmp_path):
     assert registry_path().read_text() == '{"models": {"good": [1, 2]'
     listed = CliRunner().invoke(cli, ["models"])
     assert listed.exit_code == 0 and "Traceback" not in listed.output
+
+
+def test_a_model_file_corrupted_after_registering_is_one_line_in_chat_and_prompt(llama, tmp_path):
+    """llm's chat loop does not catch model errors: ours still end in one line."""
+    import os
+    import subprocess
+    import sys
+
+    copy = tmp_path / "m.pte"
+    copy.write_bytes(llama.read_bytes())
+    tok = make_tokenizer(tmp_path / "tok")
+    assert _register(copy, tok, "--name", "m").exit_code == 0
+    _corrupt_pte(copy, tmp_path)[0].replace(copy)
+    env = {**os.environ, "LLM_USER_PATH": str(registry_path().parent)}
+    for args in (["chat", "-m", "pte:m"], ["-m", "pte:m", "hi"]):
+        p = subprocess.run([sys.executable, "-m", "llm", *args], input="hello\nquit\n", capture_output=True,
+                           text=True, env=env)
+        assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+        assert p.stderr.strip().splitlines() == [
+            f"Error: {copy}: forward: MLX payload header points past the end of the payload"
+        ]
