@@ -253,3 +253,22 @@ def test_a_model_file_corrupted_after_registering_is_one_line_in_chat_and_prompt
         assert p.stderr.strip().splitlines() == [
             f"Error: {copy}: forward: MLX payload header points past the end of the payload"
         ]
+
+
+@pytest.mark.parametrize("entry", [
+    {"path": 5, "tokenizer": None},
+    {"path": "/x", "tokenizer": "/y", "aliases": "abc", "summary": []},
+    {"path": "/x", "tokenizer": "/y", "aliases": [1]},
+    3,
+])
+def test_a_registry_entry_of_the_wrong_types_is_skipped_listing_and_named_registering(llama, tmp_path, entry):
+    registry_path().parent.mkdir(parents=True, exist_ok=True)
+    saved = json.dumps({"models": {"a": entry}})
+    registry_path().write_text(saved)
+    for args in (["models"], ["pte", "models"], ["pte", "models", "--json"]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0 and r.exception is None, (args, r.output)
+        assert "pte:a" not in r.output
+    r = _register(llama, make_tokenizer(tmp_path / "tok"), "--name", "b")
+    assert r.exit_code == 1 and re.search(r"entry 'a' is damaged \(.*\): fix or delete it", r.output), r.output
+    assert registry_path().read_text() == saved
