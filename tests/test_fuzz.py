@@ -146,3 +146,17 @@ def test_a_cache_no_machine_can_hold_is_refused_before_it_is_allocated(exported)
         program.new_cache(capacity=(1 << 31) - 1, windows=str(1 << 30))
     with pytest.raises(PteError, match=r"capacity 17179869184 is more than the 2147483647 positions"):
         program.new_cache(capacity=1 << 34)
+
+
+@pytest.mark.parametrize("sizes, problem", [
+    ((2,) * 127, r"get_x returns a tensor of rank 127"),  # ValueError from numpy: rank > 64
+    ((655360, 786448, 262152, 10, 12, 60, 60, 1, 4, 16, 33554432), r"constant 1 out of range"),  # int64 overflow
+])
+def test_a_constant_methods_tensor_of_a_corrupt_shape_is_refused(llama, sizes, problem):
+    """A corrupt EValue of a constant method (gemma3-ring mutants 2689, 14675
+    of the long run's seed 0)."""
+    from llm_executorch_mlx.runtime.pte.container import TensorValue
+
+    program = load_program(llama[1])
+    with pytest.raises(PteError, match=problem):
+        program._constant_tensor("get_x", TensorValue(scalar_type=6, sizes=sizes, data_buffer_idx=1, dynamic=False))

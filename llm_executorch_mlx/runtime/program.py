@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import mlx.core as mx
@@ -23,7 +24,7 @@ from .interp.interpreter import GraphExecutor
 from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
-from .pte.graph import decode_graph, node_name
+from .pte.graph import MAX_RANK, decode_graph, node_name
 from .pte.metadata import MAX_POSITIONS, ForwardSignature, ModelMetadata, read_metadata
 from .steps import PLAIN, Steps, steps_for
 
@@ -169,8 +170,10 @@ class Program:
     def _constant_tensor(self, method: str, t: TensorValue) -> mx.array:
         if t.data_buffer_idx <= 0:
             raise PteError(f"{method} returns a tensor with no constant data")
+        if len(t.sizes) > MAX_RANK or any(d < 0 for d in t.sizes):
+            raise PteError(f"{method} returns a tensor of rank {len(t.sizes)}, sizes {list(t.sizes[:8])}...: corrupt file")
         dtype = mlx_dtype(t.scalar_type)
-        nbytes = int(np.prod(t.sizes, dtype=np.int64)) * dtype.size
+        nbytes = math.prod(t.sizes) * dtype.size  # Python ints: a corrupt shape cannot wrap around
         return array_from_buffer(self.pte.constant_data(t.data_buffer_idx, nbytes), t.sizes, dtype)
 
     def _graph(self, name: str) -> md.MLXGraphT:
@@ -230,7 +233,7 @@ class Program:
                 raise PteError(f"{name}: constant '{key}' has a dynamic shape")
             dtype = mlx_dtype(meta.scalarType)
             data = self.pte.named_data(key)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+            nbytes = math.prod(shape) * dtype.size
             if len(data) < nbytes:
                 raise PteError(
                     f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"

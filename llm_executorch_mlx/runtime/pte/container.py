@@ -13,6 +13,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import PteError
 from ._schema import executorch_program as ep
 
@@ -173,6 +175,8 @@ class PteFile:
         if data_buffer_idx >= program.ConstantBufferLength():
             raise PteError(f"{self.path}: constant {data_buffer_idx} out of range")
         storage = program.ConstantBuffer(data_buffer_idx).StorageAsNumpy()
+        if not isinstance(storage, np.ndarray) or storage.nbytes < nbytes:
+            raise PteError(f"{self.path}: constant {data_buffer_idx} holds fewer than its {nbytes} bytes")
         return memoryview(storage.tobytes()[:nbytes])
 
     # -- plans --------------------------------------------------------------
