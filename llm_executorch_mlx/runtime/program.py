@@ -95,14 +95,20 @@ class Program:
         self._constants: dict[str, list[mx.array]] = {}
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
+        try:
+            self.metadata: ModelMetadata = self._read_metadata()
+        except PteError as e:  # say which file
+            raise e if str(e).startswith(self.path) else PteError(f"{self.path}: {e}") from None
+
+    def _read_metadata(self) -> ModelMetadata:
         raw = {}
-        for name, plan in pte.plans.items():
+        for name, plan in self.pte.plans.items():
             if not plan.delegates and not plan.kernel_calls:
                 raw[name] = _as_python(self._constant_outputs(plan))
         # Only a program that publishes LLM metadata promises the LLM forward ABI.
-        is_llm = "forward" in pte.plans and any(k in raw for k in LLM_METADATA)
+        is_llm = "forward" in self.pte.plans and any(k in raw for k in LLM_METADATA)
         forward = self._forward_signature() if is_llm else None
-        self.metadata: ModelMetadata = read_metadata(raw, forward)
+        return read_metadata(raw, forward)
 
     # -- methods --------------------------------------------------------------
 
