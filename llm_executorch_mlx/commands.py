@@ -116,6 +116,7 @@ def register_commands(cli):
         "Register a .pte model and its tokenizer as pte:NAME"
         require_for_command()
         from .text import TextError, load_tokenizer, resolve_template
+        from .text.model_fit import mismatches
 
         path = str(pathlib.Path(path).resolve())
         tokenizer_path = str(pathlib.Path(tokenizer_path).resolve())
@@ -139,15 +140,15 @@ def register_commands(cli):
         try:
             program.load_method("forward", cache=program.new_cache(capacity=1))
             tokenizer = load_tokenizer(tokenizer_path)
-            resolve_template(chat, tokenizer)
+            template = resolve_template(chat, tokenizer)
         except TextError as e:
             raise click.ClickException(str(e)) from None
         except Exception as e:  # PteError from the program
             raise click.ClickException(str(e)) from None
-        if m.vocab_size is not None and tokenizer.vocab_size > m.vocab_size:
+        disagree = mismatches(m, tokenizer, template)
+        if disagree:
             raise click.ClickException(
-                f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
-                f"{m.vocab_size}: wrong tokenizer for this model?"
+                f"{tokenizer_path} cannot be this model's tokenizer: {'; '.join(disagree)}"
             )
         with _editing() as entries:
             _check_names(entries, name, aliases, force)

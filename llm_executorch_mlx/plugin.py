@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import click
 import llm
 from pydantic import Field, create_model, field_validator
 
@@ -17,6 +18,12 @@ _mlx_ready = False  # MLX's backend was found usable in this process
 def _check(cls, value, info):
     # None means not given: the declared default applies when the turn runs.
     return value if value is None else OPTIONS[info.field_name].check(value)
+
+
+class InputError(llm.ModelError, click.ClickException):
+    """A model file, tokenizer or template that cannot be used: an
+    ``llm.ModelError`` to Python callers, and a one-line ``Error: ...`` from
+    commands that do not catch model errors themselves (``llm chat``)."""
 
 
 class PteModel(llm.Model):
@@ -42,7 +49,7 @@ class PteModel(llm.Model):
             try:
                 require()
             except MlxBackendError as e:
-                raise llm.ModelError(str(e)) from None
+                raise InputError(str(e)) from None
             _mlx_ready = True
         from .runtime.errors import PteError
         from .text.conversation import messages_from_llm
@@ -64,7 +71,7 @@ class PteModel(llm.Model):
             _advise_on_blas_once()
             yield from turn
         except (PteError, TextError) as e:
-            raise llm.ModelError(str(e)) from None
+            raise InputError(str(e)) from None
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats

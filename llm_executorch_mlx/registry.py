@@ -76,11 +76,27 @@ def load_entries(strict: bool = False) -> dict[str, Entry]:
     entries = {}
     for name, fields in models.items():
         try:
-            entries[name] = Entry(name=name, **fields)
+            entries[name] = _entry(name, fields)
         except TypeError as e:
             if strict:
                 raise RegistryError(f"{path}: entry {name!r} is damaged ({e}): fix or delete it") from None
     return entries
+
+
+# What each field of a saved entry must be (the file is the user's to edit).
+_FIELD_TYPES = {"path": str, "tokenizer": str, "chat": str, "aliases": list, "summary": dict}
+
+
+def _entry(name: str, fields) -> Entry:
+    if not isinstance(fields, dict):
+        raise TypeError(f"it is {type(fields).__name__}, not an object")
+    for key, value in fields.items():
+        kind = _FIELD_TYPES.get(key)
+        if kind is not None and not isinstance(value, kind):
+            raise TypeError(f"its {key} is {value!r}, not {kind.__name__}")
+    if not all(isinstance(a, str) for a in fields.get("aliases", [])):
+        raise TypeError("its aliases are not all names")
+    return Entry(name=name, **fields)
 
 
 def save_entries(entries: dict[str, Entry]) -> None:

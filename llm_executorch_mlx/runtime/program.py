@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import mlx.core as mx
@@ -25,8 +26,8 @@ from .interp.interpreter import GraphExecutor
 from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls_and_gathers
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
-from .pte.graph import decode_graph, node_name, tensor_fields
-from .pte.metadata import ForwardSignature, ModelMetadata, read_metadata
+from .pte.graph import MAX_RANK, decode_graph, node_name, tensor_fields
+from .pte.metadata import MAX_POSITIONS, ForwardSignature, ModelMetadata, read_metadata
 from .steps import PLAIN, Steps, steps_for
 
 MLX_BACKEND = "MLXBackend"
@@ -97,15 +98,22 @@ class Program:
         self._constants: dict[str, list[mx.array]] = {}
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
+        try:
+            self.metadata, is_llm = self._read_metadata()
+        except PteError as e:  # say which file
+            raise e if str(e).startswith(self.path) else PteError(f"{self.path}: {e}") from None
+        self._dtype_map = compute_dtype_map(compute, llm=is_llm)
+
+    def _read_metadata(self) -> tuple[ModelMetadata, bool]:
+        """The program's metadata, and whether it publishes an LLM's."""
         raw = {}
-        for name, plan in pte.plans.items():
+        for name, plan in self.pte.plans.items():
             if not plan.delegates and not plan.kernel_calls:
                 raw[name] = _as_python(self._constant_outputs(plan))
         # Only a program that publishes LLM metadata promises the LLM forward ABI.
-        is_llm = "forward" in pte.plans and any(k in raw for k in LLM_METADATA)
+        is_llm = "forward" in self.pte.plans and any(k in raw for k in LLM_METADATA)
         forward = self._forward_signature() if is_llm else None
-        self.metadata: ModelMetadata = read_metadata(raw, forward)
-        self._dtype_map = compute_dtype_map(compute, llm=is_llm)
+        return read_metadata(raw, forward), is_llm
 
     # -- methods --------------------------------------------------------------
 
@@ -141,10 +149,15 @@ class Program:
             )
         if cache is not None and uses_cache:
             self._check_cache(cache)
-        executor = GraphExecutor(
-            graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
-            self.cpu_kernels,
-        )
+        try:
+            executor = GraphExecutor(
+                graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
+                self.cpu_kernels,
+            )
+        except (PteError, MemoryError):
+            raise
+        except Exception as e:  # a corrupt program that passed the load-time checks
+            raise PteError(f"{name}: its MLX program cannot be loaded ({type(e).__name__}: {e})") from None
         run = self._calls[name].wrap(executor.execute, len(plan.inputs))
         return Method(name, run, len(plan.inputs), tuple(executor.node_names),
                       steps_for(self.cpu_kernels))
@@ -169,8 +182,10 @@ class Program:
     def _constant_tensor(self, method: str, t: TensorValue) -> mx.array:
         if t.data_buffer_idx <= 0:
             raise PteError(f"{method} returns a tensor with no constant data")
+        if len(t.sizes) > MAX_RANK or any(d < 0 for d in t.sizes):
+            raise PteError(f"{method} returns a tensor of rank {len(t.sizes)}, sizes {list(t.sizes[:8])}...: corrupt file")
         dtype = mlx_dtype(t.scalar_type)
-        nbytes = int(np.prod(t.sizes, dtype=np.int64)) * dtype.size
+        nbytes = math.prod(t.sizes) * dtype.size  # Python ints: a corrupt shape cannot wrap around
         return array_from_buffer(self.pte.constant_data(t.data_buffer_idx, nbytes), t.sizes, dtype)
 
     def _graph(self, name: str) -> md.MLXGraphT:
@@ -191,7 +206,10 @@ class Program:
                 "fully delegated to MLXBackend"
             )
         delegate = plan.delegates[0]
-        graph = decode_graph(delegate.payload)
+        try:
+            graph = decode_graph(delegate.payload)
+        except PteError as e:
+            raise PteError(f"{self.path}: {name}: {e}") from None
         n_in, n_out = len(graph.inputMap or []), len(graph.outputMap or [])
         self._calls[name] = map_delegate_call(
             plan, plan.delegate_args[0], n_in, n_out, lambda t: self._constant_tensor(name, t)
@@ -224,7 +242,7 @@ class Program:
                 raise PteError(f"{name}: constant '{key}' has a dynamic shape")
             dtype = mlx_dtype(meta.scalarType)
             data = self.pte.named_data(key)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.size
+            nbytes = math.prod(shape) * dtype.size
             if len(data) < nbytes:
                 raise PteError(
                     f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"
@@ -312,17 +330,29 @@ class Program:
             capacity = m.max_context
         if capacity is None:
             raise PteError("the file publishes no max context: pass capacity=")
+        if isinstance(capacity, int) and capacity > MAX_POSITIONS:
+            raise PteError(f"cache capacity {capacity} is more than the {MAX_POSITIONS} positions MLX can index")
         max_write = m.prefill_chunk
         narrowest = min((g.window for g in layers if g.window > 0), default=0)
         if windows is not None and narrowest and max_write and narrowest < max_write:
             max_write = narrowest  # the chunk follows a narrowed window down
-        return SequenceCache(
+        cache = SequenceCache(
             layers,
             capacity=capacity,
             dtype=dtype or self.compute_dtype or "bf16",
             initial_capacity=initial_capacity,
             max_write=max_write,
         )
+        # The pools are lazy until a step evaluates them: a geometry no machine
+        # can hold (a corrupt window, an absurd capacity) is refused here.
+        need, room = sum(a.nbytes for a in cache.state), _memory_limit()
+        if need > room:
+            raise PteError(
+                f"the cache needs {need / 2**30:.1f} GiB up front (capacity {capacity}, windows "
+                f"{sorted({g.window for g in layers})}), more than the {room / 2**30:.1f} GiB this process may use: "
+                "pass a smaller capacity= or windows="
+            )
+        return cache
 
     def _check_cache(self, cache: SequenceCache) -> None:
         want = [(g.n_kv_heads, g.head_dim) for g in self.cache_geometry()]
@@ -380,6 +410,16 @@ class Program:
 
     def close(self) -> None:
         self.pte.close()
+
+
+def _memory_limit() -> int:
+    """Bytes this process may allocate at most: physical memory, or less under
+    an address-space limit."""
+    import resource
+
+    room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return room if soft == resource.RLIM_INFINITY else min(room, soft)
 
 
 def _uses_offgraph_cache(graph: md.MLXGraphT) -> bool:

@@ -2,14 +2,18 @@
 
 import functools
 import json
+import re
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 import jinja2
 from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, optimizeconst
 from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
 from ..options import OPTIONS
 from .errors import TextError
@@ -148,17 +152,25 @@ class _Jinja(ChatTemplate):
     def render(self, messages, add_generation_prompt=True):
         # As transformers does: plain dicts, and a None-valued key counts as absent.
         messages = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+        _bounds.deadline = time.monotonic() + RENDER_SECONDS
+        parts, size = [], 0
         try:
-            return self._template.render(
+            for part in self._template.generate(
                 messages=messages,
                 tools=None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._specials,
-            )
+            ):
+                size += len(part)
+                _check_size(size)
+                parts.append(part)
+            return "".join(parts)
         # A template is a program: it can fail with any Python error, not only jinja's.
         except Exception as e:
             raise TextError(f"chat template: {e}") from e
+        finally:
+            _bounds.deadline = None
 
 
 class _GenerationTag(Extension):
@@ -192,6 +204,110 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"namespace attribute {name!r} starts with '_'")
 
 
+# A hostile template must not hang a prompt or exhaust memory: rendering stops
+# past these (real templates take milliseconds and a prompt's worth of text).
+RENDER_SECONDS = 10.0
+RENDER_CHARS = 1 << 24
+_bounds = threading.local()
+
+
+def _check_time() -> None:
+    deadline = getattr(_bounds, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise jinja2.exceptions.SecurityError(f"rendering took more than {RENDER_SECONDS:g} s")
+
+
+def _check_size(n: int) -> None:
+    if n > RENDER_CHARS:
+        raise jinja2.exceptions.SecurityError(f"it makes a text of more than {RENDER_CHARS} characters")
+
+
+_HUGE_WIDTH = re.compile(r"\d{%d,}" % len(str(RENDER_CHARS)))
+
+
+def _check_widths(fmt: str) -> None:
+    """A format string's field widths fit the size bound ("%099999999d" does not)."""
+    if _HUGE_WIDTH.search(fmt):
+        raise jinja2.exceptions.SecurityError("a format field width is too large")
+
+
+class _BoundedRange:
+    """The sandbox's range (at most 100,000 items), checking the time as it goes."""
+
+    def __init__(self, *args):
+        self._range = safe_range(*args)
+
+    def __len__(self):
+        return len(self._range)
+
+    def __iter__(self):
+        for i in self._range:
+            _check_time()
+            yield i
+
+
+class _BoundedCodeGenerator(CodeGenerator):
+    """Compiles ``a ~ b`` to a join that checks the result's size."""
+
+    @optimizeconst
+    def visit_Concat(self, node, frame):
+        self.write("environment.bounded_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with every call, attribute, operator and join checking
+    the render's deadline and the sizes of the texts and lists it makes."""
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def bounded_join(self, parts):
+        _check_time()
+        texts = [str(p) for p in parts]
+        _check_size(sum(map(len, texts)))
+        return "".join(texts)
+
+    def call_binop(self, context, operator, left, right):
+        _check_time()
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int):
+                    _check_size(len(seq) * n)
+        elif operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            _check_size(len(left) + len(right))
+        elif operator == "**" and isinstance(right, int) and right > 64:
+            raise jinja2.exceptions.SecurityError(f"power {right} is too large")
+        elif operator == "%" and isinstance(left, str):
+            _check_widths(left)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (the sandbox's own signature)
+        _check_time()
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, int) and not isinstance(value, bool) and value > RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a call with the argument {value} is too large")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):  # str.format and format_map, as the sandbox wraps them
+        if getattr(value, "__name__", None) in ("format", "format_map") and isinstance(
+            getattr(value, "__self__", None), str
+        ):
+            _check_widths(value.__self__)
+        return super().wrap_str_format(value)
+
+    def getattr(self, obj, attribute):
+        _check_time()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        _check_time()
+        return super().getitem(obj, argument)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -202,9 +318,10 @@ def _environment() -> ImmutableSandboxedEnvironment:
             x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
+    env.globals["range"] = _BoundedRange
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -307,6 +307,10 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
         try:
             ops.append((name, builder(instr.op, ctx)))
             ctx.record_write(name, instr.op)
+        except (PteError, MemoryError):
+            raise
+        except Exception as e:  # MLX rejecting a corrupt node's fields at load
+            raise PteError(f"{name} (instruction {i - 1}) is invalid: {e}") from None
         finally:
             ctx.current_node = outer
     return ops
@@ -338,7 +342,7 @@ def run_ops_checked(ops: list[tuple[str, Run]], frame: list) -> None:
     for i, (name, run) in enumerate(ops):
         try:
             run(frame)
-        except PteError:
+        except (PteError, MemoryError):
             raise
         except Exception as e:
             raise PteError(f"{name} (instruction {i}) failed: {e}") from None

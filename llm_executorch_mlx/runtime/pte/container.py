@@ -13,6 +13,8 @@ import os
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import PteError
 from ._schema import executorch_program as ep
 
@@ -73,10 +75,12 @@ class PteFile:
         try:
             self._read_header()
             self._read_program()
-        except PteError:
-            raise
+        except PteError as e:
+            if str(e).startswith(self.path):
+                raise
+            raise PteError(f"{self.path}: {e}") from None
         except Exception as e:  # the flatbuffer reader raises anything on garbage
-            raise PteError(f"{self.path}: corrupt or truncated .pte program ({type(e).__name__}: {e})") from None
+            raise PteError(f"{self.path}: corrupt or truncated .pte program: {flatbuffer_fault(e)}") from None
 
     def _read_header(self) -> None:
         if self.size < 8 or bytes(self.buffer[4:6]) != b"ET":
@@ -113,7 +117,7 @@ class PteFile:
         self._named = {}
         for i in range(program.NamedDataLength()):
             nd = program.NamedData(i)
-            self._named[nd.Key().decode()] = nd.SegmentIndex()
+            self._named[_text(nd.Key(), f"named data {i}'s key")] = nd.SegmentIndex()
         self.plans = {}
         for i in range(program.ExecutionPlanLength()):
             plan = self._read_plan(program.ExecutionPlan(i))
@@ -148,6 +152,16 @@ class PteFile:
 
     def constant_data(self, data_buffer_idx: int, nbytes: int) -> memoryview:
         """Bytes of a constant tensor stored by the program itself."""
+        try:
+            return self._constant_data(data_buffer_idx, nbytes)
+        except PteError:
+            raise
+        except Exception as e:  # the flatbuffer reader raises anything on garbage
+            raise PteError(
+                f"{self.path}: constant {data_buffer_idx}: corrupt constant table: {flatbuffer_fault(e)}"
+            ) from None
+
+    def _constant_data(self, data_buffer_idx: int, nbytes: int) -> memoryview:
         program = self._program
         cs = program.ConstantSegment()
         if cs is not None and cs.OffsetsLength() > 0:
@@ -161,12 +175,14 @@ class PteFile:
         if data_buffer_idx >= program.ConstantBufferLength():
             raise PteError(f"{self.path}: constant {data_buffer_idx} out of range")
         storage = program.ConstantBuffer(data_buffer_idx).StorageAsNumpy()
+        if not isinstance(storage, np.ndarray) or storage.nbytes < nbytes:
+            raise PteError(f"{self.path}: constant {data_buffer_idx} holds fewer than its {nbytes} bytes")
         return memoryview(storage.tobytes()[:nbytes])
 
     # -- plans --------------------------------------------------------------
 
     def _read_plan(self, raw) -> Plan:
-        name = raw.Name().decode()
+        name = _text(raw.Name(), "a method's name")
         values = [_decode_evalue(raw.Values(i)) for i in range(raw.ValuesLength())]
         inputs = [raw.Inputs(i) for i in range(raw.InputsLength())]
         outputs = [raw.Outputs(i) for i in range(raw.OutputsLength())]
@@ -192,7 +208,7 @@ class PteFile:
         return Plan(name, values, inputs, outputs, delegates, delegate_args, kernel_calls)
 
     def _read_delegate(self, raw) -> DelegateInfo:
-        backend_id = raw.Id().decode()
+        backend_id = _text(raw.Id(), "a delegate's backend id")
         ref = raw.Processed()
         index = ref.Index()
         if ref.Location() == ep.DataLocation.SEGMENT:
@@ -204,7 +220,9 @@ class PteFile:
         specs = {}
         for i in range(raw.CompileSpecsLength()):
             spec = raw.CompileSpecs(i)
-            specs[spec.Key().decode()] = spec.ValueAsNumpy().tobytes() if spec.ValueLength() else b""
+            specs[_text(spec.Key(), f"{backend_id}'s compile spec {i}")] = (
+                spec.ValueAsNumpy().tobytes() if spec.ValueLength() else b""
+            )
         return DelegateInfo(backend_id, payload, specs)
 
     def release_pages(self, start: int = 0, end: int | None = None) -> None:
@@ -225,6 +243,24 @@ class PteFile:
         """Unmap the file; arrays already made from it stay valid."""
         self.buffer.release()
         self._map.close()
+
+
+def flatbuffer_fault(e: Exception) -> str:
+    """What a flatbuffer reader's exception on garbage means, in words."""
+    if isinstance(e, struct.error) or "smaller than requested" in str(e):
+        return f"an offset or length points past the end of the data ({e})"
+    if isinstance(e, TypeError) and "bad number" in str(e):
+        return f"a field holds a number out of its type's range ({e})"
+    return f"{type(e).__name__}: {e}"
+
+
+def _text(raw: bytes | None, what: str) -> str:
+    if raw is None:
+        raise PteError(f"{what} is missing")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise PteError(f"{what} is not UTF-8 text: corrupt file") from None
 
 
 def _decode_evalue(raw):
@@ -250,7 +286,7 @@ def _decode_evalue(raw):
     if kind == K.Double:
         return obj.DoubleVal()
     if kind == K.String:
-        return obj.StringVal().decode()
+        return _text(obj.StringVal(), "a string value")
     if kind == K.Tensor:
         return TensorValue(
             scalar_type=obj.ScalarType(),

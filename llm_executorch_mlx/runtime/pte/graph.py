@@ -11,9 +11,12 @@ import struct
 
 from ..errors import PteError
 from ._schema import mlx_delegate as md
+from ._schema.mlx_required import REQUIRED
+from .container import flatbuffer_fault
 
 HEADER_LENGTH = 24
 MAGIC = b"MLX0"
+MAX_RANK = 64  # numpy's and MLX's practical limit; more is a corrupt file
 
 # Union tag -> node class name ("AddNode", ...), from the installed schema.
 NODE_NAMES: dict[int, str] = {
@@ -40,10 +43,89 @@ def decode_graph(payload) -> md.MLXGraphT:
         root = md.MLXGraph.GetRootAs(data, HEADER_LENGTH)
         graph = md.MLXGraphT.InitFromObj(root)
     except Exception as e:
-        raise PteError(f"corrupt MLX program flatbuffer ({type(e).__name__}: {e})") from None
+        raise PteError(f"corrupt MLX program flatbuffer: {flatbuffer_fault(e)}") from None
+    check_graph(graph, len(data))
+    return graph
+
+
+_SLOT_TYPES = {v for k, v in vars(md.SlotType).items() if not k.startswith("_")}
+
+
+def check_graph(graph: md.MLXGraphT, payload_size: int) -> None:
+    """Check what later steps trust, once, at load: required fields present,
+    union members of their declared type, strings UTF-8 (made ``str``), every
+    slot index in range, chain indices valid, and slot counts no larger than
+    the payload could describe (a frame holds one entry per slot). Raise
+    ``PteError`` naming the table and field."""
     if not graph.instructionChains:
         raise PteError("MLX program has no instruction chains")
-    return graph
+    n_tensors = (
+        graph.numConstantTensors + graph.numInputTensors + graph.numOutputTensors
+        + graph.numMutableBufferTensors + graph.numTempTensors
+    )
+    if n_tensors + graph.numValues > payload_size:
+        raise PteError(
+            f"MLX program declares {n_tensors} tensor and {graph.numValues} value slots, "
+            f"more than its {payload_size} bytes can describe: corrupt file"
+        )
+    chains = len(graph.instructionChains)
+    if graph.mainChainIdx >= chains or not (graph.initChainIdx == -1 or 0 <= graph.initChainIdx < chains):
+        raise PteError(
+            f"MLX program's main chain {graph.mainChainIdx} or init chain {graph.initChainIdx} "
+            f"is not one of its {chains} chains"
+        )
+    if len(graph.tensorMeta or []) > n_tensors:
+        raise PteError(f"MLX program has {len(graph.tensorMeta)} tensor metadata entries for {n_tensors} tensors")
+    _check_table(graph, "graph", n_tensors, graph.numValues)
+
+
+def _check_table(obj, path: str, n_tensors: int, n_values: int, node: str = "MLX program") -> None:
+    """Check one table and those below it; messages start with the node that
+    holds the fault (or "MLX program") and end with its path in the graph."""
+    kind = type(obj).__name__
+    at = f" (at {path})"
+    if kind == "TidT":
+        if not 0 <= obj.idx < n_tensors:
+            raise PteError(f"{node}: tensor slot {obj.idx} out of range (the program has {n_tensors}){at}")
+        return
+    if kind == "VidT":
+        if not 0 <= obj.idx < n_values:
+            raise PteError(f"{node}: value slot {obj.idx} out of range (the program has {n_values}){at}")
+        return
+    if kind == "SlotVariantT":
+        if obj.slotType not in _SLOT_TYPES:
+            raise PteError(f"{node}: unknown slot type {obj.slotType}{at}")
+        bound = n_tensors if obj.slotType == md.SlotType.TensorSlot else n_values
+        if not 0 <= obj.idx < bound:
+            raise PteError(f"{node}: slot {obj.idx} out of range (the program has {bound}){at}")
+        return
+    if kind == "TensorMetaT" and obj.shape is not None:
+        if len(obj.shape) > MAX_RANK:
+            raise PteError(f"{node}: rank {len(obj.shape)} is more than any tensor has ({MAX_RANK}){at}")
+        if any(d is not None and d.value < -1 for d in obj.shape):
+            raise PteError(f"{node}: negative dimension in shape {[d.value for d in obj.shape if d]}{at}")
+    if kind == "InstructionT":
+        name = NODE_NAMES.get(obj.opType)
+        if name is None or type(obj.op).__name__ != name + "T":
+            raise PteError(f"{node}: unknown or malformed node (type {obj.opType}){at}")
+        node = name
+    for field in REQUIRED.get(kind, ()):
+        if getattr(obj, field) is None:
+            raise PteError(f"{node}: {field} is missing{at}")
+    for field, value in vars(obj).items():
+        if isinstance(value, bytes):
+            try:
+                setattr(obj, field, value.decode())
+            except UnicodeDecodeError:
+                raise PteError(f"{node}: {field} is not UTF-8 text{at}") from None
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                if item is None:
+                    raise PteError(f"{node}: entry {i} of {field} is missing{at}")
+                if hasattr(item, "__dict__"):
+                    _check_table(item, f"{path}.{field}[{i}]", n_tensors, n_values, node)
+        elif hasattr(value, "__dict__"):
+            _check_table(value, f"{path}.{field}", n_tensors, n_values, node)
 
 
 def encode_graph(graph: md.MLXGraphT) -> bytes:

@@ -18,6 +18,8 @@ from ..dtypes import SCALAR_TYPE_NAMES
 from ..errors import PteError
 
 LOGITS_MODES = ("full", "last", "selected")
+MAX_GEOMETRY = 1 << 16  # layers, KV heads or head dims beyond any real model's
+MAX_POSITIONS = (1 << 31) - 1  # MLX shapes and the graph's positions are int32
 
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
@@ -140,6 +142,8 @@ def read_metadata(raw: dict, forward) -> ModelMetadata:
             setattr(md, flag, bool(raw[flag]))
 
     md.n_caches = _int(raw, "get_n_caches") or 0
+    if not 0 <= md.n_caches <= MAX_GEOMETRY:
+        raise PteError(f"get_n_caches publishes {md.n_caches}; expected 0..{MAX_GEOMETRY} layers: corrupt file?")
     if md.n_caches:
         md.kv_heads = _per_layer(raw, "get_kv_heads", md.n_caches)
         md.head_dims = _per_layer(raw, "get_head_dims", md.n_caches)
@@ -148,6 +152,8 @@ def read_metadata(raw: dict, forward) -> ModelMetadata:
         for name, values, lo in (("get_kv_heads", md.kv_heads, 1), ("get_head_dims", md.head_dims, 1), ("get_windows", md.windows, 0)):
             if any(v < lo for v in values):
                 raise PteError(f"{name} publishes {values}; each entry must be >= {lo}")
+            if name != "get_windows" and any(v > MAX_GEOMETRY for v in values):
+                raise PteError(f"{name} publishes {values}; no model has more than {MAX_GEOMETRY}: corrupt file?")
     elif any(k in raw for k in ("get_kv_heads", "get_head_dims", "get_windows")):
         raise PteError("cache geometry is published without get_n_caches; re-export with --use-offgraph-cache")
 
@@ -162,10 +168,12 @@ def read_metadata(raw: dict, forward) -> ModelMetadata:
 
     if forward is not None:
         _check_forward(md, forward)
-    if md.max_context is not None and md.max_context <= 0:
-        raise PteError(f"get_max_ctx_len publishes {md.max_context}; it must be positive")
-    if md.prefill_chunk is not None and md.prefill_chunk <= 0:
-        raise PteError(f"the prefill chunk is {md.prefill_chunk}; it must be positive")
+    if md.max_context is not None and not 0 < md.max_context <= MAX_POSITIONS:
+        raise PteError(f"get_max_ctx_len publishes {md.max_context}; it must be 1..{MAX_POSITIONS}")
+    if md.prefill_chunk is not None and not 0 < md.prefill_chunk <= MAX_POSITIONS:
+        raise PteError(f"the prefill chunk is {md.prefill_chunk}; it must be 1..{MAX_POSITIONS}")
+    if any(w > MAX_POSITIONS for w in md.windows):
+        raise PteError(f"get_windows publishes {md.windows}; a window is at most {MAX_POSITIONS} positions")
     return md
 
 

@@ -44,9 +44,16 @@ def _normalize_axis(axis: int, rank: int, what: str) -> int:
     return axis + rank if axis < 0 else axis
 
 
-def _axis_key(axis: int) -> tuple[tuple, tuple]:
+# More dimensions than any array has (MLX's shapes are int32 vectors, but an
+# axis this far out is a corrupt file, and `(_ALL,) * axis` would exhaust memory).
+_MAX_AXIS = 64
+
+
+def _axis_key(axis: int, node: str) -> tuple[tuple, tuple]:
     """Index pieces ``head, tail`` that put a slice at ``axis`` (negative from
     the end): ``a[head + (s,) + tail]``; MLX rejects an axis past the rank."""
+    if not -_MAX_AXIS <= axis < _MAX_AXIS:
+        raise PteError(f"{node}: axis {axis} is out of range for any tensor")
     if axis >= 0:
         return (_ALL,) * axis, ()
     return (Ellipsis,), (_ALL,) * (-axis - 1)
@@ -203,7 +210,7 @@ def build_slice(n, ctx):
     x, out, step = ctx.t(n.x), ctx.out(n.out), n.step
     axis, start, stop = (ctx.static_int(v) for v in (n.axis, n.start, n.stop))
     if None not in (axis, start, stop):
-        head, tail = _axis_key(axis)
+        head, tail = _axis_key(axis, ctx.current_node)
         key = head + (slice(start, stop, step),) + tail
 
         def run(f):
@@ -212,9 +219,10 @@ def build_slice(n, ctx):
         return run
 
     axis, start, stop = ctx.int_(n.axis), ctx.int_(n.start), ctx.int_(n.stop)
+    name = ctx.current_node
 
     def run(f):
-        head, tail = _axis_key(f[axis])
+        head, tail = _axis_key(f[axis], name)
         f[out] = f[x][head + (slice(f[start], f[stop], step),) + tail]
 
     return run
