@@ -43,6 +43,9 @@ def import_suite():
     ``turboquant`` subpackage, so without torchtune the package is entered
     without running that ``__init__``.
     """
+    from llm_executorch_mlx.export import ensure_mlx_export_importable
+
+    ensure_mlx_export_importable()  # a fresh install lacks executorch's generated MLX modules
     name = "executorch.extension.llm.modules"
     if name not in sys.modules and importlib.util.find_spec("torchtune") is None:
         import executorch.extension.llm as llm
