@@ -8,9 +8,10 @@ token and builds step N+1's graph while step N runs (as mlx-lm does). Token
 ids go to ``forward`` as device arrays and positions as host arrays, so no
 step reads a device value it does not need.
 
-Because of the look-ahead, every token yielded has already been fed to the
-model (its K/V is in the cache) unless the cache had no room for it; the
-caller learns which through ``Step.fed``.
+Because of the look-ahead, every token yielded after the first has already
+been fed to the model (its K/V is in the cache) unless the cache had no
+room for it; the first is yielded before its step is queued, so a chat
+turn's first token waits for its own prefill only. ``Step.fed`` says which.
 """
 
 from __future__ import annotations
@@ -88,8 +89,14 @@ def generate_tokens(
         sample: maps a logits row and all ids so far (the whole prompt, then
             the generated ones) to a token (mx scalar).
 
-    If this is interrupted, the cache may hold one token more than was
-    yielded (fed, not yet read); the caller rewinds it to what it recorded.
+    The first token is read and yielded before the step that feeds it is
+    queued (its ``Step.fed`` is False; asking for the next token feeds it):
+    queuing a step runs part of it with the host's help, which would delay
+    the first token by most of a step. Each later token is yielded after the
+    step that feeds it is queued. So the cache holds the prompt, then the
+    yielded tokens in order, all but the last one or all of them; if this
+    is interrupted it may hold one more (fed, not yet read). The caller
+    counts what the cache holds from ``cache.length``.
     """
     t0 = time.perf_counter()
     tail = prompt[start:]
@@ -97,22 +104,29 @@ def generate_tokens(
     history = list(prompt)
     y = sample(logits, history)
     forward.submit(y)
+    forward.wait(y)
+    token = y.item()
+    t_first = time.perf_counter()
+    timings.prefill_tokens = len(tail)
+    timings.prefill_seconds = timings.first_token_seconds = t_first - t0
+    yield Step(token, False)
+    if max_tokens < 2 or not cache.can_extend(1):
+        return
     position = len(prompt)
-    t_first = None
-    for produced in range(1, max_tokens + 1):
+    logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
+    position += 1
+    history.append(token)
+    y = sample(logits, history)
+    forward.submit(y)
+    for produced in range(2, max_tokens + 1):
         fed = produced < max_tokens and cache.can_extend(1)
         if fed:  # queue the step that feeds y before reading y on the host
             logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
             position += 1
         forward.wait(y)
         token = y.item()
-        now = time.perf_counter()
-        if t_first is None:
-            t_first = now
-            timings.prefill_tokens = len(tail)
-            timings.prefill_seconds = timings.first_token_seconds = now - t0
         timings.decode_tokens = produced - 1
-        timings.decode_seconds = now - t_first
+        timings.decode_seconds = time.perf_counter() - t_first
         if fed:
             history.append(token)
             y = sample(logits, history)

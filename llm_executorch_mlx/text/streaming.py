@@ -54,14 +54,12 @@ def stream_reply(
     text_parts: list[str] = []
     finish_reason = "capacity" if budget < max_tokens else "length"
     stop_string = False
-    last_fed = False
+    yielded: list[int] = []  # every token generated, a stop token included
     try:
         steps = generate_tokens(session.forward, cache, prompt, cached, chunk, sample, budget, timings)
         step = None
         for step in steps:
-            if step.fed:
-                session.tokens.append(step.token)
-            last_fed = step.fed
+            yielded.append(step.token)
             if step.token in stops.ids:
                 finish_reason = "stop"
                 break
@@ -79,10 +77,14 @@ def stream_reply(
             if tail_text:
                 text_parts.append(tail_text)
                 yield tail_text
-        if finish_reason == "stop" and not stop_string and last_fed and step.token != stops.turn_end:
-            # only the turn-end token is kept: it closes the assistant turn
+        if (finish_reason == "stop" and not stop_string and step.token != stops.turn_end
+                and cache.length == len(prompt) + len(yielded)):
+            # the stop token was fed; only the turn-end token is kept: it closes the assistant turn
             cache.rewind(cache.length - 1)
-            session.tokens.pop()
     finally:
+        # the cache holds the prompt, then the first of the yielded tokens
+        # (generate_tokens), which the session records
+        del session.tokens[len(prompt):]
+        session.tokens.extend(yielded[: max(0, cache.length - len(prompt))])
         session.resync()
     return Reply(produced, "".join(text_parts), finish_reason, stop_string, timings)
