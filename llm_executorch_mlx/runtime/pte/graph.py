@@ -110,7 +110,10 @@ def _check_table(obj, path: str, n_tensors: int, n_values: int, node: str = "MLX
             raise PteError(f"{node}: unknown or malformed node (type {obj.opType}){at}")
         node = name
     for field in REQUIRED.get(kind, ()):
-        if getattr(obj, field) is None:
+        # A tensor's metadata may leave out its shape, though the schema marks
+        # it required: it then declares nothing (no reader takes a shape or a
+        # dtype from it, the interpreter casts only declared outputs).
+        if getattr(obj, field) is None and (kind, field) != ("TensorMetaT", "shape"):
             raise PteError(f"{node}: {field} is missing{at}")
     for field, value in vars(obj).items():
         if isinstance(value, bytes):
