@@ -11,8 +11,16 @@ helping as a step is, and reports ``blas / ours`` per repetition as
 ``median [min–max]``: above 1, ours is faster. The row count where it falls
 below 1 is where ``DENSE_GEMV_ROWS`` (``runtime/interp/ops/nn.py``) belongs.
 
+``--dtype q4`` / ``q8`` times the quantized products (group 32) instead: BLAS
+against the extension's dequantized weight (what a long chunk runs), the
+quantized GEMV on MLX's layout, and on the interleaved one
+(``cpu/quantized_interleaved.h``); the ratios are ``blas / interleaved`` and
+``stored / interleaved``. Where the first falls below 1 is where
+``INTERLEAVED_GEMV_ROWS`` (``runtime/interp/ops/quant.py``) belongs.
+
     python benchmarks/bench_rows.py --reps 5
     python benchmarks/bench_rows.py --dtype bf16
+    python benchmarks/bench_rows.py --dtype q4
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import time
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,8,16,24,32", help="row counts, comma-separated (at most 32)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the weights' dtype (default: fp32)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "q4", "q8"), default="fp32",
+                   help="the weights' dtype (default: fp32)")
     p.add_argument("--weights", type=int, default=60, help="[1536, 576] weights per pass (default: 60)")
     p.add_argument("--reps", type=int, default=5, help="repetitions (default: 5)")
     return p.parse_args(argv)
@@ -41,6 +50,8 @@ def main(argv=None) -> None:
     if not found.gemv.on:
         raise SystemExit(f"the extension's GEMV is not in use: {found.gemv.why}")
     kernel = found.extension
+    if args.dtype in ("q4", "q8"):
+        return quantized(args, kernel, found.blas.library)
     dtype = mx.bfloat16 if args.dtype == "bf16" else mx.float32
     weights = [mx.random.normal((1536, 576)).astype(dtype).T for _ in range(args.weights)]
     mx.eval(weights)
@@ -68,6 +79,52 @@ def main(argv=None) -> None:
         b, o = (1000 * statistics.median(p[i] for p in pairs) for i in (0, 1))
         print(f"| {m} | {b:.1f} | {o:.1f} | {statistics.median(ratios):.2f} "
               f"[{min(ratios):.2f}–{max(ratios):.2f}] |", flush=True)
+
+
+def quantized(args, kernel, library: str) -> None:
+    import mlx.core as mx
+
+    bits, group = int(args.dtype[1]), 32
+    if not kernel.interleaved_rows():
+        raise SystemExit("this build of the extension has no interleaved layout (no integer dot products)")
+    stored = [mx.quantize(mx.random.normal((1536, 576)), group_size=group, bits=bits) for _ in range(args.weights)]
+    interleaved = [tuple(kernel.interleave_quantized(*q, group, bits)) for q in stored]
+    mx.eval(stored, interleaved)
+    routes = {
+        "blas": (stored, lambda x, q: x @ kernel.dequantize(*q, group, bits).T),
+        "stored": (stored, lambda x, q: kernel.quantized_gemv(x, *q, group, bits)),
+        "interleaved": (interleaved, lambda x, q: kernel.quantized_gemv(x, *q, group, bits, interleaved=True)),
+    }
+
+    def timed(route, x) -> float:
+        weights, product = routes[route]
+        t0 = time.perf_counter()
+        outs = [product(x, q) for q in weights]
+        kernel.submit_helping(outs)
+        kernel.wait_helping(outs[-1])
+        mx.eval(outs)
+        return time.perf_counter() - t0
+
+    mb = sum(a.nbytes for q in stored for a in q) / 1e6
+    print(f"{args.weights} weights [1536, 576] {bits}-bit, group {group}, {mb:.0f} MB a pass; {library}")
+    print("| rows | BLAS ms | stored ms | interleaved ms | BLAS / interleaved | stored / interleaved |")
+    print("|---|---|---|---|---|---|")
+    for m in (int(r) for r in args.rows.split(",")):
+        x = mx.random.normal((1, m, 576))
+        wanted = [r for r in routes if r != "stored" or m <= 16]  # the stored layout's GEMV takes 16 rows
+        for r in wanted:
+            timed(r, x)  # warm
+        times = [{r: timed(r, x) for r in wanted} for _ in range(args.reps)]
+        ms = {r: 1000 * statistics.median(t[r] for t in times) for r in wanted}
+
+        def ratio(a):
+            if a not in ms:
+                return "–"
+            rs = [t[a] / t["interleaved"] for t in times]
+            return f"{statistics.median(rs):.2f} [{min(rs):.2f}–{max(rs):.2f}]"
+
+        print(f"| {m} | {ms['blas']:.1f} | {ms.get('stored', float('nan')):.1f} | {ms['interleaved']:.1f} | "
+              f"{ratio('blas')} | {ratio('stored')} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.interp.layout import interleavable_quantized
 from llm_executorch_mlx.runtime.interp.ops import quant
 
 
@@ -138,8 +139,9 @@ class _Node:
 
 
 class _Context:
-    def __init__(self, kernels):
+    def __init__(self, kernels, interleaved=frozenset()):
         self.kernels = kernels
+        self.interleaved = interleaved
 
     def t(self, slot):
         return slot.idx
@@ -179,3 +181,108 @@ def test_dequantize_matches_numpy_and_mlx(kernel, bits, group, N, K):
     # one rounding apart at most: a fused multiply-add where MLX rounds the product first
     np.testing.assert_allclose(np.array(ours), np.array(mx.dequantize(q, scales, biases, group, bits)),
                                rtol=1e-6, atol=1e-6)
+
+
+# -- the interleaved layout (cpu/quantized_interleaved.h) ---------------------
+
+
+@pytest.fixture(scope="module")
+def lanes(kernel):
+    rows = kernel.interleaved_rows()
+    assert rows in (8, 16), "x86 builds have integer dot products, hence the interleaved layout"
+    return rows
+
+
+INTERLEAVED_CASES = [
+    (bits, group, N, K)
+    for bits in (4, 8)
+    for group in (32, 64, 128)
+    for N, K in ((576, 576), (192, 1536), (16, 256), (48, 384))
+    if K % group == 0 and K % max(group, 256 // bits) == 0
+]
+
+
+@pytest.mark.parametrize("bits, group, N, K", INTERLEAVED_CASES)
+@pytest.mark.parametrize("M", [1, 3, 16, 33, 128])
+def test_interleaved_products_match_numpy_and_mlx(kernel, lanes, bits, group, N, K, M):
+    """The same products from the interleaved weights, up to 128 rows; the
+    same tolerance (x rounded to int16 per group as in the stored layout)."""
+    rng = np.random.default_rng(7 * bits + group + N + K + M)
+    stored = quantized(rng, N, K, bits, group)
+    interleaved = kernel.interleave_quantized(*stored, group, bits)
+    assert [a.shape for a in interleaved] == [a.shape for a in stored]
+    assert [a.dtype for a in interleaved] == [a.dtype for a in stored]
+    x = rng.standard_normal((1, M, K)).astype(np.float32)
+    y = kernel.quantized_gemv(mx.array(x), *interleaved, group, bits, interleaved=True)
+    w_hand = by_hand(*stored, bits, group)
+    assert y.shape == (1, M, N)
+    np.testing.assert_allclose(np.array(y), x @ w_hand.T, rtol=0, atol=tolerance(x, w_hand))
+    ref = mx.quantized_matmul(mx.array(x), *stored, True, group, bits)
+    np.testing.assert_allclose(np.array(y), np.array(ref), rtol=0, atol=tolerance(x, w_hand))
+
+
+@pytest.mark.parametrize("bits, group, N, K", INTERLEAVED_CASES)
+def test_interleaved_dequantize_is_the_transposed_weight(kernel, lanes, bits, group, N, K):
+    rng = np.random.default_rng(bits + group + N + K)
+    stored = quantized(rng, N, K, bits, group)
+    w_t = kernel.dequantize(*kernel.interleave_quantized(*stored, group, bits), group, bits, interleaved=True)
+    assert w_t.shape == (K, N)
+    np.testing.assert_allclose(np.array(w_t), by_hand(*stored, bits, group).T, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.array(w_t), np.array(mx.dequantize(*stored, group, bits)).T, rtol=1e-6, atol=1e-6)
+
+
+def test_several_interleaved_products_of_one_x_equal_each_alone(kernel, lanes):
+    rng = np.random.default_rng(11)
+    weights = [kernel.interleave_quantized(*quantized(rng, N, 512, 4, 32), 32, 4) for N in (576, 192, 2 * lanes)]
+    x = mx.array(rng.standard_normal((1, 20, 512)).astype(np.float32))
+    together = kernel.quantized_gemvs(x, *map(list, zip(*weights)), 32, 4, interleaved=True)
+    for weight, y in zip(weights, together):
+        alone = kernel.quantized_gemv(x, *weight, 32, 4, interleaved=True)
+        np.testing.assert_array_equal(np.array(y), np.array(alone))
+
+
+def test_interleaving_takes_whole_blocks_of_rows_only(kernel, lanes):
+    rng = np.random.default_rng(13)
+    stored = quantized(rng, lanes + 1, 256, 4, 32)
+    with pytest.raises(ValueError, match=f"multiple of {lanes} rows"):
+        kernel.interleave_quantized(*stored, 32, 4)
+    x = mx.array(rng.standard_normal((1, 129, 256)).astype(np.float32))
+    ok = kernel.interleave_quantized(*quantized(rng, lanes, 256, 4, 32), 32, 4)
+    with pytest.raises(ValueError, match="at most 128 rows"):
+        kernel.quantized_gemv(x, *ok, 32, 4, interleaved=True)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 128, 129])
+@pytest.mark.parametrize("last_row", [False, True])
+def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, last_row):
+    """A node whose weight program.py interleaved: the GEMV up to 128 rows,
+    the interleaved weight dequantized for BLAS above, the last-row LM head."""
+    node = _Node(32, 4)
+    build = quant.build_quantized_matmul_last_row if last_row else quant.build_quantized_matmul
+    run = build(node, _Context(cpu.kernels(build=True), interleaved=frozenset({node.w.idx})))
+    rng = np.random.default_rng(rows)
+    stored = quantized(rng, 96, 256, 4, 32)
+    x = mx.array(rng.standard_normal((1, rows, 256)).astype(np.float32))
+    frame = [x, *kernel.interleave_quantized(*stored, 32, 4), None]
+    run(frame)
+    expected = mx.quantized_matmul(x[:, -1:] if last_row else x, *stored, True, 32, 4)
+    assert frame[4].shape == expected.shape
+    np.testing.assert_allclose(np.array(frame[4]), np.array(expected), rtol=0,
+                               atol=tolerance(np.array(x), by_hand(*stored, 4, 32)))
+
+
+def test_every_quantized_linear_of_an_export_is_interleaved(exported):
+    """The layout analysis on a real export: the 4-bit fixture's quantized
+    weights are read by their matmuls only, each with scales and biases of
+    its own (its init chain computes the biases from the scales)."""
+    from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.runtime.pte.graph import node_name
+
+    _, pte = exported("llama", trained=True, dtype="fp32", qlinear="4w")
+    graph = load_program(pte)._graph("forward")
+    found = interleavable_quantized(graph, quant.QUANTIZED_GEMV_BITS, quant.QUANTIZED_GEMV_GROUPS)
+    matmul_weights = {i.op.w.idx for c in graph.instructionChains for i in c.instructions
+                      if node_name(i) == "QuantizedMatmulNode"}
+    assert set(found) == matmul_weights and len(found) > 0
+    sides = [slot for s, b, _, _ in found.values() for slot in (s, b)]
+    assert len(sides) == len(set(sides))

@@ -176,6 +176,8 @@ def test_4bit_linear_matches_torchao_reference(exported, gemv, monkeypatch):
     layers = program.metadata.n_caches
     assert forward.op_names.count("QuantizedMatmulGroup") == 2 * layers * grouped
     assert forward.op_names.count("QuantizedMatmulGrouped") == 3 * layers * grouped
+    # and their weights (the LM head's too) are stored interleaved for the extension's products
+    assert len(program._interleaved.get("forward", ())) == (7 * layers + 1) * grouped
 
 
 def test_gemma3_ring_layers_wrap_in_decode(exported):

@@ -23,7 +23,10 @@ from .dtypes import (
 from .delegate_call import DelegateCall, map_delegate_call
 from .errors import PteError
 from .interp.interpreter import GraphExecutor
-from .interp.layout import for_blas, matmul_weights, weights_read_only_by_matmuls_and_gathers
+from .interp.layout import (
+    for_blas, interleavable_quantized, matmul_weights, weights_read_only_by_matmuls_and_gathers,
+)
+from .interp.ops.quant import QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
 from .pte.graph import MAX_RANK, decode_graph, node_name, tensor_fields
@@ -96,6 +99,7 @@ class Program:
         self._graphs: dict[str, md.MLXGraphT] = {}
         self._calls: dict[str, DelegateCall] = {}
         self._constants: dict[str, list[mx.array]] = {}
+        self._interleaved: dict[str, set[int]] = {}  # per method: weights interleaved in _constants
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
         try:
@@ -126,6 +130,7 @@ class Program:
         prepared = kernels(build=True)
         if prepared != self.cpu_kernels:
             self._constants.clear()  # the weight layout follows the GEMV decision
+            self._interleaved.clear()
         self.cpu_kernels = prepared
         return prepared
 
@@ -150,10 +155,12 @@ class Program:
         if cache is not None and uses_cache:
             self._check_cache(cache)
         try:
+            constants = self._load_constants(name, graph)
+            taken = self._interleaving(graph, constants)
             executor = GraphExecutor(
-                graph, self._load_constants(name, graph), cache if uses_cache else None, self._dtype_map,
-                self.cpu_kernels,
+                graph, constants, cache if uses_cache else None, self._dtype_map, self.cpu_kernels, frozenset(taken),
             )
+            self._interleave(name, executor, taken)
         except (PteError, MemoryError):
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
@@ -260,6 +267,42 @@ class Program:
         self.pte.release_pages()
         self._constants[name] = constants
         return constants
+
+    def _interleaving(self, graph: md.MLXGraphT, constants: list[mx.array]) -> dict:
+        """``{w: (scales, biases, group, bits)}``: the quantized weights to
+        store interleaved for the extension's products (``interp/layout.py``)."""
+        extension = self.cpu_kernels.extension if on_cpu() and self.cpu_kernels.gemv.on else None
+        lanes = extension.interleaved_rows() if extension is not None else 0
+        if not lanes:
+            return {}
+        found = interleavable_quantized(graph, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS)
+        taken = {}
+        for w, (s, b, group, bits) in found.items():
+            weight, scales = constants[w], constants[s]
+            if weight.dtype != mx.uint32 or weight.ndim != 2 or scales.dtype != mx.float32:
+                continue
+            n, k = weight.shape[0], weight.shape[1] * 32 // bits
+            if n % lanes == 0 and k % max(group, 256 // bits) == 0 and scales.shape == (n, k // group):
+                taken[w] = (s, b, group, bits)
+        return taken
+
+    def _interleave(self, name: str, executor: GraphExecutor, taken: dict) -> None:
+        """Interleave ``taken`` in ``executor``'s constants, after its init
+        chain computed the biases. The weight, which the init chain never
+        reads, is converted once, in the program's shared constants; the
+        scales and biases per method loaded."""
+        extension, shared = self.cpu_kernels.extension, self._constants[name]
+        done = self._interleaved.setdefault(name, set())
+        held = executor.constants
+        for w, (s, b, group, bits) in taken.items():
+            try:
+                wi, si, bi = extension.interleave_quantized(held[w], held[s], held[b], group, bits,
+                                                            weight=w not in done)
+            except ValueError as e:
+                raise PteError(f"{name}: quantized weight {w} cannot be laid out for the CPU products ({e})") from None
+            shared[w] = wi
+            done.add(w)
+            executor.set_constants({w: wi, s: si, b: bi})
 
     def _forward_signature(self) -> ForwardSignature:
         plan = self._plan("forward")

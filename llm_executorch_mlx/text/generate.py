@@ -53,7 +53,12 @@ def prefill(forward, cache, tokens: list[int], start: int, chunk: int) -> mx.arr
         pos = np.arange(start + off, start + off + ids.shape[1], dtype=np.int64)
         logits = step(forward, ids, pos)
         if off + chunk < len(tokens):
-            mx.eval(cache.state)
+            # queued as a step is, so the host helps with the products it can
+            # share (a quantized chunk's, runtime/steps.py)
+            state = cache.state
+            forward.submit(*state)
+            forward.wait(state[-1])
+            mx.eval(state)
     return logits
 
 

@@ -16,10 +16,12 @@
 
 #include "kernels.h"
 #include "quantized_dot.h"
+#include "quantized_interleaved.h"
 #include "quantized_rows.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/transforms.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -43,6 +45,10 @@ struct Product {
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
 // read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
 constexpr int kQuantizedRows = 16;
+// and of interleaved weights, whose products cost a row of x about half as
+// much (quantized_interleaved.h): BLAS's dequantized product is cheaper only
+// above ~32 rows (benchmarks/bench_rows.py --quantized).
+constexpr int kInterleavedQuantizedRows = 128;
 
 // Most rows of x a dense product takes. Below this, BLAS's sgemm costs about
 // what a whole prefill chunk's would: it repacks every weight for each call
@@ -175,7 +181,8 @@ void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
 template <int BITS, int M>
 void quantized_rows_here(const QuantizedRows& r, int64_t lo, int64_t hi) {
 #if LLM_PTE_INTEGER_DOT
-  quantized_rows_integer<BITS, M>(r, lo, hi);
+  if (r.interleaved) interleaved_rows<BITS, M>(r, lo, hi);
+  else quantized_rows_integer<BITS, M>(r, lo, hi);
 #else
   quantized_rows<BITS, M>(r, lo, hi);
 #endif
@@ -192,7 +199,7 @@ void quantized_product_rows(const Product& j, int64_t lo, int64_t hi) {
     r.xsum += m * groups, r.y += m * r.N;
     if (r.xp) r.xp += m * r.K;
 #if LLM_PTE_INTEGER_DOT
-    if (r.xq) r.xq += m * r.K, r.xd += m * (r.K / integer_span(BITS, r.group)) * kLanes32;
+    if (r.xq) r.xq += m * r.K, r.xd += m * (r.K / integer_span(r.interleaved ? 8 : BITS, r.group)) * kLanes32;
 #endif
     switch (std::min(4, j.q_rows - m)) {
       case 1: quantized_rows_here<BITS, 1>(r, lo, hi); break;
@@ -225,8 +232,8 @@ void quantized_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
 // packed, with scales and biases).
 class SharedGemv : public SharedPrimitive {
  public:
-  SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true)
-      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped) {}
+  SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false)
+      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved) {}
 
   // not helped: a long prefill chunk's LM head row, whose graph is better
   // queued whole, the host sleeping, than taking a core from BLAS's threads
@@ -292,12 +299,12 @@ class SharedGemv : public SharedPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SharedGemv&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_;
+    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_ && interleaved_ == o.interleaved_;
   }
 
  private:
   int bits_, group_;
-  bool helped_;
+  bool helped_, interleaved_;
 
   // x [..., M, K] (M <= kQuantizedRows) against each W [N, K] stored as MLX's
   // affine quantization (inputs: x, then w, scales, biases per product), read
@@ -316,20 +323,23 @@ class SharedGemv : public SharedPrimitive {
       out.set_data(mx::allocator::malloc(out.nbytes()));
       encoder.set_output_array(out);
       each[i].q = {w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr,
-                   nullptr, out.data<float>(), K, w.shape(0), group_};
+                   nullptr, out.data<float>(), K, w.shape(0), group_, interleaved_};
       each[i].q_rows = int(M);
       started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
     }
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const float* xp = x.data<float>();
     const int bits = bits_, group = group_;
+    const bool interleaved = interleaved_;
     encoder.dispatch([=]() mutable {
       for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> sums(M * (K / group));
 #if LLM_PTE_INTEGER_DOT
       std::vector<int16_t> rounded(M * K);
-      std::vector<float> steps(M * (K / integer_span(bits, group)) * kLanes32);
-      (bits == 4 ? prepare_x<4> : prepare_x<8>)(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(), sums.data());
+      const int x_bits = interleaved ? 8 : bits;  // interleaved weights take x in natural order
+      std::vector<float> steps(M * (K / integer_span(x_bits, group)) * kLanes32);
+      (x_bits == 4 ? prepare_x<4> : prepare_x<8>)(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(),
+                                                  sums.data());
       for (auto& p : each) p.q.xsum = sums.data(), p.q.xq = rounded.data(), p.q.xd = steps.data();
 #else
       std::vector<float> permuted(M * K);
@@ -339,7 +349,9 @@ class SharedGemv : public SharedPrimitive {
       QuantizedProducts task{each, {}, {}};
       for (int i = 0; i < n; ++i) {
         // ~32 KB of packed weights a chunk, as the fp32 product's chunks
-        const int64_t rows = std::max<int64_t>(4, 32768 / std::max<int64_t>(K * bits / 8, 1) / 4 * 4);
+        // (whole blocks of rows where they are interleaved)
+        const int64_t unit = interleaved ? kInterleavedRows : 4;
+        const int64_t rows = std::max<int64_t>(unit, 32768 / std::max<int64_t>(K * bits / 8, 1) / unit * unit);
         task.chunk_rows.push_back(rows);
         for (int64_t first = 0; first < each[i].q.N; first += rows) task.chunks.emplace_back(i, first);
       }
@@ -392,20 +404,30 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
   return err.str();
 }
 
+// "" when w (N rows) can be or is interleaved here.
+std::string check_interleaved(const mx::array& w) {
+  std::ostringstream err;
+  if (kInterleavedRows == 0) err << "this build has no interleaved layout (no integer dot products)";
+  else if (w.shape(0) % kInterleavedRows) err << "interleaved weights need a multiple of " << kInterleavedRows << " rows, not " << w.shape(0);
+  return err.str();
+}
+
 std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
                                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                                       int group_size, int bits, mx::StreamOrDevice s) {
+                                       int group_size, int bits, bool interleaved, mx::StreamOrDevice s) {
   std::ostringstream err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
   if (x.dtype() != mx::float32) {
     err << "x must be float32";
   } else if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size()) {
     err << "needs one or more weights, each with its scales and biases";
-  } else if (x.size() / K > kQuantizedRows || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
-    err << "takes at most " << kQuantizedRows << " rows in its last two axes, got " << x.shape();
+  } else if (const int most = interleaved ? kInterleavedQuantizedRows : kQuantizedRows;
+             x.size() / K > most || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
+    err << "takes at most " << most << " rows in its last two axes, got " << x.shape();
   }
   for (size_t i = 0; err.str().empty() && i < ws.size(); ++i) {
     if (std::string why = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits); !why.empty()) err << why;
+    else if (interleaved) err << check_interleaved(ws[i]);
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
@@ -419,19 +441,20 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
     inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
   }
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(ws.size(), mx::float32),
-                                std::make_shared<SharedGemv>(stream, bits, group_size), inputs);
+                                std::make_shared<SharedGemv>(stream, bits, group_size, true, interleaved), inputs);
 }
 
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s) {
-  return quantized_gemvs(x, {w}, {scales}, {biases}, group_size, bits, s)[0];
+                         const mx::array& biases, int group_size, int bits, bool interleaved, mx::StreamOrDevice s) {
+  return quantized_gemvs(x, {w}, {scales}, {biases}, group_size, bits, interleaved, s)[0];
 }
 
 // MLX's affine dequantization (4 or 8 bits, fp32 scales and biases) on the
 // CPU, vectorised: what a prefill chunk's quantized products multiply with BLAS.
 class Dequantize : public mx::UnaryPrimitive {
  public:
-  Dequantize(mx::Stream stream, int bits, int group) : mx::UnaryPrimitive(stream), bits_(bits), group_(group) {}
+  Dequantize(mx::Stream stream, int bits, int group, bool interleaved)
+      : mx::UnaryPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2];
@@ -439,11 +462,20 @@ class Dequantize : public mx::UnaryPrimitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
     encoder.set_output_array(out);
+    const bool interleaved = interleaved_;  // out is then W^T [K, N]
+    const int64_t K = interleaved ? out.shape(0) : out.shape(1), N = interleaved ? out.shape(1) : out.shape(0);
     QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
-                    nullptr, out.shape(1), out.shape(0), group_};
+                    nullptr, K, N, group_, interleaved};
     float* wp = out.data<float>();
     const int bits = bits_;
     encoder.dispatch([=]() {
+#if LLM_PTE_INTEGER_DOT
+      if (interleaved) {
+        if (bits == 4) dequantize_interleaved<4>(r, wp, 0, r.N);
+        else dequantize_interleaved<8>(r, wp, 0, r.N);
+        return;
+      }
+#endif
       if (bits == 4) dequantize_rows<4>(r, wp, 0, r.N);
       else dequantize_rows<8>(r, wp, 0, r.N);
     });
@@ -457,23 +489,46 @@ class Dequantize : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Dequantize&>(other);
-    return bits_ == o.bits_ && group_ == o.group_;
+    return bits_ == o.bits_ && group_ == o.group_ && interleaved_ == o.interleaved_;
   }
 
  private:
   int bits_, group_;
+  bool interleaved_;
 };
 
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-                     int bits, mx::StreamOrDevice s) {
+                     int bits, bool interleaved, mx::StreamOrDevice s) {
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
                                     group_size, bits);
+  if (err.empty() && interleaved) err = check_interleaved(w);
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
   if (!err.empty()) throw std::invalid_argument("dequantize: " + err);
-  return mx::array({w.shape(0), int(w.shape(1) * 32 / bits)}, mx::float32,
-                   std::make_shared<Dequantize>(stream, bits, group_size), {w, scales, biases});
+  const int N = w.shape(0), K = int(w.shape(1) * 32 / bits);
+  return mx::array(interleaved ? mx::Shape{K, N} : mx::Shape{N, K}, mx::float32,
+                   std::make_shared<Dequantize>(stream, bits, group_size, interleaved), {w, scales, biases});
 }
+
+std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                            int group_size, int bits, bool weight) {
+  const int64_t K = w.ndim() == 2 ? w.shape(1) * 32 / bits : 0;
+  std::string err = check_quantized(w, scales, biases, K, group_size, bits);
+  if (err.empty()) err = check_interleaved(w);
+  if (!err.empty()) throw std::invalid_argument("interleave_quantized: " + err);
+  mx::eval(std::vector<mx::array>{w, scales, biases});
+  const int64_t N = w.shape(0);
+  std::vector<uint32_t> wq(weight ? w.size() : 0);
+  std::vector<float> s(scales.size()), b(biases.size());
+#if LLM_PTE_INTEGER_DOT
+  interleave_rows(reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(), N,
+                  K, group_size, bits, weight ? reinterpret_cast<uint8_t*>(wq.data()) : nullptr, s.data(), b.data());
+#endif
+  return {weight ? mx::array(wq.begin(), w.shape(), mx::uint32) : w, mx::array(s.begin(), scales.shape(), mx::float32),
+          mx::array(b.begin(), biases.shape(), mx::float32)};
+}
+
+int interleaved_rows() { return kInterleavedRows; }
 
 namespace {
 

@@ -30,18 +30,30 @@ mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOr
 // x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w
 // MLX's affine quantization (4 or 8 bits, groups of 32, 64 or 128, fp32
 // scales and biases), read as stored; shared with the host thread as gemv.
+// interleaved: w, scales and biases as interleave_quantized made them.
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, int group_size, int bits, mx::StreamOrDevice s);
+                         const mx::array& biases, int group_size, int bits, bool interleaved, mx::StreamOrDevice s);
 
 // quantized_gemv of one x with each of several weights (a layer's q, k and v
 // projections), x prepared once and the products one shared job.
 std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
                                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                                       int group_size, int bits, mx::StreamOrDevice s);
+                                       int group_size, int bits, bool interleaved, mx::StreamOrDevice s);
 
-// mx.dequantize(w, scales, biases) for the layouts quantized_gemv takes, vectorised.
+// mx.dequantize(w, scales, biases) for the layouts quantized_gemv takes, vectorised;
+// interleaved: of interleave_quantized's layout, as W^T [K, N].
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
-                     int bits, mx::StreamOrDevice s);
+                     int bits, bool interleaved, mx::StreamOrDevice s);
+
+// (w, scales, biases) of MLX's affine layout in the interleaved one that
+// quantized_gemv and dequantize take with interleaved (quantized_interleaved.h):
+// the same shapes and sizes, computed now; weight false: w is interleaved
+// already (returned as it is), only scales and biases are converted.
+std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                                            int group_size, int bits, bool weight);
+
+// Rows an interleaved block holds; 0 where this build has no such layout.
+int interleaved_rows();
 
 // silu(gate) * up for fp32 gate and up of one shape (swiglu.cpp).
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s);

@@ -21,18 +21,26 @@ NB_MODULE(cpu_kernels, m) {
         "x @ w for x [..., M, K] fp32 (M <= 32) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
         "helped, the host thread helps while it is in submit_helping or wait_helping.");
   m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "bits"_a, nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"
         "quantization (4 or 8 bits, groups of 32/64/128, fp32 scales and biases), on the CPU,\n"
         "read as stored; the host thread helps as with gemv.");
   m.def("quantized_gemvs", &llm_pte::quantized_gemvs, "x"_a, "ws"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "bits"_a, nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
         "[quantized_gemv(x, w, s, b) for w, s, b in zip(ws, scales, biases)] as one op: x prepared\n"
         "once, the products one job shared with the host.");
   m.def("dequantize", &llm_pte::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
-        nb::kw_only(), "stream"_a = nb::none(),
+        nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
         "mx.dequantize(w, scales, biases, group_size, bits) for 4- or 8-bit affine weights with\n"
-        "fp32 scales and biases, on the CPU, vectorised.");
+        "fp32 scales and biases, on the CPU, vectorised; interleaved: of interleave_quantized's\n"
+        "layout, returned transposed ([K, N]).");
+  m.def("interleave_quantized", &llm_pte::interleave_quantized, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "weight"_a = true,
+        "(w, scales, biases) with interleaved_rows() weight rows interleaved, the layout the short\n"
+        "products read fastest (quantized_interleaved.h); same shapes and sizes. weight=False: w is\n"
+        "interleaved already and comes back as it is.");
+  m.def("interleaved_rows", &llm_pte::interleaved_rows,
+        "Rows an interleaved block holds; 0 where this build has no interleaved layout.");
   m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up for float32 gate and up of one shape, on the CPU, vectorised.");
   m.def("widen_bf16", &llm_pte::widen_bf16, "w"_a, nb::kw_only(), "stream"_a = nb::none(),

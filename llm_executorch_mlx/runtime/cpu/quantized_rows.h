@@ -33,6 +33,7 @@ struct QuantizedRows {
   float* y;  // M rows of N
   int64_t K, N;
   int group;
+  bool interleaved = false;  // rows interleaved (quantized_interleaved.h), x prepared as for 8 bits
 };
 
 constexpr int block_values(int bits) { return 8 * (32 / bits); }

@@ -24,7 +24,9 @@ import mlx.core as mx
 
 from ..dtypes import on_cpu
 from ..pte.graph import node_name, tensor_fields
-from .ops.quant import QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, build_quantized_matmul
+from .ops.quant import (
+    INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, build_quantized_matmul,
+)
 from .ops.shape import text
 
 NODE = "QuantizedMatmulNode"
@@ -32,8 +34,8 @@ WINDOW = 12  # nodes after the first a member may be (q, k, v and their views; g
 
 
 def _signature(ctx, op):
-    """``(x slot, bits, group)`` of a node the GEMV may run with its weights
-    fixed constants, else None."""
+    """``(x slot, bits, group, interleaved)`` of a node the GEMV may run with
+    its weights fixed constants, else None."""
     if not op.transpose or op.biases is None or text(op.mode) != "affine":
         return None
     if op.bits not in QUANTIZED_GEMV_BITS or op.groupSize not in QUANTIZED_GEMV_GROUPS:
@@ -41,7 +43,7 @@ def _signature(ctx, op):
     # constant slots: only the init chain, which runs at load, may write them
     if ctx.fixed_constant(op.w.idx) is None or any(s.idx >= ctx.num_constants for s in (op.scales, op.biases)):
         return None
-    return op.x.idx, op.bits, op.groupSize
+    return op.x.idx, op.bits, op.groupSize, op.w.idx in ctx.interleaved
 
 
 def plan_quantized_group(ctx, instructions: list, i: int, taken) -> tuple | None:
@@ -77,7 +79,7 @@ def plan_quantized_group(ctx, instructions: list, i: int, taken) -> tuple | None
 
 
 def _runs(ctx, members, ops, signature):
-    x, bits, group = signature
+    x, bits, group, interleaved = signature
     gemvs = ctx.kernels.extension.quantized_gemvs
     weights = [(op.w.idx, op.scales.idx, op.biases.idx) for op in ops]
     outs = [ctx.out(op.out) for op in ops]
@@ -87,10 +89,11 @@ def _runs(ctx, members, ops, signature):
     def first_run(f):
         xs = f[x]
         k = xs.shape[-1]
-        fits = xs.dtype == mx.float32 and xs.size // k <= QUANTIZED_GEMV_ROWS and k % (256 // bits) == 0
+        most = INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
+        fits = xs.dtype == mx.float32 and xs.size // k <= most and k % (256 // bits) == 0
         if fits and all(f[s].dtype == mx.float32 for _, s, _ in weights):
             ys = gemvs(xs, [f[w] for w, _, _ in weights], [f[s] for _, s, _ in weights],
-                       [f[b] for _, _, b in weights], group, bits)
+                       [f[b] for _, _, b in weights], group, bits, interleaved=interleaved)
             f[outs[0]] = ys[0]
             for slot, y in zip(stashes, ys[1:]):
                 f[slot] = y

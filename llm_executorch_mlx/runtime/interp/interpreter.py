@@ -39,11 +39,13 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), kernels=None):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), kernels=None,
+                 interleaved=frozenset()):
         self.graph = graph
         self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
         self.kernels = kernels  # the program's cpu.CpuKernels; None: MLX ops and BLAS only
+        self.interleaved = interleaved  # quantized weight slots only the extension's products read
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
         self.num_constants = graph.numConstantTensors
         self.num_tensors = (
@@ -359,16 +361,18 @@ class GraphExecutor:
             already be converted).
         kernels: the CPU kernels to build nodes with (``cpu.kernels()``, as
             the program decided at load); None: MLX ops and BLAS only.
+        interleaved: the constant slots of quantized weights stored
+            interleaved (``interp/layout.py``), with their scales and biases.
     """
 
     def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None,
-                 kernels=None):
+                 kernels=None, interleaved=frozenset()):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache, dtype_map, constants, kernels)
+        ctx = BuildContext(graph, cache, dtype_map, constants, kernels, interleaved)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):
@@ -418,6 +422,12 @@ class GraphExecutor:
     @property
     def constants(self) -> list[mx.array]:
         return self._template[: self._ctx.num_constants]
+
+    def set_constants(self, arrays: dict[int, mx.array]) -> None:
+        """Replace constant slots (a layout only this program's builders read:
+        ``interleaved`` above)."""
+        for tid, array in arrays.items():
+            self._template[tid] = array
 
     def _last_row_variant(self) -> list[tuple[str, Run]] | None:
         """The main chain computing its first output for the last position only.

@@ -25,9 +25,17 @@ as one contiguous row, so weights stay row-major as exported
 (``program.py``). Many-row products (prefill) run at the same speed either way. Only
 the strides change: every reader sees the same logical tensor, so nothing
 else in the program needs to know.
+
+Quantized linear weights are the exception: where the extension has integer
+dot products, a weight that only quantized matmuls read is stored with its
+rows interleaved (``cpu/quantized_interleaved.h``), a different logical
+tensor of the same size, which those matmuls' builders know to read
+(``interleavable_quantized`` finds them; ``program.py`` converts them).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import mlx.core as mx
 
@@ -73,6 +81,50 @@ def weights_read_only_by_matmuls_and_gathers(graph: md.MLXGraphT) -> set[int]:
                 reads = reads - {instr.op.x.idx}
             other_reads.update(reads)
     return linear - other_reads
+
+
+def interleavable_quantized(graph: md.MLXGraphT, bits_taken, groups_taken) -> dict[int, tuple[int, int, int, int]]:
+    """``{w: (scales, biases, group_size, bits)}`` for the constant quantized
+    weights that only ``QuantizedMatmulNode`` s the extension's products run
+    read (transposed, affine, with biases, ``bits_taken``, ``groups_taken``),
+    always with the same scales, biases and parameters, which nothing else
+    reads or writes but the init chain (which may compute the biases from
+    the scales, as torchao's exports do, before they are interleaved): they
+    may be stored interleaved."""
+    readers: dict[int, set] = {}
+    plain_reads, written, init_touched = set(), set(), set()
+    for c, chain in enumerate(graph.instructionChains or []):
+        for instr in chain.instructions or []:
+            reads, writes = tensor_fields(instr.op)
+            if c == graph.initChainIdx:
+                init_touched |= reads | writes
+                continue
+            written |= writes
+            op = instr.op
+            if node_name(instr) != "QuantizedMatmulNode" or not (
+                op.transpose and op.biases is not None and _text(op.mode) == "affine"
+                and op.bits in bits_taken and op.groupSize in groups_taken
+            ):
+                plain_reads |= reads
+                continue
+            triple = (op.scales.idx, op.biases.idx, op.groupSize, op.bits)
+            readers.setdefault(op.w.idx, set()).add(triple)
+            plain_reads |= reads - {op.w.idx, op.scales.idx, op.biases.idx}
+    owners = Counter(slot for triples in readers.values() for t in triples for slot in t[:2])
+    found = {}
+    for w, triples in readers.items():
+        if len(triples) != 1:
+            continue
+        (t,) = triples
+        slots = {w, t[0], t[1]}
+        if (len(slots) == 3 and max(slots) < graph.numConstantTensors and not slots & (plain_reads | written)
+                and w not in owners and w not in init_touched and owners[t[0]] == owners[t[1]] == 1):
+            found[w] = t
+    return found
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
 
 
 def _next_use_is_mat2(rest: list, slot: int) -> bool:

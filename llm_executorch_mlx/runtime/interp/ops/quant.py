@@ -12,6 +12,9 @@ from .table import op
 # x, bits, group sizes; K a multiple of 256 / bits (one block of 8 words).
 # More rows than it takes dequantize the weight for BLAS.
 QUANTIZED_GEMV_ROWS = 16
+# The same for weights stored interleaved (cpu/quantized_interleaved.h),
+# whose rows cost about half as much (gemv.cpp's kInterleavedQuantizedRows).
+INTERLEAVED_GEMV_ROWS = 128
 # Without the extension, rows above which MLX's own dequantize + BLAS beats
 # its scalar quantized_matmul (~10 ms a row on the 135M model).
 MLX_QMM_ROWS = 4
@@ -65,6 +68,8 @@ def _quantized_matmul(n, ctx, last_row: bool):
             )
 
         return run
+    if n.w.idx in ctx.interleaved:
+        return _interleaved_matmul(ctx.kernels.extension, x, w, scales, biases, out, group_size, bits, last_row)
     kernels = ctx.kernels
     extension = kernels.extension if kernels is not None and kernels.gemv.on else None
     if bits not in QUANTIZED_GEMV_BITS or group_size not in QUANTIZED_GEMV_GROUPS:
@@ -90,6 +95,27 @@ def _quantized_matmul(n, ctx, last_row: bool):
         else:
             f[out] = (qmm(xs, ws, s, b, True, group_size, bits, mode) if m <= MLX_QMM_ROWS
                       else xs @ mx.dequantize(ws, s, b, group_size, bits, mode).T)
+
+    return run
+
+
+def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, last_row):
+    """A weight stored interleaved (``program.py``) is read by the extension
+    alone: its products of up to 32 rows, and for more rows its dequantized
+    transpose (``[K, N]``) with BLAS. Another x dtype computes in fp32."""
+    gemv, dequantize = extension.quantized_gemv, extension.dequantize
+
+    def run(f):
+        xs, ws, s, b = f[x], f[w], f[scales], f[biases]
+        dtype = xs.dtype
+        if dtype != mx.float32:
+            xs = xs.astype(mx.float32)
+        m = xs.size // xs.shape[-1]
+        if last_row and m > 1:
+            xs, m = xs[..., -1:, :], 1
+        y = (gemv(xs, ws, s, b, group_size, bits, interleaved=True) if m <= INTERLEAVED_GEMV_ROWS
+             else xs @ dequantize(ws, s, b, group_size, bits, interleaved=True))
+        f[out] = y if dtype == mx.float32 else y.astype(dtype)
 
     return run
 
