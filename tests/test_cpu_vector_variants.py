@@ -51,6 +51,20 @@ for bits in (4, 8):
                 # fp32 rounding, and x's int16 rounding where x86 takes integer dot products
                 tol = 1e-5 * np.sqrt(K) * np.abs(x).max() * np.abs(w).max() + np.abs(x).max() * np.abs(w).sum(1).max() / 65534
                 worst[f"q{bits} g{group} {N}x{K} M{M}"] = float(np.abs(y - x @ w.T).max() / tol)
+lanes = ext.interleaved_rows()  # 16 with AVX-512, 8 with AVX2, 0 without integer dot products
+for bits in (4, 8) if lanes else ():
+    for group in (32, 128):
+        N, K = 3 * lanes, 256
+        q, s, b = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
+        w = by_hand(q, s, b, bits, group)
+        interleaved = ext.interleave_quantized(q, s, b, group, bits)
+        for M in (1, 5, 40):
+            x = rng.standard_normal((1, M, K)).astype(np.float32)
+            y = np.array(ext.quantized_gemv(mx.array(x), *interleaved, group, bits, interleaved=True))
+            tol = 1e-5 * np.sqrt(K) * np.abs(x).max() * np.abs(w).max() + np.abs(x).max() * np.abs(w).sum(1).max() / 65534
+            worst[f"interleaved q{bits} g{group} M{M}"] = float(np.abs(y - x @ w.T).max() / tol)
+        w_t = np.array(ext.dequantize(*interleaved, group, bits, interleaved=True))
+        worst[f"interleaved dequantize q{bits} g{group}"] = float(np.abs(w_t - w.T).max() / 1e-5)
 x, w = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((576, 200)).astype(np.float32)
 y = np.array(ext.gemv(mx.array(x), mx.array(w)))
 worst["gemv fp32"] = float(np.abs(y - x @ w).max() / (1e-5 * np.sqrt(576) * np.abs(x).max() * np.abs(w).max()))
@@ -94,5 +108,7 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     flags = {f for f in report["command"] if f.startswith("-m")}
     assert flags == (set() if variant == "portable" else {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()}))
+    # AVX2 has integer dot products, hence the interleaved layout; the portable build has neither
+    assert any(case.startswith("interleaved") for case in report["worst"]) == (variant == "avx2")
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
