@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...dtypes import on_cpu
+from ...errors import PteError
 from .shape import text
 from .table import op
 
@@ -17,6 +18,27 @@ QUANTIZED_GEMV_ROWS = 16
 MLX_QMM_ROWS = 4
 QUANTIZED_GEMV_BITS = (4, 8)
 QUANTIZED_GEMV_GROUPS = (32, 64, 128)
+# What MLX's quantized kernels run, by mode: (group sizes, bits). They check
+# none of it, and divide by the bits and the group size: a corrupt file's 0
+# killed the process (SIGFPE), so anything else is refused at load.
+MLX_QUANTIZATION = {
+    "affine": ((32, 64, 128), (1, 2, 3, 4, 5, 6, 8)),
+    "mxfp4": ((32,), (4,)),
+    "mxfp8": ((32,), (8,)),
+    "nvfp4": ((16,), (4,)),
+}
+
+
+def _quantization(n, ctx) -> tuple[int, int, str]:
+    """A node's ``(group_size, bits, mode)``, refused unless MLX runs it."""
+    group_size, bits, mode = n.groupSize, n.bits, text(n.mode)
+    groups, widths = MLX_QUANTIZATION.get(mode or "affine", ((), ()))
+    if group_size not in groups or bits not in widths:
+        raise PteError(
+            f"{ctx.current_node}: {bits}-bit {mode!r} quantization in groups of {group_size} "
+            "is not one MLX runs: corrupt file?"
+        )
+    return group_size, bits, mode
 
 
 def _opt(f, slot):
@@ -52,7 +74,8 @@ def _quantized_matmul(n, ctx, last_row: bool):
     rows dequantize the weight and use BLAS, whose cost the rows share."""
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
-    transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
+    transpose = bool(n.transpose)
+    group_size, bits, mode = _quantization(n, ctx)
     qmm = mx.quantized_matmul
     if not (on_cpu() and transpose and mode == "affine" and biases is not None):
         def run(f):  # the decode hot path: no helper calls
@@ -98,7 +121,7 @@ def _quantized_matmul(n, ctx, last_row: bool):
 def build_dequantize(n, ctx):
     w, scales, out = ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases, global_scale = ctx.t_opt(n.biases), ctx.t_opt(n.globalScale)
-    group_size, bits, mode = n.groupSize, n.bits, text(n.mode)
+    group_size, bits, mode = _quantization(n, ctx)
     dtype = None if n.dtype is None else ctx.dtype(n.dtype)
 
     def run(f):
@@ -135,7 +158,8 @@ def build_gather_qmm(n, ctx):
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
     lhs, rhs = ctx.t_opt(n.lhsIndices), ctx.t_opt(n.rhsIndices)
-    transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
+    transpose = bool(n.transpose)
+    group_size, bits, mode = _quantization(n, ctx)
     is_sorted = _sorted_flag(n, ctx)
 
     def run(f):
