@@ -57,6 +57,13 @@ def test_a_template_that_would_exhaust_memory_is_stopped(bpe_dir, template, prob
         _render(bpe_dir, template)
 
 
+@pytest.mark.parametrize("template", ["{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}", "{{ " + "{'a': " * 1000 + "1" + "}" * 1000 + " }}"])
+def test_a_template_nested_too_deeply_to_parse_is_refused(bpe_dir, template):
+    """A RecursionError from jinja's parser (found by atheris, scripts/atheris_targets.py)."""
+    with pytest.raises(TextError, match=r"the chat template of .*tokenizer\.json nests too deeply to parse"):
+        _render(bpe_dir, template)
+
+
 def test_a_template_that_would_run_for_ever_is_stopped(bpe_dir, monkeypatch):
     monkeypatch.setattr(templates, "RENDER_SECONDS", 0.5)  # the bound itself, made short
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}done"
