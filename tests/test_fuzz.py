@@ -129,6 +129,23 @@ def test_quantization_mlx_does_not_run_is_refused_at_load_not_a_sigfpe(exported,
                       cache=program.new_cache())
 
 
+@pytest.mark.parametrize("scales_shape", [(0, 2), (64, 3), (64,), (32, 2)])
+def test_scales_that_do_not_cover_a_quantized_weight_are_refused_at_load_not_a_sigfpe(exported, scales_shape):
+    """llama-4w mutant 44519 of the long run's seed 2: a weight's scales of
+    shape (0, 4) made MLX's quantized matmul divide by zero at the first step."""
+    import mlx.core as mx
+
+    program = load_program(exported(*fuzzing.KINDS["llama-4w"])[1])
+    graph = program._graph("forward")
+    constants = program._load_constants("forward", graph)
+    node = _first(graph, "QuantizedMatmulNode").op
+    assert constants[node.w.idx].shape == (64, 8) and constants[node.scales.idx].shape == (64, 2)  # 64 x 64, 4-bit
+    constants[node.scales.idx] = mx.zeros(scales_shape)
+    with pytest.raises(PteError, match=r"QuantizedMatmulNode: a 4-bit weight of shape \(64, 8\) in groups of 32 "
+                                       r"needs scales( and biases)? of shape \(64, 2\), not"):
+        GraphExecutor(graph, constants, cache=program.new_cache())
+
+
 def test_an_invalid_transpose_of_a_weight_is_refused_naming_the_node(llama):
     """IndexError from MLX at load: a weight's transpose with an axis past its rank."""
     program = load_program(llama[1])

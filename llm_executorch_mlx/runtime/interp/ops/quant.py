@@ -41,6 +41,24 @@ def _quantization(n, ctx) -> tuple[int, int, str]:
     return group_size, bits, mode
 
 
+def _check_weight(ctx, w, scales, biases, group_size: int, bits: int) -> None:
+    """A constant quantized weight's scales (and biases) must cover it, one per
+    group of each row: MLX's kernels divide by their shapes unchecked."""
+    ws, ss = ctx.fixed_constant(w), ctx.fixed_constant(scales)
+    bs = None if biases is None else ctx.fixed_constant(biases)
+    if ws is None or ss is None:
+        return  # computed at run time: MLX's own checks only
+    k = ws.shape[-1] * 32 // bits if ws.ndim else 0
+    want = (*ws.shape[:-1], k // group_size) if ws.ndim else None
+    if (want is None or k == 0 or k % group_size or tuple(ss.shape) != want
+            or (bs is not None and bs.shape != ss.shape)):
+        raise PteError(
+            f"{ctx.current_node}: a {bits}-bit weight of shape {tuple(ws.shape)} in groups of {group_size} "
+            f"needs scales{'' if bs is None else ' and biases'} of shape {want}, not {tuple(ss.shape)}"
+            f"{'' if bs is None else f' and {tuple(bs.shape)}'}: corrupt file?"
+        )
+
+
 def _opt(f, slot):
     return None if slot is None else f[slot]
 
@@ -76,6 +94,7 @@ def _quantized_matmul(n, ctx, last_row: bool):
     biases = ctx.t_opt(n.biases)
     transpose = bool(n.transpose)
     group_size, bits, mode = _quantization(n, ctx)
+    _check_weight(ctx, w, scales, biases, group_size, bits)
     qmm = mx.quantized_matmul
     if not (on_cpu() and transpose and mode == "affine" and biases is not None):
         def run(f):  # the decode hot path: no helper calls
@@ -122,6 +141,7 @@ def build_dequantize(n, ctx):
     w, scales, out = ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases, global_scale = ctx.t_opt(n.biases), ctx.t_opt(n.globalScale)
     group_size, bits, mode = _quantization(n, ctx)
+    _check_weight(ctx, w, scales, biases, group_size, bits)
     dtype = None if n.dtype is None else ctx.dtype(n.dtype)
 
     def run(f):
@@ -160,6 +180,7 @@ def build_gather_qmm(n, ctx):
     lhs, rhs = ctx.t_opt(n.lhsIndices), ctx.t_opt(n.rhsIndices)
     transpose = bool(n.transpose)
     group_size, bits, mode = _quantization(n, ctx)
+    _check_weight(ctx, w, scales, biases, group_size, bits)
     is_sorted = _sorted_flag(n, ctx)
 
     def run(f):
