@@ -188,6 +188,7 @@ def register_commands(cli):
     @click.argument("name")
     def remove(name):
         "Unregister a model (its files are left alone)"
+        _strict_entries()  # a damaged registry is named, not read as empty
         entry = find_entry(name)
         if entry is None:
             raise click.ClickException(f"no registered model named {name!r}: see llm pte models")

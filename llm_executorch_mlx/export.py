@@ -281,6 +281,23 @@ class ExportResult:
         return ", ".join(parts) or "none"
 
 
+def _make_directory(directory: pathlib.Path) -> list[pathlib.Path]:
+    """Make ``directory`` and its missing parents; return those it made, deepest first."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ExportError(f"cannot make the output's directory {directory}: {e.strerror} ({e.filename})") from None
+    return missing
+
+
+def _remove_directories(made: list[pathlib.Path]) -> None:
+    """Undo ``_make_directory`` after a failed export (only directories left empty)."""
+    for d in made:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
 def plan_tokenizer_copies(info: SourceInfo, output: pathlib.Path, force: bool):
     """What to do beside ``output``: ``(copies, stale)``, the (source,
     destination) pairs of tokenizer files to copy there, and files there the
@@ -378,7 +395,7 @@ def _export(source, output, *, dtype, qlinear, qembedding, group_size, max_ctx_l
     info = inspect_source(source)
     chunk = resolve_prefill_chunk(prefill_chunk, max_ctx_len, info.min_window)
     copies, stale = plan_tokenizer_copies(info, output, force)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    made = _make_directory(output.parent)
 
     try:
         generated = ensure_mlx_export_importable()
@@ -390,10 +407,15 @@ def _export(source, output, *, dtype, qlinear, qembedding, group_size, max_ctx_l
             f"({', '.join(_GENERATED)}) with its own flatc, once for this install"
         )
     say(f"loading {info.architecture} from {label or info.path} as {dtype}")
-    fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".partial")
+    except OSError as e:
+        _remove_directories(made)
+        raise ExportError(f"cannot write in {output.parent}: {e.strerror}") from None
     os.close(fd)
     tmp = pathlib.Path(tmp_name)
     capture = _ExporterLog(say, dtype=dtype, chunk=chunk)
+    done = False
     try:
         try:
             with capture.active(verbose):
@@ -413,8 +435,11 @@ def _export(source, output, *, dtype, qlinear, qembedding, group_size, max_ctx_l
         for src, dst in copies:
             shutil.copyfile(src, dst)
         os.replace(tmp, output)
+        done = True
     finally:
         tmp.unlink(missing_ok=True)
+        if not done:
+            _remove_directories(made)
     tokenizer = output.parent / info.tokenizer.name if info.tokenizer else None
     return ExportResult(
         path=output,

@@ -116,11 +116,15 @@ def _progress(message: str) -> None:
 def _check_registrable(name: str, force: bool) -> None:
     """Refuse before a long export what `llm pte register` would refuse after it."""
     from .export import ExportError
-    from .registry import NAME_RE, load_entries
+    from .registry import NAME_RE, RegistryError, load_entries
 
     if not NAME_RE.match(name):
         raise ExportError(f"invalid name {name!r}: use letters, digits, '.', '_' and '-' (--name)")
-    if name in load_entries() and not force:
+    try:
+        entries = load_entries(strict=True)  # a damaged registry would refuse the model after the export
+    except RegistryError as e:
+        raise ExportError(str(e)) from None
+    if name in entries and not force:
         raise ExportError(f"a model named {name!r} is already registered: use --force to replace it, or --name")
 
 

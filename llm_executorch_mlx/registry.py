@@ -69,7 +69,11 @@ def load_entries(strict: bool = False) -> dict[str, Entry]:
             raise TypeError("'models' is not an object")
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, TypeError, KeyError) as e:
+    except OSError as e:
+        if strict:
+            raise RegistryError(f"cannot read {path}: {e.strerror}") from None
+        return {}
+    except (ValueError, TypeError, KeyError) as e:
         if strict:
             raise RegistryError(f"{path} is damaged ({e}): fix or delete it") from None
         return {}
@@ -120,13 +124,20 @@ def editing() -> Iterator[dict[str, Entry]]:
     """The registry read in full (strictly, see ``load_entries``) under an
     exclusive lock; what the caller leaves in it is saved on a normal exit."""
     path = registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "a")
+    except OSError as e:
+        raise RegistryError(f"cannot write the registry {path}: {e.strerror} ({e.filename})") from None
+    with lock:
         if fcntl is not None:
             fcntl.flock(lock, fcntl.LOCK_EX)
         entries = load_entries(strict=True)
         yield entries
-        save_entries(entries)
+        try:
+            save_entries(entries)
+        except OSError as e:
+            raise RegistryError(f"cannot write the registry {path}: {e.strerror}") from None
 
 
 def find_entry(name_or_alias: str) -> Entry | None:

@@ -1,7 +1,7 @@
 """The long fuzz run: mutants of each fixture kind, counts by outcome.
 
     nice -n 15 python scripts/fuzz_pte.py --mutants 100000 [--kinds llama-fp32,llama-4w,gemma3-ring]
-        [--seed 0] [--memory-mb 512] [--cpu-limit 60] [--json out.json] [--atheris-runs N]
+        [--seed 0] [--memory-mb 512] [--cpu-limit 60] [--json out.json] [--atheris-runs N [--atheris-seconds S]]
 
 Each mutant of the tests' tiny exports (tests/models.py, kept in the tests'
 pytest cache) goes through ``load_program`` -> ``new_cache`` ->
@@ -10,10 +10,11 @@ address-space limit and a CPU-time limit (tests/fuzzing.py). Prints one line
 of counts per kind, every escape (foreign exception, memory, crash, hang) with
 how its mutant was made, and exits 1 when there was one.
 
-``--atheris-runs N`` then runs N inputs of atheris (coverage-guided; the
-``fuzz`` extra) against the container reader (``PteFile``) and the MLX graph
-reader (``decode_graph``, with its checks), starting from the kinds' own
-bytes: anything but a ``PteError`` is a finding and stops it.
+``--atheris-runs N`` then runs atheris (coverage-guided; the ``fuzz`` extra)
+on each target of ``scripts/atheris_targets.py`` (the container and graph
+readers, the metadata reader, the tokenizer and template loaders) for N
+inputs or ``--atheris-seconds`` each, starting from the kinds' own bytes and
+good tokenizer files: anything but an error of ours is a finding.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def run_mutants(args) -> dict:
 
         seen = dict.fromkeys(fuzzing.OUTCOMES, 0)
 
-        def progress(i, outcome, *_):
+        def progress(i, outcome, detail, how):
             seen[outcome] += 1
+            if outcome in fuzzing.ESCAPES:  # as it happens: a run cut short still shows it
+                print(f"  {kind} mutant {i}: {outcome}: {detail}  ({how})", file=sys.stderr, flush=True)
             if (i + 1) % 2000 == 0:
                 counts = " ".join(f"{k} {v}" for k, v in seen.items())
                 print(f"  {kind}: {i + 1} mutants, {time.monotonic() - started:.0f} s: {counts}",
@@ -71,54 +74,54 @@ def run_mutants(args) -> dict:
     return results
 
 
-ATHERIS_TARGET = """
-import sys, tempfile, os
-sys.path.insert(0, {tests!r})
-import atheris
-with atheris.instrument_imports():
-    from llm_executorch_mlx.runtime.errors import PteError
-    from llm_executorch_mlx.runtime.pte.container import PteFile
-    from llm_executorch_mlx.runtime.pte.graph import decode_graph
-
-fd, path = tempfile.mkstemp(suffix=".pte")
-os.close(fd)
-
-def one(data):
-    kind, body = (data[0] % 2, data[1:]) if data else (0, b"")
-    try:
-        if kind == 0:
-            with open(path, "wb") as f:
-                f.write(body)
-            PteFile(path).close()
-        else:
-            decode_graph(body)
-    except PteError:
-        pass
-
-atheris.Setup(sys.argv, one)
-atheris.Fuzz()
-"""
-
-
 def run_atheris(args) -> int:
-    """atheris on both readers, seeded with each kind's file and MLX payload."""
-    corpus = REPO / ".pytest_cache" / "atheris-corpus"
-    corpus.mkdir(parents=True, exist_ok=True)
+    """atheris on each reader (scripts/atheris_targets.py), seeded with the
+    kinds' own files and MLX payloads and good tokenizer files; returns how
+    many targets had a finding."""
     from llm_executorch_mlx.runtime.pte.container import PteFile
 
+    corpora = REPO / ".pytest_cache" / "atheris-corpus"
+    seeds = {target: corpora / target for target in ("pte", "metadata", "tokenizer")}
+    for directory in seeds.values():
+        directory.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds:
         pte = fixture(kind)
-        (corpus / f"{kind}.pte").write_bytes(b"\0" + pte.read_bytes())
+        (seeds["pte"] / f"{kind}.pte").write_bytes(b"\0" + pte.read_bytes())
         f = PteFile(pte)
         for name, plan in f.plans.items():
             for d, delegate in enumerate(plan.delegates):
-                (corpus / f"{kind}-{name}-{d}.mlx").write_bytes(b"\1" + delegate.payload)
+                (seeds["pte"] / f"{kind}-{name}-{d}.mlx").write_bytes(b"\1" + delegate.payload)
         f.close()
-    code = ATHERIS_TARGET.format(tests=str(REPO / "tests"))
-    cmd = [sys.executable, "-c", code, f"-runs={args.atheris_runs}", "-rss_limit_mb=2048",
-           "-timeout=30", "-max_len=1200000", str(corpus)]
-    print(f"atheris: {args.atheris_runs} runs on the container and graph readers", flush=True)
-    return subprocess.run(cmd, cwd=REPO).returncode
+    (seeds["metadata"] / "empty").write_bytes(b"")
+    _tokenizer_seeds(seeds["tokenizer"])
+    findings = 0
+    for target, directory in seeds.items():
+        cmd = [sys.executable, str(REPO / "scripts" / "atheris_targets.py"), target,
+               f"-runs={args.atheris_runs}", f"-max_total_time={args.atheris_seconds}",
+               "-rss_limit_mb=2048", "-timeout=30", "-max_len=1200000", "-print_final_stats=1",
+               f"-artifact_prefix={corpora}/{target}-", str(directory)]
+        print(f"atheris {target}: up to {args.atheris_runs} runs or {args.atheris_seconds} s", flush=True)
+        if subprocess.run(cmd, cwd=REPO).returncode != 0:
+            findings += 1
+    return findings
+
+
+def _tokenizer_seeds(directory: pathlib.Path) -> None:
+    """One good file of each kind scripts/atheris_targets.py's tokenizer
+    target tells apart by its first byte."""
+    import tempfile
+
+    from models import LLAMA3_TEMPLATE, make_tokenizer
+    from test_text_tokenizer import build_sentencepiece, build_tiktoken
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        good = make_tokenizer(tmp / "bpe")
+        (directory / "tokenizer.json").write_bytes(b"\0" + good.read_bytes())
+        (directory / "sentencepiece").write_bytes(b"\1" + build_sentencepiece(tmp / "sp").read_bytes())
+        (directory / "tiktoken").write_bytes(b"\1" + build_tiktoken(tmp / "tt").read_bytes())
+        (directory / "tokenizer_config.json").write_bytes(b"\2" + (tmp / "bpe" / "tokenizer_config.json").read_bytes())
+        (directory / "template").write_bytes(b"\3" + LLAMA3_TEMPLATE.encode())
 
 
 def main(argv=None) -> int:
@@ -129,7 +132,8 @@ def main(argv=None) -> int:
     p.add_argument("--memory-mb", type=int, default=512, help="address space a worker may add after importing MLX")
     p.add_argument("--cpu-limit", type=float, default=60.0, help="CPU seconds one mutant may take")
     p.add_argument("--json", type=pathlib.Path, help="write the counts and escapes here")
-    p.add_argument("--atheris-runs", type=int, default=0)
+    p.add_argument("--atheris-runs", type=int, default=0, help="inputs per atheris target (0: no atheris)")
+    p.add_argument("--atheris-seconds", type=int, default=600, help="the most time per atheris target")
     args = p.parse_args(argv)
     escaped = False
     if args.mutants:
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
         escaped = any(r["escapes"] for r in results.values())
         if args.json:
             args.json.write_text(json.dumps(results, indent=1))
-    if args.atheris_runs and run_atheris(args) != 0:
+    if args.atheris_runs and run_atheris(args):
         escaped = True
     return 1 if escaped else 0
 

@@ -296,3 +296,50 @@ def fuzz(pte_path, mutants: int, seed: int, worker: Worker, report=None) -> dict
             report(i, outcome, detail, how)
     return {"counts": counts, "escapes": escapes}
 
+
+
+# -- memory at load ------------------------------------------------------------
+
+def _memory_child(warm: str, paths: list[str]) -> None:
+    """Print, for each path, one JSON line: its outcome, the growth of peak
+    RSS over the process's RSS before it, its file's size and its cache's bytes."""
+    import gc
+
+    import mlx.core as mx
+
+    from llm_executorch_mlx.runtime import PteError, load_program
+
+    def status(field):
+        for line in open("/proc/self/status"):
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no {field} in /proc/self/status")
+
+    _run_one(warm)  # what the first load costs once (kernels, MLX's allocator, imports)
+    for path in paths:
+        gc.collect()
+        mx.clear_cache()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # peak RSS := RSS now
+        before = status("VmRSS")
+        outcome, _ = _run_one(path)
+        grown = status("VmHWM") - before
+        try:  # the cache it asked for, loaded again to be measured
+            program = load_program(path)
+            cache_bytes = program.new_cache().nbytes
+            program.close()
+        except PteError:
+            cache_bytes = 0
+        print(json.dumps({"outcome": outcome, "grown": grown, "file": os.path.getsize(path),
+                          "cache": cache_bytes}), flush=True)
+
+
+def load_memory(warm, paths) -> list[dict]:
+    """How much each of ``paths`` makes a process grow at load and first step
+    (``_memory_child``), measured in one fresh child warmed up with ``warm``."""
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), str(here.parent), os.environ.get("PYTHONPATH")]))
+    code = f"import fuzzing; fuzzing._memory_child({str(warm)!r}, {[str(p) for p in paths]!r})"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]

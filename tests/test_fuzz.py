@@ -26,6 +26,27 @@ def test_mutants_run_or_are_refused_never_escape(kind, exported):
     assert counts["ok"] > 0 and counts["refused"] > MUTANTS // 2, counts  # both paths were exercised
 
 
+LOAD_SLACK = 16 << 20  # what one load may hold beyond its weights and cache (frames, closures, MLX's pools)
+
+
+@pytest.mark.parametrize("kind", sorted(fuzzing.KINDS))
+def test_loading_a_mutant_takes_at_most_twice_its_size_plus_its_cache(kind, exported, tmp_path):
+    """Peak RSS of load -> cache -> forward, over the process's RSS before it
+    (docs/design.md: at most 2x the file plus the cache; measured ~1x)."""
+    _, pte = exported(*fuzzing.KINDS[kind])
+    mutator = fuzzing.Mutator(pte.read_bytes(), seed=100 + sorted(fuzzing.KINDS).index(kind),
+                              structure=fuzzing.structure_ranges(pte))
+    paths = [pte]
+    for i in range(40):
+        paths.append(tmp_path / f"m{i}.pte")
+        paths[-1].write_bytes(mutator.mutate()[0])
+    measured = fuzzing.load_memory(pte, paths)
+    assert len(measured) == len(paths) and measured[0]["outcome"] == "ok"
+    over = [(str(p), m) for p, m in zip(paths, measured) if m["grown"] > 2 * m["file"] + m["cache"] + LOAD_SLACK]
+    assert over == []
+    assert {m["outcome"] for m in measured} >= {"ok", "refused"}
+
+
 def test_mutants_are_reproducible_from_their_seed(exported):
     _, pte = exported(*fuzzing.KINDS["llama-fp32"])
     data = pte.read_bytes()
@@ -90,6 +111,39 @@ def test_a_huge_slice_axis_is_refused_not_a_memory_blow_up(llama):
     with pytest.raises(PteError, match=r"SliceNode: axis 1073741824 is out of range for any tensor"):
         GraphExecutor(graph, program._load_constants("forward", program._graph("forward")),
                       cache=program.new_cache())
+
+
+@pytest.mark.parametrize("field, value", [("bits", 0), ("groupSize", 0), ("groupSize", 1), ("bits", 7)])
+def test_quantization_mlx_does_not_run_is_refused_at_load_not_a_sigfpe(exported, field, value):
+    """llama-4w mutants 2552, 4497, 13844 of the long run's seed 1: a bits or
+    group size field of 0 (or one MLX has no kernel for) made MLX's quantized
+    matmul divide by zero and kill the process."""
+    program = load_program(exported(*fuzzing.KINDS["llama-4w"])[1])
+
+    def edit(g):
+        setattr(_first(g, "QuantizedMatmulNode").op, field, value)
+
+    graph = decode_graph(_edited(program, edit))
+    with pytest.raises(PteError, match=r"QuantizedMatmulNode: \d+-bit 'affine' quantization in groups of \d+ is not one MLX runs"):
+        GraphExecutor(graph, program._load_constants("forward", program._graph("forward")),
+                      cache=program.new_cache())
+
+
+@pytest.mark.parametrize("scales_shape", [(0, 2), (64, 3), (64,), (32, 2)])
+def test_scales_that_do_not_cover_a_quantized_weight_are_refused_at_load_not_a_sigfpe(exported, scales_shape):
+    """llama-4w mutant 44519 of the long run's seed 2: a weight's scales of
+    shape (0, 4) made MLX's quantized matmul divide by zero at the first step."""
+    import mlx.core as mx
+
+    program = load_program(exported(*fuzzing.KINDS["llama-4w"])[1])
+    graph = program._graph("forward")
+    constants = program._load_constants("forward", graph)
+    node = _first(graph, "QuantizedMatmulNode").op
+    assert constants[node.w.idx].shape == (64, 8) and constants[node.scales.idx].shape == (64, 2)  # 64 x 64, 4-bit
+    constants[node.scales.idx] = mx.zeros(scales_shape)
+    with pytest.raises(PteError, match=r"QuantizedMatmulNode: a 4-bit weight of shape \(64, 8\) in groups of 32 "
+                                       r"needs scales( and biases)? of shape \(64, 2\), not"):
+        GraphExecutor(graph, constants, cache=program.new_cache())
 
 
 def test_an_invalid_transpose_of_a_weight_is_refused_naming_the_node(llama):

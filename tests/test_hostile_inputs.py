@@ -57,6 +57,13 @@ def test_a_template_that_would_exhaust_memory_is_stopped(bpe_dir, template, prob
         _render(bpe_dir, template)
 
 
+@pytest.mark.parametrize("template", ["{{ " + "(" * 2000 + "1" + ")" * 2000 + " }}", "{{ " + "{'a': " * 1000 + "1" + "}" * 1000 + " }}"])
+def test_a_template_nested_too_deeply_to_parse_is_refused(bpe_dir, template):
+    """A RecursionError from jinja's parser (found by atheris, scripts/atheris_targets.py)."""
+    with pytest.raises(TextError, match=r"the chat template of .*tokenizer\.json nests too deeply to parse"):
+        _render(bpe_dir, template)
+
+
 def test_a_template_that_would_run_for_ever_is_stopped(bpe_dir, monkeypatch):
     monkeypatch.setattr(templates, "RENDER_SECONDS", 0.5)  # the bound itself, made short
     loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}done"
@@ -272,3 +279,119 @@ def test_a_registry_entry_of_the_wrong_types_is_skipped_listing_and_named_regist
     r = _register(llama, make_tokenizer(tmp_path / "tok"), "--name", "b")
     assert r.exit_code == 1 and re.search(r"entry 'a' is damaged \(.*\): fix or delete it", r.output), r.output
     assert registry_path().read_text() == saved
+
+
+# -- every pte command: one line for bad input, nothing changed on disk ---------------
+
+
+def _tree(root):
+    """Every path under ``root`` with its bytes (None for a directory)."""
+    return {str(p.relative_to(root)): None if p.is_dir() else p.read_bytes() for p in sorted(root.rglob("*"))}
+
+
+def _registry_unwritable(tmp_path):
+    """A registry that cannot be written: its lock's name taken by a directory
+    (root writes anywhere), in a read-only user dir."""
+    lock = registry_path().with_name(registry_path().name + ".lock")
+    lock.unlink()
+    lock.mkdir()
+    registry_path().parent.chmod(0o555)
+
+
+def _registry_a_directory(tmp_path):
+    registry_path().unlink()
+    registry_path().mkdir()
+
+
+def _registry_damaged(tmp_path):
+    registry_path().write_text('{"models": {"good": ')
+
+
+def _states_dir_a_file(tmp_path):
+    (registry_path().parent / "executorch-mlx-states").write_text("not a directory")
+
+
+def _states_garbage(tmp_path):
+    states = registry_path().parent / "executorch-mlx-states"
+    states.mkdir()
+    (states / "x.safetensors").write_bytes(b"\xff" * 100)
+    (states / "y.safetensors").write_bytes(b"")
+
+
+@pytest.mark.parametrize("setup, args, problem", [
+    # register: bad paths, a bad tokenizer, bad names, a registry it cannot read or write
+    (None, ["pte", "register", "{tmp}/nope.pte", "--tokenizer", "{tok}"], r"nope\.pte"),
+    (None, ["pte", "register", "{pte}", "--tokenizer", "{tmp}/nope.json"], r"tokenizer file not found: .*nope\.json"),
+    (None, ["pte", "register", "{pte}", "--tokenizer", "{pte}"], r"model\.pte"),
+    (None, ["pte", "register", "{pte}", "--tokenizer", "{tok}", "--name", "../up"], r"invalid name '\.\./up'"),
+    (None, ["pte", "register", "{pte}", "--tokenizer", "{tok}", "--alias", "a b"], r"invalid name 'a b'"),
+    (None, ["pte", "register", "{pte}", "--tokenizer", "{tok}", "--name", "good"], r"'good' is already registered"),
+    (_registry_damaged, ["pte", "register", "{pte}", "--tokenizer", "{tok}", "--name", "x"], r"is damaged .*fix or delete it"),
+    (_registry_a_directory, ["pte", "register", "{pte}", "--tokenizer", "{tok}", "--name", "x"], r"cannot read .*executorch-mlx\.json: Is a directory"),
+    (_registry_unwritable, ["pte", "register", "{pte}", "--tokenizer", "{tok}", "--name", "x"], r"cannot write the registry .*executorch-mlx\.json"),
+    # remove
+    (None, ["pte", "remove", "nope"], r"no registered model named 'nope'"),
+    (_registry_damaged, ["pte", "remove", "good"], r"is damaged .*fix or delete it"),
+    (_registry_unwritable, ["pte", "remove", "good"], r"cannot write the registry"),
+    # export: refused before anything is exported or written
+    (None, ["pte", "export", "{tmp}/nowhere", "-o", "{tmp}/out/m.pte"], r"no such directory: .*nowhere"),
+    (None, ["pte", "export", "{tmp}", "-o", "{tmp}/out/m.pte"], r"has no config\.json"),
+    (None, ["pte", "export", "{hf}", "-o", "{tmp}/out/m.pte", "--name", "no/slash"], r"invalid name 'no/slash'"),
+    (None, ["pte", "export", "{hf}", "-o", "{tmp}/out/m.pte", "--name", "good"], r"'good' is already registered"),
+    (_registry_damaged, ["pte", "export", "{hf}", "-o", "{tmp}/out/m.pte"], r"is damaged .*fix or delete it"),
+    (None, ["pte", "export", "{hf}", "-o", "{pte}", "--no-register"], r"model\.pte exists: use --force"),
+    (None, ["pte", "export", "{hf}", "-o", "{tmp}", "--no-register"], r"is a directory: pass the path of the \.pte"),
+    (None, ["pte", "export", "{hf}", "-o", "{tok}/m.pte", "--no-register"], r"cannot make the output's directory .*tokenizer\.json"),
+])
+def test_a_refused_command_says_one_line_and_changes_nothing(llama, tmp_path, setup, args, problem):
+    _registered_ok(llama, tmp_path)
+    if setup is not None:
+        setup(tmp_path)
+    before = _tree(tmp_path)
+    values = {"tmp": tmp_path, "pte": llama, "tok": tmp_path / "good" / "tokenizer.json", "hf": llama.parent / "hf"}
+    try:
+        r = CliRunner().invoke(cli, [a.format(**values) for a in args])
+    finally:
+        registry_path().parent.chmod(0o755)
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.exception, r.output)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and re.search(problem, lines[0]), r.output
+    assert _tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("setup", [_registry_damaged, _registry_a_directory, _states_dir_a_file])
+def test_listing_commands_answer_whatever_is_on_disk_and_change_nothing(llama, tmp_path, setup):
+    _registered_ok(llama, tmp_path)
+    setup(tmp_path)
+    before = _tree(tmp_path)
+    for args in (["models"], ["pte", "models"], ["pte", "models", "--json"], ["pte", "cache"], ["pte", "cache", "clear"]):
+        r = CliRunner().invoke(cli, args)
+        assert r.exit_code == 0 and r.exception is None, (args, r.output)
+    assert _tree(tmp_path) == before
+
+
+def test_damaged_saved_states_are_named_when_listed_never_a_traceback(llama, tmp_path):
+    _registered_ok(llama, tmp_path)
+    _states_garbage(tmp_path)
+    r = CliRunner().invoke(cli, ["pte", "cache"])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert sorted(re.findall(r"ignored the saved cache state (\S+):", r.stderr)) == ["x.safetensors", "y.safetensors"]
+    assert r.stdout.startswith("No saved cache states in ")
+
+
+def test_a_refusal_in_a_real_llm_process_is_one_line_on_stderr(llama, tmp_path):
+    """What a user sees: the llm executable's own output, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    _registered_ok(llama, tmp_path)
+    _registry_damaged(tmp_path)
+    before = _tree(tmp_path)
+    env = {**os.environ, "LLM_USER_PATH": str(registry_path().parent)}
+    for args in (["pte", "register", str(llama), "--tokenizer", str(tmp_path / "nope.json")],
+                 ["pte", "remove", "good"]):
+        p = subprocess.run([sys.executable, "-m", "llm", *args], capture_output=True, text=True, env=env)
+        assert p.returncode == 1 and p.stdout == "", (args, p.stdout, p.stderr)
+        assert len(p.stderr.strip().splitlines()) == 1 and p.stderr.startswith("Error: "), (args, p.stderr)
+    assert _tree(tmp_path) == before

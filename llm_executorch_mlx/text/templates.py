@@ -143,6 +143,8 @@ class _Jinja(ChatTemplate):
             raise TextError(
                 f"the chat template of {tokenizer.path} does not parse (line {e.lineno}): {e}"
             ) from e
+        except RecursionError:  # jinja's parser recurses once per nested expression
+            raise TextError(f"the chat template of {tokenizer.path} nests too deeply to parse") from None
         specials = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
         self._specials = {key: value for key, value in specials.items() if value is not None}
         self.turn_end = next((t for t in _TURN_ENDS if t in source), None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...dtypes import on_cpu
+from ...errors import PteError
 from .shape import text
 from .table import op
 
@@ -20,6 +21,45 @@ INTERLEAVED_GEMV_ROWS = 128
 MLX_QMM_ROWS = 4
 QUANTIZED_GEMV_BITS = (4, 8)
 QUANTIZED_GEMV_GROUPS = (32, 64, 128)
+# What MLX's quantized kernels run, by mode: (group sizes, bits). They check
+# none of it, and divide by the bits and the group size: a corrupt file's 0
+# killed the process (SIGFPE), so anything else is refused at load.
+MLX_QUANTIZATION = {
+    "affine": ((32, 64, 128), (1, 2, 3, 4, 5, 6, 8)),
+    "mxfp4": ((32,), (4,)),
+    "mxfp8": ((32,), (8,)),
+    "nvfp4": ((16,), (4,)),
+}
+
+
+def _quantization(n, ctx) -> tuple[int, int, str]:
+    """A node's ``(group_size, bits, mode)``, refused unless MLX runs it."""
+    group_size, bits, mode = n.groupSize, n.bits, text(n.mode)
+    groups, widths = MLX_QUANTIZATION.get(mode or "affine", ((), ()))
+    if group_size not in groups or bits not in widths:
+        raise PteError(
+            f"{ctx.current_node}: {bits}-bit {mode!r} quantization in groups of {group_size} "
+            "is not one MLX runs: corrupt file?"
+        )
+    return group_size, bits, mode
+
+
+def _check_weight(ctx, w, scales, biases, group_size: int, bits: int) -> None:
+    """A constant quantized weight's scales (and biases) must cover it, one per
+    group of each row: MLX's kernels divide by their shapes unchecked."""
+    ws, ss = ctx.fixed_constant(w), ctx.fixed_constant(scales)
+    bs = None if biases is None else ctx.fixed_constant(biases)
+    if ws is None or ss is None:
+        return  # computed at run time: MLX's own checks only
+    k = ws.shape[-1] * 32 // bits if ws.ndim else 0
+    want = (*ws.shape[:-1], k // group_size) if ws.ndim else None
+    if (want is None or k == 0 or k % group_size or tuple(ss.shape) != want
+            or (bs is not None and bs.shape != ss.shape)):
+        raise PteError(
+            f"{ctx.current_node}: a {bits}-bit weight of shape {tuple(ws.shape)} in groups of {group_size} "
+            f"needs scales{'' if bs is None else ' and biases'} of shape {want}, not {tuple(ss.shape)}"
+            f"{'' if bs is None else f' and {tuple(bs.shape)}'}: corrupt file?"
+        )
 
 
 def _opt(f, slot):
@@ -55,7 +95,9 @@ def _quantized_matmul(n, ctx, last_row: bool):
     rows dequantize the weight and use BLAS, whose cost the rows share."""
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
-    transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
+    transpose = bool(n.transpose)
+    group_size, bits, mode = _quantization(n, ctx)
+    _check_weight(ctx, w, scales, biases, group_size, bits)
     qmm = mx.quantized_matmul
     if not (on_cpu() and transpose and mode == "affine" and biases is not None):
         def run(f):  # the decode hot path: no helper calls
@@ -124,7 +166,8 @@ def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, 
 def build_dequantize(n, ctx):
     w, scales, out = ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases, global_scale = ctx.t_opt(n.biases), ctx.t_opt(n.globalScale)
-    group_size, bits, mode = n.groupSize, n.bits, text(n.mode)
+    group_size, bits, mode = _quantization(n, ctx)
+    _check_weight(ctx, w, scales, biases, group_size, bits)
     dtype = None if n.dtype is None else ctx.dtype(n.dtype)
 
     def run(f):
@@ -161,7 +204,9 @@ def build_gather_qmm(n, ctx):
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
     lhs, rhs = ctx.t_opt(n.lhsIndices), ctx.t_opt(n.rhsIndices)
-    transpose, group_size, bits, mode = bool(n.transpose), n.groupSize, n.bits, text(n.mode)
+    transpose = bool(n.transpose)
+    group_size, bits, mode = _quantization(n, ctx)
+    _check_weight(ctx, w, scales, biases, group_size, bits)
     is_sorted = _sorted_flag(n, ctx)
 
     def run(f):
