@@ -300,3 +300,17 @@ def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("[pte] could not save the cache state in ")
     assert r.response_json["disk_save_s"] is None
+
+
+def test_inside_one_process_the_next_turn_continues_the_live_session(tiny):
+    """The live session holds a reply less its last token (never fed), and an
+    earlier, longer reply to the same prompt saved a state holding one token
+    more of the next prompt: the turn still continues the live session."""
+    pte, tok_dir, model_dir = tiny
+    model = llm.get_model("pte:tiny")
+    model.prompt(USER_TURNS[0], max_tokens=12).text()
+    conversation = model.conversation()
+    conversation.prompt(USER_TURNS[0], max_tokens=6).text()
+    second = conversation.prompt(USER_TURNS[1], max_tokens=6)
+    assert second.text() == models.hf_turns(tok_dir, model_dir, USER_TURNS[:2], 6)[1][2]
+    assert second.response_json["cache_path"] == "hit" and second.response_json["disk_loaded_tokens"] == 0

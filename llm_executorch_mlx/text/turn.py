@@ -20,7 +20,7 @@ from .conversation import encode_conversation, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
 from .sampling import Sampler
-from .saved_states import StateStore, model_identity
+from .saved_states import StateStore, model_identity, worth_loading
 from .session import CachePolicy, Session
 from .stats import turn_stats
 from .stops import StopMatcher, stop_tokens
@@ -92,17 +92,18 @@ class Turn:
         return model_identity(self.program.path), policy
 
     def _load_saved(self, states, prompt: list[int], relist) -> tuple[int, float]:
-        """Load the saved state that gives the most of ``prompt``, when it gives
-        more than a live session holds, as a new session of the pool; return
-        (tokens loaded, seconds reading and restoring it). When a state
-        vanishes meanwhile (another process saved the conversation further
-        and dropped it), the states are listed again, once."""
+        """Load the saved state that gives the most of ``prompt``, when that is
+        worth more than what a live session holds (``worth_loading``), as a
+        new session of the pool; return (tokens loaded, seconds reading and
+        restoring it). When a state vanishes meanwhile (another process saved
+        the conversation further and dropped it), the states are listed
+        again, once."""
         held = store.POOL.held(self.key, self.policy, prompt)
         session, seconds = None, 0.0
         for _ in range(2):
             vanished = False
             for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
-                if n <= held:
+                if not worth_loading(n, held):
                     break
                 session = session or Session(self.program, self.policy)  # the first one loads the weights
                 t0 = time.perf_counter()
