@@ -84,6 +84,14 @@ class SavedState:
         """[text, ids] of the replies generated in it, to splice as ids again."""
         return self.header.get("replies", [])
 
+    @property
+    def cut(self) -> tuple[int, str] | None:
+        """The truncation cut its prompt was made with (text/truncation.py), if any."""
+        cut = self.header.get("cut")
+        if isinstance(cut, list) and len(cut) == 2 and type(cut[0]) is int and isinstance(cut[1], str):
+            return cut[0], cut[1]
+        return None
+
     def usable(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s ids this state can give (0: none). One
         prompt id is always left to feed, for the next token's logits."""
@@ -240,10 +248,12 @@ class StateStore:
             pass
         return True
 
-    def save(self, identity: dict, policy: dict, cache, ids: list[int], replies: list) -> pathlib.Path | None:
-        """Save ``cache`` (holding ``ids``) atomically; drop the states it
-        supersedes and the least recently used ones past the budget. None when
-        it does not fit the budget."""
+    def save(self, identity: dict, policy: dict, cache, ids: list[int], replies: list,
+             cut: tuple[int, str] | None = None) -> pathlib.Path | None:
+        """Save ``cache`` (holding ``ids``; its prompt made with the truncation
+        ``cut``) atomically; drop the states it supersedes and the least
+        recently used ones past the budget. None when it does not fit the
+        budget."""
         import mlx.core as mx
 
         if not ids or cache.length != len(ids):
@@ -257,6 +267,8 @@ class StateStore:
         mx.eval(list(arrays.values()))
         header = {"format": FORMAT, "model": identity, "policy": policy, "ids": list(ids), "floor": floor,
                   "layers": [first for first, _, _ in layers], "replies": replies}
+        if cut is not None:
+            header["cut"] = list(cut)
         header["header_sha256"] = _header_checksum(header)
         header["checksum"] = _checksum(header, arrays)
         key = self.key(identity, policy)

@@ -128,6 +128,8 @@ class Turn:
             for state in states:  # replies generated in other processes, spliced as their ids
                 for text, ids in state.replies:
                     generated.setdefault(text, ids)
+                if state.cut:  # and their cuts, so an overflowing history is cut the same way
+                    store.TRUNCATIONS.remember(self.key, self.policy.capacity, state.cut)
 
         def encode(messages):
             return encode_conversation(messages, self.template, self.tokenizer, generated)
@@ -174,7 +176,7 @@ class Turn:
             if not reply.stop_string:
                 replies.append([reply.text, reply.ids])
             try:
-                saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies)
+                saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies, fitted.cut)
             except OSError as e:  # a full disk or an unwritable user dir: the reply stands
                 saved = None
                 self.notice(f"[pte] could not save the cache state in {self.disk.directory}: {e.strerror or e}")
