@@ -102,7 +102,7 @@ class SavedState:
 def worth_loading(n: int, held: int) -> bool:
     """Whether a state giving ``n`` ids beats a live session holding ``held``.
 
-    Reading a state costs about a twentieth of prefilling as many tokens
+    Reading a state costs well under a twentieth of prefilling its tokens
     here, plus a new session; and a live session always lacks its last
     reply's final token (generated, never fed), which a state saved from a
     longer reply to the same prompt holds. So a state wins only by more than
