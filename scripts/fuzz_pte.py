@@ -2,6 +2,7 @@
 
     nice -n 15 python scripts/fuzz_pte.py --mutants 100000 [--kinds llama-fp32,llama-4w,gemma3-ring]
         [--seed 0] [--memory-mb 512] [--cpu-limit 60] [--json out.json] [--atheris-runs N [--atheris-seconds S]]
+        [--states N]
 
 Each mutant of the tests' tiny exports (tests/models.py, kept in the tests'
 pytest cache) goes through ``load_program`` -> ``new_cache`` ->
@@ -15,6 +16,10 @@ on each target of ``scripts/atheris_targets.py`` (the container and graph
 readers, the metadata reader, the tokenizer and template loaders) for N
 inputs or ``--atheris-seconds`` each, starting from the kinds' own bytes and
 good tokenizer files: anything but an error of ours is a finding.
+
+``--states N`` runs N mutants of a saved cache state of the llama and the
+gemma3 fixture (tests/state_fuzzing.py): each must load and continue as a
+cold run does, or be ignored in one line and deleted.
 """
 
 from __future__ import annotations
@@ -71,6 +76,31 @@ def run_mutants(args) -> dict:
         ).most_common():
             first = next(e for e in result["escapes"] if (e["outcome"], e["detail"]) == outcome_detail)
             print(f"  {n} x {outcome_detail[0]}: {outcome_detail[1]}  (e.g. mutant {first['index']}: {first['mutation']})")
+    return results
+
+
+def run_states(args) -> dict:
+    import tempfile
+
+    import state_fuzzing
+
+    results = {}
+    for arch in ("llama", "gemma3"):
+        pte = make_fixture(REPO / ".pytest_cache" / "d" / "pte-fixtures", arch, False, "fp32", None)[1]
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory() as directory:
+            worker = state_fuzzing.StateWorker(pte, directory, memory_limit=args.memory_mb << 20,
+                                               cpu_limit=args.cpu_limit)
+            try:
+                result = state_fuzzing.fuzz_states(worker, args.states, args.seed)
+            finally:
+                worker.close()
+        results[f"{arch}-state"] = result
+        counts = " ".join(f"{k} {v}" for k, v in result["counts"].items())
+        print(f"{arch} saved state: {args.states} mutants (seed {args.seed}) in "
+              f"{time.monotonic() - started:.0f} s: {counts}", flush=True)
+        for e in result["escapes"][:20]:
+            print(f"  {e['outcome']}: {e['detail']}  (mutant {e['index']}: {e['mutation']})")
     return results
 
 
@@ -134,13 +164,16 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=pathlib.Path, help="write the counts and escapes here")
     p.add_argument("--atheris-runs", type=int, default=0, help="inputs per atheris target (0: no atheris)")
     p.add_argument("--atheris-seconds", type=int, default=600, help="the most time per atheris target")
+    p.add_argument("--states", type=int, default=0, help="mutants of a saved cache state per fixture")
     args = p.parse_args(argv)
-    escaped = False
+    results = {}
     if args.mutants:
         results = run_mutants(args)
-        escaped = any(r["escapes"] for r in results.values())
-        if args.json:
-            args.json.write_text(json.dumps(results, indent=1))
+    if args.states:
+        results.update(run_states(args))
+    escaped = any(r["escapes"] for r in results.values())
+    if args.json and results:
+        args.json.write_text(json.dumps(results, indent=1))
     if args.atheris_runs and run_atheris(args):
         escaped = True
     return 1 if escaped else 0

@@ -214,12 +214,16 @@ class Worker:
         fd, self.path = tempfile.mkstemp(suffix=".pte", prefix="fuzz-")
         os.close(fd)
 
+    def child_call(self) -> str:
+        """The Python the child runs (``state_fuzzing.StateWorker`` runs its own)."""
+        return f"import fuzzing; fuzzing._worker({self.memory_limit})"
+
     def _start(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         here = pathlib.Path(__file__).resolve().parent  # this module, and the package beside it
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here), str(here.parent), os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", f"import fuzzing; fuzzing._worker({self.memory_limit})"],
+            [sys.executable, "-c", self.child_call()],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
             preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
         )

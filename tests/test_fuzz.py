@@ -10,6 +10,7 @@ from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
 from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph, node_name
 
 MUTANTS = 200  # per kind; ~10 s each here
+STATE_MUTANTS = 150  # per arch; ~10 s each here
 
 
 @pytest.mark.parametrize("kind", sorted(fuzzing.KINDS))
@@ -45,6 +46,24 @@ def test_loading_a_mutant_takes_at_most_twice_its_size_plus_its_cache(kind, expo
     over = [(str(p), m) for p, m in zip(paths, measured) if m["grown"] > 2 * m["file"] + m["cache"] + LOAD_SLACK]
     assert over == []
     assert {m["outcome"] for m in measured} >= {"ok", "refused"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_state_mutants_are_noted_and_deleted_never_used_wrongly(arch, exported, tmp_path):
+    """Saved cache states truncated, bit-flipped or spliced (state_fuzzing):
+    each is loaded and continues as a cold run, or is ignored in one line and
+    deleted, never an exception, a crash or tokens of its own."""
+    import state_fuzzing
+
+    _, pte = exported(arch)
+    worker = state_fuzzing.StateWorker(pte, tmp_path, memory_limit=512 << 20, cpu_limit=60)
+    try:
+        assert worker.run(worker.good_state()) == ("loaded", "")  # the good state itself is used
+        result = state_fuzzing.fuzz_states(worker, STATE_MUTANTS, seed=["llama", "gemma3"].index(arch))
+    finally:
+        worker.close()
+    assert result["escapes"] == []
+    assert result["counts"]["ignored"] > STATE_MUTANTS // 2, result["counts"]
 
 
 def test_mutants_are_reproducible_from_their_seed(exported):

@@ -156,9 +156,8 @@ def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monk
     assert r.exit_code == 0, r.output
     assert r.stdout.rstrip("\n") == expected
     conversation = llm.get_model("pte:tiny").conversation()
-    # the in-process session's cache (saved states, tested in test_saved_states.py, off)
-    conversation.prompt(prompt, max_tokens=6, kv_disk_mb=0).text()
-    second = conversation.prompt("Tell me a story", max_tokens=6, kv_disk_mb=0)
+    conversation.prompt(prompt, max_tokens=6).text()
+    second = conversation.prompt("Tell me a story", max_tokens=6)
     second.text()
     assert second.response_json["cache_path"] == "hit"
     assert calls["sdpa"] and calls["swiglu"]

@@ -300,3 +300,34 @@ def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsy
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("[pte] could not save the cache state in ")
     assert r.response_json["disk_save_s"] is None
+
+
+def test_inside_one_process_the_next_turn_continues_the_live_session(tiny):
+    """The live session holds a reply less its last token (never fed), and an
+    earlier, longer reply to the same prompt saved a state holding one token
+    more of the next prompt: the turn still continues the live session."""
+    _, tok_dir, model_dir = tiny
+    model = llm.get_model("pte:tiny")
+    model.prompt(USER_TURNS[0], max_tokens=12).text()
+    conversation = model.conversation()
+    conversation.prompt(USER_TURNS[0], max_tokens=6).text()
+    second = conversation.prompt(USER_TURNS[1], max_tokens=6)
+    assert second.text() == models.hf_turns(tok_dir, model_dir, USER_TURNS[:2], 6)[1][2]
+    assert second.response_json["cache_path"] == "hit" and second.response_json["disk_loaded_tokens"] == 0
+
+
+def test_after_a_cut_the_next_process_continues_from_the_saved_state(tiny, capsys):
+    """A conversation outgrew the cache and its oldest turns were left out;
+    the next turn, in a new process, makes the same cut (the state records
+    it), so it loads that state and prefills only its own tokens."""
+    model = llm.get_model("pte:tiny")
+    history, rows = [], []
+    for text in ["Hello there", "Tell me a story about a cat", "Why is the sky blue?", "The quick brown fox",
+                 "Numbers like 42", "How are you today?"]:
+        forget()
+        r = model.prompt(text, messages=history, max_tokens=16)
+        history += [llm.user(text), llm.assistant(r.text())]
+        rows.append((r.response_json, "oldest messages" in capsys.readouterr().err))
+    first_cut = next(i for i, (_, cut) in enumerate(rows) if cut)
+    after, previous = rows[first_cut + 1][0], rows[first_cut][0]
+    assert after["cache_path"] == "disk" and after["disk_loaded_tokens"] == previous["cache_length"]

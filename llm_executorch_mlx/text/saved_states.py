@@ -33,6 +33,7 @@ SUFFIX = ".safetensors"
 SAMPLE_BYTES = 1 << 20  # the model file's content hash reads this much at each end
 MAX_HEADER_BYTES = 64 << 20
 STALE_TEMP_SECONDS = 3600  # a temp file this old was left by a killed process
+LOAD_GAIN = 16  # a state must give a 1/LOAD_GAIN of its length more than a live session (worth_loading)
 
 
 class StateError(Exception):
@@ -83,11 +84,31 @@ class SavedState:
         """[text, ids] of the replies generated in it, to splice as ids again."""
         return self.header.get("replies", [])
 
+    @property
+    def cut(self) -> tuple[int, str] | None:
+        """The truncation cut its prompt was made with (text/truncation.py), if any."""
+        cut = self.header.get("cut")
+        if isinstance(cut, list) and len(cut) == 2 and type(cut[0]) is int and isinstance(cut[1], str):
+            return cut[0], cut[1]
+        return None
+
     def usable(self, prompt: list[int]) -> int:
         """How many of ``prompt``'s ids this state can give (0: none). One
         prompt id is always left to feed, for the next token's logits."""
         n = min(common_prefix(self.ids, prompt), len(prompt) - 1)
         return n if n > 0 and n >= self.floor else 0
+
+
+def worth_loading(n: int, held: int) -> bool:
+    """Whether a state giving ``n`` ids beats a live session holding ``held``.
+
+    Reading a state costs well under a twentieth of prefilling its tokens
+    here, plus a new session; and a live session always lacks its last
+    reply's final token (generated, never fed), which a state saved from a
+    longer reply to the same prompt holds. So a state wins only by more than
+    a sixteenth of its length: a few tokens more are prefilled instead.
+    """
+    return n > held + n // LOAD_GAIN
 
 
 def _read_header(path: pathlib.Path) -> dict:
@@ -227,10 +248,12 @@ class StateStore:
             pass
         return True
 
-    def save(self, identity: dict, policy: dict, cache, ids: list[int], replies: list) -> pathlib.Path | None:
-        """Save ``cache`` (holding ``ids``) atomically; drop the states it
-        supersedes and the least recently used ones past the budget. None when
-        it does not fit the budget."""
+    def save(self, identity: dict, policy: dict, cache, ids: list[int], replies: list,
+             cut: tuple[int, str] | None = None) -> pathlib.Path | None:
+        """Save ``cache`` (holding ``ids``; its prompt made with the truncation
+        ``cut``) atomically; drop the states it supersedes and the least
+        recently used ones past the budget. None when it does not fit the
+        budget."""
         import mlx.core as mx
 
         if not ids or cache.length != len(ids):
@@ -244,6 +267,8 @@ class StateStore:
         mx.eval(list(arrays.values()))
         header = {"format": FORMAT, "model": identity, "policy": policy, "ids": list(ids), "floor": floor,
                   "layers": [first for first, _, _ in layers], "replies": replies}
+        if cut is not None:
+            header["cut"] = list(cut)
         header["header_sha256"] = _header_checksum(header)
         header["checksum"] = _checksum(header, arrays)
         key = self.key(identity, policy)

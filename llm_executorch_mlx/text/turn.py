@@ -20,7 +20,7 @@ from .conversation import encode_conversation, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
 from .sampling import Sampler
-from .saved_states import StateStore, model_identity
+from .saved_states import StateStore, model_identity, worth_loading
 from .session import CachePolicy, Session
 from .stats import turn_stats
 from .stops import StopMatcher, stop_tokens
@@ -92,17 +92,18 @@ class Turn:
         return model_identity(self.program.path), policy
 
     def _load_saved(self, states, prompt: list[int], relist) -> tuple[int, float]:
-        """Load the saved state that gives the most of ``prompt``, when it gives
-        more than a live session holds, as a new session of the pool; return
-        (tokens loaded, seconds reading and restoring it). When a state
-        vanishes meanwhile (another process saved the conversation further
-        and dropped it), the states are listed again, once."""
+        """Load the saved state that gives the most of ``prompt``, when that is
+        worth more than what a live session holds (``worth_loading``), as a
+        new session of the pool; return (tokens loaded, seconds reading and
+        restoring it). When a state vanishes meanwhile (another process saved
+        the conversation further and dropped it), the states are listed
+        again, once."""
         held = store.POOL.held(self.key, self.policy, prompt)
         session, seconds = None, 0.0
         for _ in range(2):
             vanished = False
             for state, n in sorted(((s, s.usable(prompt)) for s in states), key=lambda sn: -sn[1]):
-                if n <= held:
+                if not worth_loading(n, held):
                     break
                 session = session or Session(self.program, self.policy)  # the first one loads the weights
                 t0 = time.perf_counter()
@@ -127,6 +128,8 @@ class Turn:
             for state in states:  # replies generated in other processes, spliced as their ids
                 for text, ids in state.replies:
                     generated.setdefault(text, ids)
+                if state.cut:  # and their cuts, so an overflowing history is cut the same way
+                    store.TRUNCATIONS.remember(self.key, self.policy.capacity, state.cut)
 
         def encode(messages):
             return encode_conversation(messages, self.template, self.tokenizer, generated)
@@ -173,7 +176,7 @@ class Turn:
             if not reply.stop_string:
                 replies.append([reply.text, reply.ids])
             try:
-                saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies)
+                saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies, fitted.cut)
             except OSError as e:  # a full disk or an unwritable user dir: the reply stands
                 saved = None
                 self.notice(f"[pte] could not save the cache state in {self.disk.directory}: {e.strerror or e}")
