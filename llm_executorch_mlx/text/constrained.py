@@ -129,9 +129,10 @@ class SchemaConstraint:
 
     def advance(self, token: int) -> None:
         """Take the token the model produced (one the last mask allowed)."""
-        self._ids.append(token)
         if not self._matcher.consume_token(token):
-            raise TextError(f"the schema's grammar refused token {token}: {self._matcher.get_error()}")
+            # llguidance's mask lets a token through where no token can spell the bytes the schema forces
+            raise self._cannot_write()
+        self._ids.append(token)
 
     def apply(self, logits: mx.array) -> mx.array:
         """``logits`` [vocab] with every token the schema does not allow next at -inf (lazy)."""
@@ -149,9 +150,12 @@ class SchemaConstraint:
         fill_next_token_bitmask(self._matcher, self._bits)
         allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab].view(bool)
         if self._matcher.is_error() or not allowed.any():
-            written = self.tokenizer.decode(self._ids)
-            raise TextError(
-                f"no token of the tokenizer {self.tokenizer.path.name} can continue the JSON "
-                f"{json.dumps(written)} as the schema requires: this tokenizer cannot write that schema"
-            )
+            raise self._cannot_write()
         return allowed
+
+    def _cannot_write(self) -> TextError:
+        written = self.tokenizer.decode(self._ids)
+        return TextError(
+            f"no token of the tokenizer {self.tokenizer.path.name} can continue the JSON "
+            f"{json.dumps(written)} as the schema requires: this tokenizer cannot write that schema"
+        )
