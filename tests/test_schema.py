@@ -184,3 +184,9 @@ def test_closed_objects_only_closes_objects_that_say_nothing_of_other_keys():
     assert closed["properties"]["a"]["additionalProperties"] is False
     assert closed["properties"]["b"]["additionalProperties"] is True
     assert closed["properties"]["c"] == {"enum": [{"properties": {}}]}
+
+
+def test_llm_models_lists_schemas_and_async(tiny):
+    register(*tiny)
+    r = CliRunner().invoke(cli, ["models", "list", "--options", "-q", "pte:tiny"], catch_exceptions=False)
+    assert "  Features:\n  - streaming\n  - schemas\n  - async\n" in r.output
