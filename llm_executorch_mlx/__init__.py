@@ -18,11 +18,12 @@ except ImportError:  # the runtime used on its own, without llm
 
 @hookimpl
 def register_models(register):
+    from .async_model import AsyncPteModel
     from .plugin import PteModel
     from .registry import load_entries
 
     for entry in load_entries().values():
-        register(PteModel(entry), aliases=entry.aliases)
+        register(PteModel(entry), AsyncPteModel(entry), aliases=entry.aliases)
 
 
 @hookimpl

@@ -28,6 +28,7 @@ class InputError(llm.ModelError, click.ClickException):
 
 class PteModel(llm.Model):
     can_stream = True
+    supports_schema = True  # the sampler only takes tokens the schema allows (text/constrained.py)
 
     # One field per declared option (options.py); Option.check refuses a bad value, saying what would do.
     Options = create_model(
@@ -67,6 +68,7 @@ class PteModel(llm.Model):
                 messages_from_llm(prompt.messages),
                 TurnOptions(stop=stop, **given),
                 state_dir=saved_states_dir(),
+                schema=prompt.schema,
             )
             _advise_on_blas_once()
             yield from turn

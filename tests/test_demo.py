@@ -123,6 +123,18 @@ def test_the_answer_is_a_real_one(demo_build):
     assert "Paris" in invoke("-m", "smol", demo.QUESTION).stdout
 
 
+def test_schema_and_schema_multi_replies_validate(demo_build):
+    import jsonschema
+
+    register_demo(demo_build)
+    dsl = "name, age int, bio"
+    for flag, schema in (("--schema", llm.schema_dsl(dsl)), ("--schema-multi", llm.schema_dsl(dsl, multi=True))):
+        for temperature in ("0", "1.0"):
+            r = invoke("-m", "smol", flag, dsl, "invent a dog", "-o", "temperature", temperature, "-o", "seed", 1)
+            assert r.exit_code == 0, r.output
+            jsonschema.validate(json.loads(r.stdout), schema)
+
+
 def test_three_turns_are_cache_hits_that_equal_transformers_on_the_history(demo_build, reference):
     """Each turn sends only its own tokens, and its reply is transformers'
     greedy reply to the whole history, which holds the ids generated before

@@ -83,6 +83,7 @@ def generate_tokens(
     sample: Callable[[mx.array, list[int]], mx.array],
     max_tokens: int,
     timings: Timings,
+    constraint=None,
 ) -> Iterator[Step]:
     """Prefill ``prompt[start:]`` (the part the cache does not hold yet), then
     decode up to ``max_tokens`` tokens.
@@ -93,6 +94,9 @@ def generate_tokens(
             only while it has room.
         sample: maps a logits row and all ids so far (the whole prompt, then
             the generated ones) to a token (mx scalar).
+        constraint: a ``SchemaConstraint`` (constrained.py) or None. It takes
+            each token once it is read on the host and masks the logits of
+            the next sample: a host array, so no extra device sync.
 
     The first token is read and yielded before the step that feeds it is
     queued (its ``Step.fed`` is False; asking for the next token feeds it):
@@ -107,10 +111,13 @@ def generate_tokens(
     tail = prompt[start:]
     logits = prefill(forward, cache, tail, start, chunk)
     history = list(prompt)
-    y = sample(logits, history)
+    allowed = (lambda row: row) if constraint is None else constraint.apply
+    y = sample(allowed(logits), history)
     forward.submit(y)
     forward.wait(y)
     token = y.item()
+    if constraint is not None:
+        constraint.advance(token)
     t_first = time.perf_counter()
     timings.prefill_tokens = len(tail)
     timings.prefill_seconds = timings.first_token_seconds = t_first - t0
@@ -121,7 +128,7 @@ def generate_tokens(
     logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
     position += 1
     history.append(token)
-    y = sample(logits, history)
+    y = sample(allowed(logits), history)
     forward.submit(y)
     for produced in range(2, max_tokens + 1):
         fed = produced < max_tokens and cache.can_extend(1)
@@ -130,11 +137,13 @@ def generate_tokens(
             position += 1
         forward.wait(y)
         token = y.item()
+        if constraint is not None:
+            constraint.advance(token)
         timings.decode_tokens = produced - 1
         timings.decode_seconds = time.perf_counter() - t_first
         if fed:
             history.append(token)
-            y = sample(logits, history)
+            y = sample(allowed(logits), history)
             forward.submit(y)
         yield Step(token, fed)
         if not fed:

@@ -36,6 +36,7 @@ def stream_reply(
     stops: StopTokens,
     matcher: StopMatcher,
     decoder: StreamDecoder,
+    constraint=None,
 ) -> Generator[str, None, Reply]:
     """Generate after ``prompt``, of which the session's cache holds ``cached``
     ids; yield the text, return the ``Reply``.
@@ -45,6 +46,7 @@ def stream_reply(
         sample: a logits row and the ids so far to the next token (mx scalar).
         matcher: the stop strings, fresh for this reply.
         max_tokens: most tokens to generate; the room left in the cache caps it too.
+        constraint: what the reply may be (``generate_tokens``), or None.
     """
     cache = session.cache
     budget = min(max_tokens, cache.capacity - len(prompt))
@@ -56,7 +58,7 @@ def stream_reply(
     stop_string = False
     yielded: list[int] = []  # every token generated, a stop token included
     try:
-        steps = generate_tokens(session.forward, cache, prompt, cached, chunk, sample, budget, timings)
+        steps = generate_tokens(session.forward, cache, prompt, cached, chunk, sample, budget, timings, constraint)
         step = None
         for step in steps:
             yielded.append(step.token)

@@ -146,6 +146,11 @@ class _Tiktoken(Tokenizer):
     def _native_specials(self):
         return self._tt.bos_id, self._tt.eos_id
 
+    @property
+    def encoding(self):
+        """The ``tiktoken.Encoding`` (its ranks, special tokens and split pattern)."""
+        return self._tt.model
+
 
 class _SentencePiece(Tokenizer):
     kind = "sentencepiece"
@@ -186,6 +191,11 @@ class _SentencePiece(Tokenizer):
     def _native_specials(self):
         bos, eos = self._sp.bos_id(), self._sp.eos_id()
         return (bos if bos >= 0 else None), (eos if eos >= 0 else None)
+
+    @property
+    def processor(self):
+        """The ``sentencepiece.SentencePieceProcessor`` (its pieces and their kinds)."""
+        return self._sp
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

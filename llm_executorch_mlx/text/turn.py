@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from ..options import OPTIONS
 from . import store
+from .constrained import SchemaConstraint
 from .conversation import encode_conversation, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
@@ -61,8 +62,9 @@ class Turn:
     """Iterate to stream text; ``result`` is complete once iteration ends."""
 
     def __init__(self, pte_path: str, tokenizer_path: str, messages: list[dict], opts: TurnOptions, notice=None,
-                 state_dir=None):
-        """``state_dir``: where cache states are saved between processes (None: nowhere)."""
+                 state_dir=None, schema: dict | None = None):
+        """``state_dir``: where cache states are saved between processes (None: nowhere);
+        ``schema``: a JSON schema the reply must be a document of (constrained.py)."""
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
@@ -79,8 +81,18 @@ class Turn:
         )
         self.messages = messages
         self.stops = stop_tokens(self.program.metadata.eos_ids, self.tokenizer, self.template.turn_end)
+        self.constraint = self._constraint(schema)
         self.disk = (StateStore(state_dir, int(opts.kv_disk_mb * 2**20), self.notice)
                      if state_dir is not None and opts.kv_disk_mb else None)
+
+    def _constraint(self, schema: dict | None) -> SchemaConstraint | None:
+        """The reply's schema as a token mask; None without one."""
+        if schema is None:
+            return None
+        if self.opts.stop:
+            raise TextError("-o stop cannot be used with a schema: a stop string would cut the JSON document")
+        n_vocab = self.program.metadata.vocab_size or self.tokenizer.vocab_size
+        return SchemaConstraint(schema, self.tokenizer, n_vocab, self.stops.ids)
 
     def _disk_key(self) -> tuple[dict, dict]:
         """The model identity and cache policy a saved state must match."""
@@ -158,8 +170,10 @@ class Turn:
         chunk = session.cache.max_write or self.program.metadata.prefill_chunk
         reply = yield from stream_reply(
             session, prompt, cached, chunk, self.sampler.sample_next, self.opts.max_tokens,
-            self.stops, matcher, decoder,
+            self.stops, matcher, decoder, self.constraint,
         )
+        if self.constraint is not None and not self.constraint.complete:
+            raise TextError(_cut_document(reply.finish_reason, self.opts.max_tokens))
         if not reply.stop_string:
             store.REPLIES.remember(self.key, reply.text, reply.ids)
         result = TurnResult(
@@ -182,3 +196,11 @@ class Turn:
                 self.notice(f"[pte] could not save the cache state in {self.disk.directory}: {e.strerror or e}")
             result.stats["disk_save_s"] = round(time.perf_counter() - t0, 4) if saved else None
         self.result = result
+
+
+def _cut_document(finish_reason: str, max_tokens: int) -> str:
+    """Why a reply under a schema ended before its document closed, and the fix."""
+    if finish_reason == "capacity":
+        return ("the cache filled before the reply's JSON document was complete: "
+                "raise -o kv_max_capacity or start a new conversation")
+    return f"max_tokens {max_tokens} ended the reply before its JSON document was complete: raise -o max_tokens"

@@ -1,0 +1,109 @@
+"""What a schema costs per token: the constrained-decoding mask against a decode step.
+
+Runs the plugin's decode loop (``generate_tokens``, greedy) on MODEL for one
+chat prompt, once free and once under a JSON schema (``SchemaConstraint``,
+timed around each of its calls), several rounds each, and reports per token:
+the host time of the mask (the token taken into the grammar, the next mask
+computed and handed to MLX), and the decode step of both runs.
+
+    python benchmarks/bench_schema.py MODEL.pte [--tokenizer FILE] [--reps 3] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+SCHEMA = {  # what `llm --schema 'name, age int, bio'` sends
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "bio": {"type": "string"}},
+    "required": ["name", "age", "bio"],
+}
+PROMPT = "Invent a dog."
+
+
+class Timed:
+    """A ``SchemaConstraint`` whose calls are timed."""
+
+    def __init__(self, constraint):
+        self.constraint, self.seconds = constraint, []
+
+    def apply(self, logits):
+        t0 = time.perf_counter()
+        out = self.constraint.apply(logits)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+    def advance(self, token):
+        t0 = time.perf_counter()
+        self.constraint.advance(token)
+        self.seconds.append(time.perf_counter() - t0)
+
+
+def run(program, tokenizer, prompt, max_tokens, stops, constraint=None):
+    """(tokens, decode seconds per token) of one greedy reply."""
+    from llm_executorch_mlx.text.generate import Timings, generate_tokens
+    from llm_executorch_mlx.text.sampling import Sampler
+
+    cache = program.new_cache(capacity=len(prompt) + max_tokens + 1, dtype=program.compute_dtype or "fp32")
+    forward = program.load_method("forward", cache=cache)
+    timings = Timings()
+    tokens = []
+    for step in generate_tokens(forward, cache, prompt, 0, program.metadata.prefill_chunk, Sampler().sample_next,
+                                max_tokens, timings, constraint):
+        tokens.append(step.token)
+        if step.token in stops.ids:
+            break
+    return tokens, timings.decode_seconds / max(1, timings.decode_tokens)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("pte", type=pathlib.Path)
+    ap.add_argument("--tokenizer", type=pathlib.Path, help="default: tokenizer.json beside the .pte")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    args = ap.parse_args()
+
+    from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.text import load_tokenizer, resolve_template
+    from llm_executorch_mlx.text.constrained import SchemaConstraint
+    from llm_executorch_mlx.text.conversation import encode_conversation
+    from llm_executorch_mlx.text.stops import stop_tokens
+
+    program = load_program(args.pte)
+    program.prepare_cpu_kernels()
+    tokenizer = load_tokenizer(args.tokenizer or args.pte.parent / "tokenizer.json")
+    template = resolve_template("auto", tokenizer)
+    prompt = encode_conversation([{"role": "user", "content": PROMPT}], template, tokenizer, {})
+    stops = stop_tokens(program.metadata.eos_ids, tokenizer, template.turn_end)
+    n_vocab = program.metadata.vocab_size or tokenizer.vocab_size
+
+    t0 = time.perf_counter()
+    SchemaConstraint(SCHEMA, tokenizer, n_vocab, stops.ids)
+    print(f"token table and grammar, first time: {time.perf_counter() - t0:.3f} s")
+    run(program, tokenizer, prompt, 8, stops)  # warm-up
+    free, bound, masks = [], [], []
+    for _ in range(args.reps):
+        free.append(run(program, tokenizer, prompt, args.max_tokens, stops)[1])
+        timed = Timed(SchemaConstraint(SCHEMA, tokenizer, n_vocab, stops.ids))
+        tokens, per_token = run(program, tokenizer, prompt, args.max_tokens, stops, timed)
+        bound.append(per_token)
+        # two calls per token (advance, apply); the first apply builds the lexer
+        calls = timed.seconds[1:]
+        masks.append(sum(calls) / max(1, len(tokens) - 1))
+    text = tokenizer.decode([t for t in tokens if t not in stops.ids])
+    json.loads(text)
+    print(f"reply under the schema: {text}")
+    ms = lambda xs: f"{statistics.median(xs) * 1e3:.3f} ms (range {min(xs) * 1e3:.3f}-{max(xs) * 1e3:.3f})"
+    print(f"decode step, free:        {ms(free)}")
+    print(f"decode step, schema:      {ms(bound)}")
+    print(f"mask per token (host):    {ms(masks)}")
+    print(f"mask / free decode step:  {statistics.median(masks) / statistics.median(free):.2%}")
+
+
+if __name__ == "__main__":
+    main()
