@@ -6,8 +6,8 @@ runs them with its C++ ``op_test_runner``; here each case is exported with the
 MLX partitioner by the suite's own ``generate_test_files`` (``model.pte``,
 ``input.bin``, eager ``expected_output.bin``) into a cache keyed by the
 suite's sources and the exporter's versions, in parallel worker processes.
-``run_case`` then executes the ``.pte`` with ``load_program`` and returns
-torch tensors for the suite's own comparison.
+``run_case`` then executes the ``.pte`` with ``load_program``, and ``judge``
+compares its outputs with the suite's own comparison.
 
 ``tests/test_executorch_ops.py`` runs a subset under pytest;
 ``scripts/executorch_suite.py`` runs all of them.
@@ -186,15 +186,19 @@ def exported(cache: pathlib.Path, case_id: str) -> Exported:
     return Exported(case_id, d / "model.pte", **record)
 
 
-def run_case(case: Exported, compute: str) -> list:
-    """Run the case's ``forward`` through our runtime; its outputs as torch tensors."""
+def run_case(case: Exported, compute: str, inputs=None) -> list:
+    """Run the case's ``forward`` through our runtime (on ``inputs``, the
+    case's own by default); its outputs as numpy arrays, bf16 as its bits
+    (``to_torch`` reads them back), so that MLX's errors surface here."""
+    import numpy as np
     from llm_executorch_mlx.runtime import load_program
 
     program = load_program(case.pte, compute=compute)
     try:
         cache = None if case.kv_cache is None else cache_for(program, case.kv_cache)
         method = program.load_method("forward", cache=cache)
-        return [to_torch(x) for x in method.execute(case.inputs)]
+        outputs = method.execute(case.inputs if inputs is None else inputs)
+        return [(_dtype_name(x), np.array(_bits(x))) for x in outputs]
     finally:
         program.close()
 
@@ -213,17 +217,28 @@ def cache_for(program, spec: str):
     return cache
 
 
-def to_torch(x):
-    """An output as a torch tensor of the same dtype (bf16 through its bits)."""
+def _dtype_name(x) -> str:
+    return str(getattr(x, "dtype", type(x).__name__)).removeprefix("mlx.core.")
+
+
+def _bits(x):
+    """An MLX bf16 array as its uint16 bits (numpy has no bf16)."""
     import mlx.core as mx
-    import numpy as np
+
+    if isinstance(x, mx.array) and x.dtype == mx.bfloat16:
+        return x.view(mx.uint16)
+    return x
+
+
+def to_torch(output):
+    """A ``run_case`` output (its dtype name and numpy array) as a torch tensor
+    of that dtype (bf16 through its bits)."""
     import torch
 
-    if not isinstance(x, mx.array):
-        return torch.tensor(x)
-    if x.dtype == mx.bfloat16:
-        return torch.from_numpy(np.array(x.view(mx.uint16))).view(torch.bfloat16)
-    return torch.from_numpy(np.array(x))
+    dtype, array = output
+    if dtype == "bfloat16":
+        return torch.from_numpy(array.copy()).view(torch.bfloat16)
+    return torch.from_numpy(array.copy())
 
 
 def compare(case: Exported, actual: list) -> tuple[bool, str]:
@@ -265,27 +280,44 @@ def needs_metal(case: Exported) -> bool:
     )
 
 
-def outcome(case: Exported, compute: str) -> tuple[bool, str]:
-    """Whether the case passes in ``compute`` mode, and why (or why not).
+def attempt(case: Exported, compute: str, inputs=None) -> tuple[str, object]:
+    """Run the case: ``("outputs", run_case's outputs)``, or ``("refused", our
+    error)``, or ``("escaped", what else escaped our runtime)``. Torch-free:
+    ``scripts/executorch_suite_device.py`` calls it on a device machine."""
+    from llm_executorch_mlx.runtime import PteError
+
+    try:
+        return "outputs", run_case(case, compute, inputs)
+    except PteError as e:
+        return "refused", str(e)
+    except Exception as e:  # noqa: BLE001 - what escapes our runtime is the finding
+        return "escaped", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def judge(case: Exported, kind: str, result) -> tuple[bool, str]:
+    """Whether an ``attempt``'s result passes, and why (or why not).
 
     A case whose program runs a Metal kernel passes when it is refused with
     our error naming that node; the rest must run and match torch eager.
     """
-    from llm_executorch_mlx.runtime import PteError
-
     if case.export_error:
         return False, f"does not export: {case.export_error}"
     metal = needs_metal(case)
-    try:
-        actual = run_case(case, compute)
-    except PteError as e:
-        if metal and "MetalKernelNode" in str(e):
-            return True, f"refused, needs Metal: {e}"
-        return False, f"refused: {e}"
-    except Exception as e:  # noqa: BLE001 - what escapes our runtime is the finding
-        return False, f"escaped {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if kind == "refused":
+        if metal and "MetalKernelNode" in result:
+            return True, f"refused, needs Metal: {result}"
+        return False, f"refused: {result}"
+    if kind == "escaped":
+        return False, f"escaped {result}"
     if metal:
         return False, "runs a Metal kernel, yet was not refused"
     if case.skip_comparison:
         return True, "ran (pattern-only: the suite compares nothing)"
-    return compare(case, actual)
+    return compare(case, [to_torch(x) for x in result])
+
+
+def outcome(case: Exported, compute: str) -> tuple[bool, str]:
+    """Whether the case passes in ``compute`` mode here, and why (or why not)."""
+    if case.export_error:
+        return judge(case, "", None)
+    return judge(case, *attempt(case, compute))
