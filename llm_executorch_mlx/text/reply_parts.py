@@ -55,6 +55,7 @@ class ReplySplitter:
         self._thought = self._state == "reasoning"  # reasoning may open only once, first
         self._reasoning_begun = False
         self._skip_space = False  # after a call: drop the whitespace that follows it
+        self._gap = ""  # the whitespace dropped before the call being read
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self._buf += text
@@ -135,7 +136,9 @@ class ReplySplitter:
                 return False
             at = buf.find(opening)
             if at >= 0:
-                events.append(("text", buf[:at].rstrip()))
+                before = buf[:at].rstrip()
+                events.append(("text", before))
+                self._gap = buf[len(before):at]  # given back if the call is text after all
                 self._buf, self._state = buf[at + len(opening):], "call"
                 return True
             if final:
@@ -147,19 +150,25 @@ class ReplySplitter:
             self._buf = buf[len(buf) - keep:]
             return False
         if self._state == "call":
+            # The first closing tag after which the call parses ends it: a
+            # closing tag may sit inside an argument's string.
             closing = self.format.closing
-            at = buf.find(closing)
-            if at < 0:
-                if final:  # never closed: it was text after all
-                    events.append(("text", self.format.opening + buf))
-                    self._buf = ""
+            ends = [i for i in range(len(buf)) if buf.startswith(closing, i)]
+            for at in ends:
+                call = self.format.parse_call(buf[:at])
+                if call is not None:
+                    self.parts.calls.append(call)
+                    self._buf, self._state, self._skip_space = buf[at + len(closing):], "answer", True
+                    return True
+            if not final:
+                return False  # a later closing tag may still complete it
+            if not ends:  # never closed: it was text after all
+                events.append(("text", self._gap + self.format.opening + buf))
+                self._buf = ""
                 return False
-            call = self.format.parse_call(buf[:at])
-            if call is None:
-                events.append(("text", self.format.opening + buf[: at + len(closing)]))
-            else:
-                self.parts.calls.append(call)
-            self._buf, self._state, self._skip_space = buf[at + len(closing):], "answer", True
+            end = ends[0] + len(closing)
+            events.append(("text", self._gap + self.format.opening + buf[:end]))
+            self._buf, self._state = buf[end:], "answer"
             return True
         if self._state == "json":  # a bare JSON call is known only once the reply ends
             if not final:

@@ -59,7 +59,9 @@ def _call_from_json(text: str) -> ToolCall | None:
         return None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments = value.get("arguments")
+    if arguments is None:
+        arguments = value.get("parameters", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)

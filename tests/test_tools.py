@@ -1,0 +1,202 @@
+"""Tools: rendered through each family's real chat template as transformers
+renders them, calls read from what those models write, and a whole tool
+chain through llm's Python API reusing the cache each round.
+
+The templates are the real ones (tests/templates/README.md says where each
+comes from); transformers' ``apply_chat_template(..., tools=...)`` is the
+reference for every rendering and every prompt id.
+"""
+
+import json
+import pathlib
+import string
+
+import llm
+import pytest
+from click.testing import CliRunner
+from llm.cli import cli
+
+from llm_executorch_mlx.text import TextError, load_tokenizer, resolve_template, store
+from llm_executorch_mlx.text.conversation import encode_conversation, messages_from_llm
+from llm_executorch_mlx.text.reply_parts import ReplySplitter, split_reply
+from llm_executorch_mlx.text.tool_calls import ToolCall, tool_definitions, tool_format
+
+TEMPLATES = pathlib.Path(__file__).parent / "templates"
+QWEN25 = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
+LLAMA31 = (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+LLAMA32 = (TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()
+FAMILIES = {"qwen2.5": QWEN25, "qwen3": QWEN3, "llama3.1": LLAMA31, "llama3.2": LLAMA32}
+
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+            "<think>", "</think>", "<tool_response>", "</tool_response>",
+            "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
+CORPUS = [
+    'Multiply two integers. {"name": "multiply", "arguments": {"a": 6, "b": 7}} The answer is 42.',
+    "You may call one or more functions to assist with the user query. What is six times seven?",
+    "Given the following functions, please respond with a JSON for a function call.",
+]
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+MULTIPLY = llm.Tool.function(multiply)
+# What a chat template's tools= takes for it: written out, OpenAI's function form.
+MULTIPLY_SPEC = {"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "type": "object"}}}
+
+
+def make_chat_tokenizer(directory: pathlib.Path, template: str, eos: str = "<|im_end|>") -> pathlib.Path:
+    """A BPE tokenizer over printable ASCII (so JSON encodes without unknowns)
+    with ChatML's and Llama 3's special tokens, small enough for the test
+    models' 256 ids, and ``template`` as its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
+    tok.decoder = decoders.Metaspace(prepend_scheme="never")
+    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=250, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False))
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": eos, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": False,
+    }))
+    return directory / "tokenizer.json"
+
+
+def tokenizers(directory, template):
+    """Ours and transformers' over the same files."""
+    import transformers
+
+    make_chat_tokenizer(directory, template)
+    return load_tokenizer(directory / "tokenizer.json"), transformers.AutoTokenizer.from_pretrained(directory)
+
+
+def call_message(content="", reasoning=None, **arguments):
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": arguments}}]}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is six times seven?"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is six times seven?"},
+        call_message(a=6, b=7),
+        {"role": "tool", "content": "42", "name": "multiply"},
+    ],
+    [
+        {"role": "user", "content": "What is six times seven?"},
+        call_message(a=6, b=7),
+        {"role": "tool", "content": "42", "name": "multiply"},
+        {"role": "assistant", "content": "It is 42."},
+        {"role": "user", "content": "And 2 times 3?"},
+    ],
+]
+
+
+# -- rendering: ours against transformers, text and ids ---------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tools_and_results_render_as_transformers_renders_them(tmp_path, family):
+    ours, ref = tokenizers(tmp_path, FAMILIES[family])
+    template = resolve_template("auto", ours).bound(tools=[MULTIPLY_SPEC])
+    for messages in CONVERSATIONS:
+        expected = ref.apply_chat_template(messages, tools=[MULTIPLY_SPEC], tokenize=False, add_generation_prompt=True)
+        assert "multiply" in expected and template.render(messages) == expected
+        expected_ids = ref.apply_chat_template(messages, tools=[MULTIPLY_SPEC], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False)
+        assert encode_conversation(messages, template, ours, {}) == expected_ids
+
+
+def test_llms_tools_become_the_templates_function_specs():
+    assert tool_definitions([MULTIPLY]) == [MULTIPLY_SPEC]
+
+
+def test_llms_messages_become_template_messages():
+    from llm.parts import Message, ReasoningPart, TextPart, ToolCallPart, ToolResultPart
+
+    messages = messages_from_llm([
+        Message("user", [TextPart("What is six times seven?")]),
+        Message("assistant", [ReasoningPart("Multiply."), ToolCallPart("multiply", {"a": 6, "b": 7}, "tc_1")]),
+        Message("tool", [ToolResultPart("multiply", "42", "tc_1"), ToolResultPart("multiply", "6", "tc_2")]),
+    ])
+    assert messages == [
+        {"role": "user", "content": "What is six times seven?"},
+        call_message(reasoning="Multiply.", a=6, b=7),
+        {"role": "tool", "content": "42", "name": "multiply"},
+        {"role": "tool", "content": "6", "name": "multiply"},
+    ]
+
+
+# -- which format a template asks for ---------------------------------------
+
+
+def test_each_family_is_read_from_its_template():
+    assert {name: tool_format(source).family for name, source in FAMILIES.items()} == {
+        "qwen2.5": "hermes", "qwen3": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json"}
+
+
+def test_a_template_without_tools_is_refused_not_guessed():
+    from test_text_templates import GEMMA3, LLAMA3
+    from test_text_tokenizer import CHATML
+
+    for source in (GEMMA3, LLAMA3, CHATML, None):
+        with pytest.raises(TextError, match="tools are not supported for this model's chat template"):
+            tool_format(source)
+
+
+# -- reading calls from what the models write ---------------------------------
+
+HERMES = tool_format(QWEN25)
+LLAMA = tool_format(LLAMA32)
+# Outputs in each family's documented form (Qwen's function-calling guide,
+# Meta's Llama 3.1/3.2 model cards), with the text around them models add.
+KNOWN_OUTPUTS = [
+    (HERMES, '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n'
+             '</tool_call>', "", [ToolCall("get_current_temperature", {"location": "San Francisco, CA, USA"})]),
+    (HERMES, 'Let me check both.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+     "Let me check both.", [ToolCall("a", {"x": 1}), ToolCall("b", {})]),
+    (HERMES, '<tool_call>{"name": "echo", "arguments": {"text": "a </tool_call> b"}}</tool_call>', "",
+     [ToolCall("echo", {"text": "a </tool_call> b"})]),
+    (HERMES, '<tool_call>{"name": "f", "arguments": "{\\"q\\": 2}"}</tool_call>', "", [ToolCall("f", {"q": 2})]),
+    (HERMES, 'lead <tool_call>{bad json}</tool_call> tail', "lead <tool_call>{bad json}</tool_call> tail", []),
+    (HERMES, 'unclosed <tool_call>{"name": "f", "arguments": {}}', 'unclosed <tool_call>{"name": "f", "arguments": {}}',
+     []),
+    (HERMES, "No tools needed: it is 42.", "No tools needed: it is 42.", []),
+    (LLAMA, '{"name": "get_weather", "parameters": {"location": "Paris"}}', "", [ToolCall("get_weather", {"location": "Paris"})]),
+    (LLAMA, '<|python_tag|>{"name": "f", "parameters": {"n": 3}}', "", [ToolCall("f", {"n": 3})]),
+    (LLAMA, "{this is not a call}", "{this is not a call}", []),
+    (LLAMA, "The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+]
+
+
+@pytest.mark.parametrize("fmt, output, content, calls", KNOWN_OUTPUTS)
+def test_calls_are_read_from_known_outputs_in_any_chunking(fmt, output, content, calls):
+    whole = split_reply(output, None, False, fmt)
+    assert (whole.content, whole.calls) == (content, calls)
+    for size in (1, 2, 3, 5, 11):  # the tags split across chunks, as across tokens
+        splitter = ReplySplitter(None, False, fmt)
+        events = [e for i in range(0, len(output), size) for e in splitter.feed(output[i:i + size])]
+        events += splitter.finish()
+        assert "".join(t for _, t in events) == content and splitter.parts.calls == calls
+
+
+def test_call_markup_is_never_streamed_as_text():
+    splitter = ReplySplitter(None, False, HERMES)
+    shown = "".join(t for c in ["Sure", ".", "\n", "<tool", "_call>", '{"name": "f",', ' "arguments": {}}', "</tool_call>"]
+                    for _, t in splitter.feed(c))
+    assert shown == "Sure." and "".join(t for _, t in splitter.finish()) == ""
