@@ -200,3 +200,105 @@ def test_call_markup_is_never_streamed_as_text():
     shown = "".join(t for c in ["Sure", ".", "\n", "<tool", "_call>", '{"name": "f",', ' "arguments": {}}', "</tool_call>"]
                     for _, t in splitter.feed(c))
     assert shown == "Sure." and "".join(t for _, t in splitter.finish()) == ""
+
+
+# -- a whole chain through llm's Python API ------------------------------------
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    store.POOL.clear()
+    store.REPLIES.clear()
+    store.TRUNCATIONS.clear()
+    yield tmp_path / "llm"
+
+
+@pytest.fixture(scope="module")
+def qwen3_tools(fixture_root, tmp_path_factory):
+    """A tiny random Qwen3 model with Qwen3's real template: (pte, tokenizer dir).
+    Its context is 512: a prompt offering a tool takes ~300 of these tokens."""
+    from models import make_fixture
+
+    _, pte = make_fixture(fixture_root, "qwen3", False, "fp32", None, max_ctx_len=512)
+    tok_dir = tmp_path_factory.mktemp("qwen3-tok")
+    make_chat_tokenizer(tok_dir, QWEN3)
+    return pte, tok_dir
+
+
+def register(pte, tok_dir, name):
+    r = CliRunner().invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok_dir / "tokenizer.json"),
+                                 "--name", name], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+
+
+def scripted_sampler(monkeypatch) -> dict:
+    """Make the sampler pick the tokens of ``script["ids"]`` instead of the
+    random model's choice: no tools-trained weights can be had here, and a
+    random model never writes a call, so the test scripts what a trained one
+    writes, then checks what the plugin does with it. The sampler continues
+    the longest start of the script that the history ends with."""
+    import mlx.core as mx
+
+    from llm_executorch_mlx.text import sampling
+
+    script = {"ids": []}
+
+    def sample_next(self, logits, history):
+        ids = script["ids"]
+        k = next(k for k in range(len(ids) - 1, -1, -1) if k == 0 or history[-k:] == ids[:k])
+        return mx.array(ids[k], dtype=mx.uint32)
+
+    monkeypatch.setattr(sampling.Sampler, "sample_next", sample_next)
+    return script
+
+
+def test_a_tool_chain_renders_calls_and_results_and_reuses_the_cache(qwen3_tools, user_dir, monkeypatch):
+    import transformers
+
+    pte, tok_dir = qwen3_tools
+    register(pte, tok_dir, "toolsy")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    im_end = ref.convert_tokens_to_ids("<|im_end|>")
+    call_text = ('<think>\nSix times seven: multiply.\n</think>\n\n'
+                 '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>')
+    answer = "The answer is 42."
+    script = scripted_sampler(monkeypatch)
+    script["ids"] = ref.encode(call_text, add_special_tokens=False) + [im_end]
+    seen = []
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        seen.append((a, b))
+        script["ids"] = ref.encode(answer, add_special_tokens=False) + [im_end]  # the next round answers
+        return a * b
+
+    model = llm.get_model("pte:toolsy")
+    chain = model.chain("What is six times seven?", tools=[multiply], options={"kv_disk_mb": 0})
+    first, second = list(chain.responses())
+    assert second.text() == answer
+    assert seen == [(6, 7)]
+    assert [(c.name, c.arguments) for c in first.tool_calls()] == [("multiply", {"a": 6, "b": 7})]
+    (message,) = first.messages()
+    assert [type(p).__name__ for p in message.parts] == ["ReasoningPart", "ToolCallPart"]
+    assert message.parts[0].text == "Six times seven: multiply." and first.text() == ""
+
+    # Each round's prompt is transformers' rendering of the conversation so far.
+    user = {"role": "user", "content": "What is six times seven?"}
+    round1 = ref.apply_chat_template([user], tools=[MULTIPLY_SPEC], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    history = [user, call_message(reasoning="Six times seven: multiply.", a=6, b=7),
+               {"role": "tool", "content": "42", "name": "multiply"}]
+    round2 = ref.apply_chat_template(history, tools=[MULTIPLY_SPEC], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    (session,) = [s for _, s in store.POOL._sessions.values()]
+    assert session.tokens[: len(round2)] == round2
+    one, two = first.response_json, second.response_json
+    assert one["prompt_tokens"] == len(round1) and one["cache_path"] == "cold"
+    # the second round prefills only the tool result and the new turn's opening
+    assert two["prompt_tokens"] == len(round2) and two["cache_path"] == "hit"
+    assert two["cached_tokens"] == len(round1) + len(script_ids(ref, call_text)) + 1
+
+
+def script_ids(ref, text):
+    return ref.encode(text, add_special_tokens=False)
