@@ -31,9 +31,17 @@ FAMILIES = {"qwen2.5": QWEN25, "qwen3": QWEN3, "llama3.1": LLAMA31, "llama3.2": 
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
             "<think>", "</think>", "<tool_response>", "</tool_response>",
             "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
-CORPUS = [
+CORPUS = [  # the text of tool prompts, calls and results, so they take few tokens
     'Multiply two integers. {"name": "multiply", "arguments": {"a": 6, "b": 7}} The answer is 42.',
-    "You may call one or more functions to assist with the user query. What is six times seven?",
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n",
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n",
+    '{"type": "function", "function": {"name": "llm_time", "description": "Returns the current time, as local '
+    'time and UTC", "parameters": {"properties": {}, "type": "object"}}}',
+    '{\n  "utc_time": "2026-12-02 04:05:13 UTC",\n  "utc_time_iso": "2026-12-02T04:05:13.004164+00:00",\n  '
+    '"local_timezone": "UTC",\n  "local_time": "2026-12-02 04:05:13",\n  "timezone_offset": "UTC+00:00",\n  '
+    '"is_dst": false\n}',
     "Given the following functions, please respond with a JSON for a function call.",
 ]
 
@@ -232,12 +240,13 @@ def register(pte, tok_dir, name):
     assert r.exit_code == 0, r.output
 
 
-def scripted_sampler(monkeypatch) -> dict:
-    """Make the sampler pick the tokens of ``script["ids"]`` instead of the
-    random model's choice: no tools-trained weights can be had here, and a
-    random model never writes a call, so the test scripts what a trained one
-    writes, then checks what the plugin does with it. The sampler continues
-    the longest start of the script that the history ends with."""
+def scripted_sampler(monkeypatch, pick=None) -> dict:
+    """Make the sampler pick the tokens of ``script["ids"]`` (or of
+    ``pick(history)``) instead of the random model's choice: no tools-trained
+    weights can be had here, and a random model never writes a call, so the
+    test scripts what a trained one writes, then checks what the plugin does
+    with it. The sampler continues the longest start of the script that the
+    history ends with."""
     import mlx.core as mx
 
     from llm_executorch_mlx.text import sampling
@@ -245,7 +254,7 @@ def scripted_sampler(monkeypatch) -> dict:
     script = {"ids": []}
 
     def sample_next(self, logits, history):
-        ids = script["ids"]
+        ids = pick(history) if pick else script["ids"]
         k = next(k for k in range(len(ids) - 1, -1, -1) if k == 0 or history[-k:] == ids[:k])
         return mx.array(ids[k], dtype=mx.uint32)
 
@@ -299,6 +308,52 @@ def test_a_tool_chain_renders_calls_and_results_and_reuses_the_cache(qwen3_tools
     assert two["prompt_tokens"] == len(round2) and two["cache_path"] == "hit"
     assert two["cached_tokens"] == len(round1) + len(script_ids(ref, call_text)) + 1
 
+    assert [e.type for e in first.stream_events()][:1] == ["reasoning"]
+
 
 def script_ids(ref, text):
     return ref.encode(text, add_special_tokens=False)
+
+
+def test_llm_T_runs_a_tool_and_answers_from_its_result(qwen3_tools, user_dir, monkeypatch):
+    import transformers
+
+    pte, tok_dir = qwen3_tools
+    register(pte, tok_dir, "toolsy")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    im_end, response = ref.convert_tokens_to_ids(["<|im_end|>", "<tool_response>"])
+    call = script_ids(ref, '<tool_call>\n{"name": "llm_time", "arguments": {}}\n</tool_call>') + [im_end]
+    answer = script_ids(ref, "It is the time the tool said.") + [im_end]
+    # a tool result in the prompt: the model has called, it answers now
+    scripted_sampler(monkeypatch, lambda history: answer if response in history else call)
+    r = CliRunner().invoke(cli, ["-m", "pte:toolsy", "-T", "llm_time", "what time is it?", "--td"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "Tool call: llm_time({})" in r.output and "utc_time" in r.output
+    assert r.output.rstrip().endswith("It is the time the tool said.")
+
+
+def test_tools_on_a_template_without_them_is_one_line_naming_the_families(tiny_llama, user_dir):
+    pte, tok_dir = tiny_llama
+    register(pte, tok_dir, "plain")
+    r = CliRunner().invoke(cli, ["-m", "pte:plain", "-T", "llm_time", "what time is it?"])
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [
+        "Error: tools are not supported for this model's chat template: it does not render tools in a format "
+        "we read (Qwen2.5/Qwen3/Hermes <tool_call> JSON, Llama 3.1/3.2 JSON)"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(exported, tmp_path_factory):
+    from models import make_tokenizer
+
+    _, pte = exported("llama")
+    tok_dir = tmp_path_factory.mktemp("tok")
+    make_tokenizer(tok_dir)
+    return pte, tok_dir
+
+
+def test_llm_models_lists_tools_and_the_reasoning_option(qwen3_tools, user_dir):
+    register(*qwen3_tools, "toolsy")
+    out = CliRunner().invoke(cli, ["models", "--options", "-m", "pte:toolsy"]).output
+    assert "- tools" in out.split("Features:")[1]
+    assert "reasoning: boolean" in out and "enable_thinking" in out
