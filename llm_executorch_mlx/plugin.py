@@ -88,12 +88,12 @@ def _tool_definitions(prompt) -> list[dict] | None:
 
 
 def _stream_parts(turn, response):
-    """The turn's reasoning and answer as llm's stream events; its tool calls
-    added to the response."""
+    """The turn's answer as text and its reasoning as llm's reasoning events;
+    its tool calls added to the response."""
     from llm.parts import StreamEvent
 
     for kind, text in turn.events():
-        yield StreamEvent(type=kind, chunk=text)
+        yield text if kind == "text" else StreamEvent(type=kind, chunk=text)
     for call in turn.parts.calls:
         response.add_tool_call(llm.ToolCall(name=call.name, arguments=call.arguments))
 
