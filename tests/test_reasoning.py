@@ -6,8 +6,15 @@ import pytest
 from click.testing import CliRunner
 from llm.cli import cli
 from test_tools import (
-    QWEN3, TEMPLATES, qwen3_tools, register, script_ids, scripted_sampler, tiny_llama,
-    tokenizers, user_dir,
+    QWEN3,
+    TEMPLATES,
+    qwen3_tools,
+    register,
+    script_ids,
+    scripted_sampler,
+    tiny_llama,
+    tokenizers,
+    user_dir,
 )
 
 from llm_executorch_mlx.text import TextError, resolve_template, store
@@ -144,5 +151,5 @@ def test_reasoning_false_on_a_template_without_the_switch_is_one_line(tiny_llama
     r = CliRunner().invoke(cli, ["-m", "pte:plain", "Hi", "-o", "reasoning", "false"])
     assert r.exit_code == 1
     assert r.output.strip().splitlines() == [
-        "Error: -o reasoning false: this model's chat template has no switch for reasoning "
-        "(enable_thinking); leave the option out"]
+        ("Error: -o reasoning false: this model's chat template has no switch for reasoning "
+        "(enable_thinking); leave the option out")]

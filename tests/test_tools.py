@@ -33,15 +33,15 @@ SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>
             "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|python_tag|>"]
 CORPUS = [  # the text of tool prompts, calls and results, so they take few tokens
     'Multiply two integers. {"name": "multiply", "arguments": {"a": 6, "b": 7}} The answer is 42.',
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
-    "function signatures within <tools></tools> XML tags:\n<tools>\n",
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n",
-    '{"type": "function", "function": {"name": "llm_time", "description": "Returns the current time, as local '
-    'time and UTC", "parameters": {"properties": {}, "type": "object"}}}',
-    '{\n  "utc_time": "2026-12-02 04:05:13 UTC",\n  "utc_time_iso": "2026-12-02T04:05:13.004164+00:00",\n  '
+    ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+    "function signatures within <tools></tools> XML tags:\n<tools>\n"),
+    ("For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"),
+    ('{"type": "function", "function": {"name": "llm_time", "description": "Returns the current time, as local '
+    'time and UTC", "parameters": {"properties": {}, "type": "object"}}}'),
+    ('{\n  "utc_time": "2026-12-02 04:05:13 UTC",\n  "utc_time_iso": "2026-12-02T04:05:13.004164+00:00",\n  '
     '"local_timezone": "UTC",\n  "local_time": "2026-12-02 04:05:13",\n  "timezone_offset": "UTC+00:00",\n  '
-    '"is_dst": false\n}',
+    '"is_dst": false\n}'),
     "Given the following functions, please respond with a JSON for a function call.",
 ]
 
@@ -173,10 +173,10 @@ LLAMA = tool_format(LLAMA32)
 # Outputs in each family's documented form (Qwen's function-calling guide,
 # Meta's Llama 3.1/3.2 model cards), with the text around them models add.
 KNOWN_OUTPUTS = [
-    (HERMES, '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n'
-             '</tool_call>', "", [ToolCall("get_current_temperature", {"location": "San Francisco, CA, USA"})]),
-    (HERMES, 'Let me check both.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-             '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>',
+    (HERMES, ('<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA"}}\n'
+             '</tool_call>'), "", [ToolCall("get_current_temperature", {"location": "San Francisco, CA, USA"})]),
+    (HERMES, ('Let me check both.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'),
      "Let me check both.", [ToolCall("a", {"x": 1}), ToolCall("b", {})]),
     (HERMES, '<tool_call>{"name": "echo", "arguments": {"text": "a </tool_call> b"}}</tool_call>', "",
      [ToolCall("echo", {"text": "a </tool_call> b"})]),
@@ -338,8 +338,8 @@ def test_tools_on_a_template_without_them_is_one_line_naming_the_families(tiny_l
     r = CliRunner().invoke(cli, ["-m", "pte:plain", "-T", "llm_time", "what time is it?"])
     assert r.exit_code == 1
     assert r.output.strip().splitlines() == [
-        "Error: tools are not supported for this model's chat template: it does not render tools in a format "
-        "we read (Qwen2.5/Qwen3/Hermes <tool_call> JSON, Llama 3.1/3.2 JSON)"]
+        ("Error: tools are not supported for this model's chat template: it does not render tools in a format "
+        "we read (Qwen2.5/Qwen3/Hermes <tool_call> JSON, Llama 3.1/3.2 JSON)")]
 
 
 @pytest.fixture(scope="module")

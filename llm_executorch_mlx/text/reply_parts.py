@@ -77,110 +77,102 @@ class ReplySplitter:
         return [(k, t) for k, t in events if t]
 
     def _step(self, final: bool, events: list) -> bool:
-        """Process what the buffer decides; True when the state changed."""
-        buf = self._buf
-        if self._state == "start":
-            openings = [self.think[0]] if self.think and not self._thought else []
-            if self.format is not None and self.format.opening is None:
-                openings += ["{", "<|python_tag|>"]
-            head = buf.lstrip()
-            for tag in openings:
-                if head.startswith(tag):
-                    if tag == (self.think[0] if self.think else None) and not self._thought:
-                        self._buf, self._state, self._thought = head[len(tag):], "reasoning", True
-                    else:
-                        self._state = "json"
-                    return True
-            if not final and any(tag.startswith(head) for tag in openings):
-                return False  # could still open one
-            self._state = "answer"
-            return True
-        if self._state == "reasoning":
-            closing = self.think[1]
-            if not self._reasoning_begun:
-                buf = self._buf = buf.lstrip("\n")
-                if not buf and not final:
-                    return False
-                self._reasoning_begun = True
-            at = buf.find(closing)
-            if at >= 0:
-                events.append(("reasoning", buf[:at].rstrip("\n")))
-                self._buf, self._state = buf[at + len(closing):].lstrip("\n"), "start"
-                if not self._buf and not final:
-                    self._state = "after_reasoning"
+        """Process what the buffer decides in the current state; True when
+        the state changed (the buffer is looked at again)."""
+        return getattr(self, "_" + self._state)(final, events)
+
+    def _start(self, final, events):
+        """Where the answer begins: it may open the reasoning or be a bare call."""
+        think = self.think[0] if self.think and not self._thought else None
+        openings = ([think] if think else []) + list(self.format.bare_starts if self.format else ())
+        head = self._buf.lstrip()
+        for tag in openings:
+            if head.startswith(tag):
+                if tag == think:
+                    self._buf, self._state, self._thought = head[len(tag):], "reasoning", True
+                else:
+                    self._state = "bare_call"
                 return True
-            if final:
-                events.append(("reasoning", buf.rstrip("\n")))
-                self._buf = ""
-                return False
-            keep = _held(buf, closing, "\n")
-            events.append(("reasoning", buf[: len(buf) - keep]))
-            self._buf = buf[len(buf) - keep:]
-            return False
-        if self._state == "after_reasoning":  # newlines after </think> may still come
-            self._buf = buf.lstrip("\n")
+        if not final and any(tag.startswith(head) for tag in openings):
+            return False  # could still open one
+        self._state = "answer"
+        return True
+
+    def _reasoning(self, final, events):
+        closing = self.think[1]
+        if not self._reasoning_begun:
+            self._buf = self._buf.lstrip("\n")
             if not self._buf and not final:
                 return False
-            self._state = "start"
+            self._reasoning_begun = True
+        buf = self._buf
+        at = buf.find(closing)
+        if at >= 0:
+            events.append(("reasoning", buf[:at].rstrip("\n")))
+            self._buf, self._state = buf[at + len(closing):], "after_reasoning"
             return True
-        if self._state == "answer":
-            if self._skip_space:
-                buf = self._buf = buf.lstrip()
-                if not buf and not final:
-                    return False
-                self._skip_space = False
-            opening = self.format.opening if self.format is not None else None
-            if opening is None:
-                events.append(("text", buf))
-                self._buf = ""
-                return False
-            at = buf.find(opening)
-            if at >= 0:
-                before = buf[:at].rstrip()
-                events.append(("text", before))
-                self._gap = buf[len(before):at]  # given back if the call is text after all
-                self._buf, self._state = buf[at + len(opening):], "call"
-                return True
-            if final:
-                events.append(("text", buf))
-                self._buf = ""
-                return False
-            keep = _held(buf, opening, None)
-            events.append(("text", buf[: len(buf) - keep]))
-            self._buf = buf[len(buf) - keep:]
+        keep = 0 if final else _held(buf, closing, "\n")
+        events.append(("reasoning", buf[: len(buf) - keep].rstrip("\n") if final else buf[: len(buf) - keep]))
+        self._buf = buf[len(buf) - keep:]
+        return False
+
+    def _after_reasoning(self, final, events):
+        """The newlines after the closing tag, which may still be streaming."""
+        self._buf = self._buf.lstrip("\n")
+        if not self._buf and not final:
             return False
-        if self._state == "call":
-            # The first closing tag after which the call parses ends it: a
-            # closing tag may sit inside an argument's string.
-            closing = self.format.closing
-            ends = [i for i in range(len(buf)) if buf.startswith(closing, i)]
-            for at in ends:
-                call = self.format.parse_call(buf[:at])
-                if call is not None:
-                    self.parts.calls.append(call)
-                    self._buf, self._state, self._skip_space = buf[at + len(closing):], "answer", True
-                    return True
-            if not final:
-                return False  # a later closing tag may still complete it
-            if not ends:  # never closed: it was text after all
-                events.append(("text", self._gap + self.format.opening + buf))
-                self._buf = ""
+        self._state = "start"
+        return True
+
+    def _answer(self, final, events):
+        if self._skip_space:
+            self._buf = self._buf.lstrip()
+            if not self._buf and not final:
                 return False
-            end = ends[0] + len(closing)
-            events.append(("text", self._gap + self.format.opening + buf[:end]))
-            self._buf, self._state = buf[end:], "answer"
+            self._skip_space = False
+        buf = self._buf
+        opening = self.format.opening if self.format is not None else None
+        at = buf.find(opening) if opening else -1
+        if at >= 0:
+            before = buf[:at].rstrip()
+            events.append(("text", before))
+            self._gap = buf[len(before):at]  # given back if the call is text after all
+            self._buf, self._state = buf[at + len(opening):], "call"
             return True
-        if self._state == "json":  # a bare JSON call is known only once the reply ends
-            if not final:
-                return False
-            call = self.format.parse_call(buf)
-            if call is None:
-                events.append(("text", buf))
-            else:
+        keep = _held(buf, opening, None) if opening and not final else 0
+        events.append(("text", buf[: len(buf) - keep]))
+        self._buf = buf[len(buf) - keep:]
+        return False
+
+    def _call(self, final, events):
+        # The first closing tag after which the call parses ends it: a closing
+        # tag may sit inside an argument's string.
+        buf, opening, closing = self._buf, self.format.opening, self.format.closing
+        ends = [i for i in range(len(buf)) if buf.startswith(closing, i)]
+        for at in ends:
+            call = self.format.parse_call(buf[:at])
+            if call is not None:
                 self.parts.calls.append(call)
-            self._buf = ""
+                self._buf, self._state, self._skip_space = buf[at + len(closing):], "answer", True
+                return True
+        if not final:
+            return False  # a later closing tag may still complete it
+        end = ends[0] + len(closing) if ends else len(buf)  # not a call: it was text after all
+        events.append(("text", self._gap + opening + buf[:end]))
+        self._buf, self._state = buf[end:], "answer"
+        return True
+
+    def _bare_call(self, final, events):
+        """A reply that is a call as a whole is known only once it ends."""
+        if not final:
             return False
-        raise AssertionError(self._state)
+        call = self.format.parse_call(self._buf)
+        if call is None:
+            events.append(("text", self._buf))
+        else:
+            self.parts.calls.append(call)
+        self._buf = ""
+        return False
 
 
 def split_reply(text: str, think, in_reasoning: bool, calls: ToolFormat | None) -> ReplyParts:

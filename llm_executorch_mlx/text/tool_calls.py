@@ -32,13 +32,15 @@ class ToolCall:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """One family's call syntax. ``opening``: the text that starts a call
-    (held back from the streamed answer); None when a call is a bare JSON
-    reply, which is known only once the reply ends."""
+    """One family's call syntax. ``opening``/``closing``: the tags around a
+    call (what could begin ``opening`` is held back from the streamed
+    answer); ``bare_starts``: how a reply that is a call as a whole begins,
+    known only once the reply ends."""
 
     family: str
-    opening: str | None
-    closing: str | None
+    opening: str | None = None
+    closing: str | None = None
+    bare_starts: tuple[str, ...] = ()
 
     def parse_call(self, text: str) -> ToolCall | None:
         """The call written in ``text`` (between the tags, or the whole bare
@@ -79,7 +81,7 @@ def tool_format(source: str | None) -> ToolFormat:
         if "<tool_call>" in source:
             return ToolFormat("hermes", "<tool_call>", "</tool_call>")
         if "<|eot_id|>" in source and '"parameters": ' in source:
-            return ToolFormat("llama3_json", None, None)
+            return ToolFormat("llama3_json", bare_starts=("{", _PYTHON_TAG))
     raise TextError(
         "tools are not supported for this model's chat template: it does not render tools in a "
         f"format we read ({SUPPORTED})"
