@@ -111,6 +111,10 @@ _DECLARED = (
     Option("chat", str, "auto",
            "Chat template: auto (the tokenizer's own), llama3, gemma, gemma4, or none/0 for raw text",
            choices=("auto", "llama3", "gemma", "gemma4", "none"), aliases={"0": "none"}),
+    Option("reasoning", bool, None,
+           "Whether a reasoning model thinks before it answers (its <think> text streams as reasoning): "
+           "true or false sets its chat template's enable_thinking (default: the template's own)",
+           rule="true or false", valid=lambda v: isinstance(v, bool)),
     Option("kv_max_capacity", int, None,
            "Tokens the KV cache may hold (default: the model's max context)",
            rule=">= 1", valid=lambda v: _integer(v) and v >= 1),

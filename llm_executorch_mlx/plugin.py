@@ -29,6 +29,7 @@ class InputError(llm.ModelError, click.ClickException):
 class PteModel(llm.Model):
     can_stream = True
     supports_schema = True  # the sampler only takes tokens the schema allows (text/constrained.py)
+    supports_tools = True  # where the chat template renders tools (text/tool_calls.py); else a clear error
 
     # One field per declared option (options.py); Option.check refuses a bad value, saying what would do.
     Options = create_model(
@@ -69,14 +70,34 @@ class PteModel(llm.Model):
                 TurnOptions(stop=stop, **given),
                 state_dir=saved_states_dir(),
                 schema=prompt.schema,
+                tools=_tool_definitions(prompt),
             )
             _advise_on_blas_once()
-            yield from turn
+            yield from _stream_parts(turn, response)
         except (PteError, TextError) as e:
             raise InputError(str(e)) from None
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats
+
+
+def _tool_definitions(prompt) -> list[dict] | None:
+    """The function tools the prompt offers, as chat templates take them."""
+    from .text.tool_calls import tool_definitions
+
+    tools = [t for t in prompt.tools if isinstance(t, llm.Tool)]
+    return tool_definitions(tools) if tools else None
+
+
+def _stream_parts(turn, response):
+    """The turn's answer as text and its reasoning as llm's reasoning events;
+    its tool calls added to the response."""
+    from llm.parts import StreamEvent
+
+    for kind, text in turn.events():
+        yield text if kind == "text" else StreamEvent(type=kind, chunk=text)
+    for call in turn.parts.calls:
+        response.add_tool_call(llm.ToolCall(name=call.name, arguments=call.arguments))
 
 
 def saved_states_dir():

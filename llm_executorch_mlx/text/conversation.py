@@ -2,10 +2,16 @@
 
 Assistant messages this process generated are spliced in as the ids the
 model produced, never re-tokenized from their text: re-tokenizing can pick a
-different split, which would make the next turn miss the cache.
+different split, which would make the next turn miss the cache. A reply with
+reasoning or tool calls is remembered under ``message_key`` (what llm hands
+back is its parts, not its text) and spliced where the template renders it as
+the model wrote it; where the template renders it otherwise (Qwen3 drops the
+reasoning of turns before the last question), its rendering is encoded.
 """
 
 from __future__ import annotations
+
+import json
 
 from .errors import TextError
 
@@ -59,15 +65,19 @@ def encode_conversation(
     rendered = template.render(messages, add_generation_prompt=add_generation_prompt)
     ids, cursor = [], 0
     for k, m in enumerate(messages):
-        known = generated.get(m["content"]) if m["role"] == "assistant" and m["content"] else None
+        if m["role"] != "assistant":
+            continue
+        key = message_key(m)
+        known = generated.get(key) if key else None
         if known is None:
             continue
+        written = m["content"] if key == m["content"] else tokenizer.decode(known)
         # Look for the reply where its turn begins: the text of the earlier
         # messages plus the generation prompt (the reply's own words may also
         # occur earlier, even inside the template's markup).
         opening = template.render(messages[:k], add_generation_prompt=True)
         search_from = max(cursor, len(opening)) if rendered.startswith(opening) else cursor
-        found = _locate(rendered, m["content"], search_from, known, tokenizer)
+        found = _locate(rendered, written, search_from, known, tokenizer)
         if found is None:
             continue
         at, length, reply_ids = found
@@ -105,20 +115,55 @@ def _locate(rendered: str, content: str, start: int, ids: list[int], tokenizer):
     return None
 
 
+def message_key(message: dict) -> str:
+    """What a reply's ids are remembered under: its text, or, for a reply with
+    reasoning or tool calls, all of what it said (arguments in key order)."""
+    if not message.get("reasoning_content") and not message.get("tool_calls"):
+        return message.get("content") or ""
+    calls = [[c["function"]["name"], c["function"]["arguments"]] for c in message.get("tool_calls") or []]
+    return json.dumps([message.get("reasoning_content") or "", message.get("content") or "", calls], sort_keys=True)
+
+
+def assistant_message(content: str, reasoning: str = "", calls=()) -> dict:
+    """An assistant message as chat templates take it (transformers' form)."""
+    message = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = [
+            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls
+        ]
+    return message
+
+
 def messages_from_llm(prompt_messages) -> list[dict]:
-    """Plain role/content dicts from llm's ``prompt.messages`` (text parts only)."""
+    """Chat-template messages from llm's ``prompt.messages``: text, reasoning,
+    tool calls, and each tool result as a message of role "tool"."""
+    from .tool_calls import ToolCall
+
     out = []
     for m in prompt_messages:
-        texts, other = [], []
+        texts, reasoning, calls, results, other = [], [], [], [], []
         for part in m.parts:
-            text = getattr(part, "text", None)
-            if type(part).__name__ == "TextPart":
-                texts.append(text or "")
-            elif type(part).__name__ != "ReasoningPart":
-                other.append(type(part).__name__)
+            kind = type(part).__name__
+            if kind == "TextPart":
+                texts.append(part.text or "")
+            elif kind == "ReasoningPart":
+                reasoning.append(part.text or "")
+            elif kind == "ToolCallPart":
+                calls.append(ToolCall(part.name, dict(part.arguments or {})))
+            elif kind == "ToolResultPart":
+                results.append({"role": "tool", "content": part.output or "", "name": part.name})
+            else:
+                other.append(kind)
         if other:
             raise TextError(
                 f"this model takes text only; the conversation has {', '.join(sorted(set(other)))}"
             )
-        out.append({"role": m.role, "content": "".join(texts)})
+        if m.role == "assistant":
+            out.append(assistant_message("".join(texts), "".join(reasoning), calls))
+        elif results:
+            out += results
+        else:
+            out.append({"role": m.role, "content": "".join(texts)})
     return out

@@ -1,5 +1,6 @@
 """Chat templates: the tokenizer's own (jinja), the seed runner's built-ins, or none."""
 
+import copy
 import functools
 import json
 import re
@@ -35,6 +36,14 @@ class ChatTemplate:
     name: str
     turn_end: str | None = None
     is_raw: bool = False
+    source: str | None = None  # the jinja text of a tokenizer's own template
+
+    def bound(self, **context) -> "ChatTemplate":
+        """This template rendering with ``context`` too (``tools``, a switch such
+        as ``enable_thinking``); only a tokenizer's own template takes any."""
+        if context:
+            raise TextError(f"chat template '{self.name}' takes no {', '.join(sorted(context))}")
+        return self
 
     def render(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
         """The prompt text for ``messages`` (dicts with "role" and "content"),
@@ -145,11 +154,18 @@ class _Jinja(ChatTemplate):
             ) from e
         except RecursionError:  # jinja's parser recurses once per nested expression
             raise TextError(f"the chat template of {tokenizer.path} nests too deeply to parse") from None
+        self.source = source
         specials = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
         self._specials = {key: value for key, value in specials.items() if value is not None}
+        self._context = {"tools": None, "documents": None}
         self.turn_end = next((t for t in _TURN_ENDS if t in source), None)
         if self.turn_end is None and "eos_token" in source:
             self.turn_end = tokenizer.eos_token
+
+    def bound(self, **context):
+        twin = copy.copy(self)
+        twin._context = {**self._context, **context}
+        return twin
 
     def render(self, messages, add_generation_prompt=True):
         # As transformers does: plain dicts, and a None-valued key counts as absent.
@@ -159,9 +175,8 @@ class _Jinja(ChatTemplate):
         try:
             for part in self._template.generate(
                 messages=messages,
-                tools=None,
-                documents=None,
                 add_generation_prompt=add_generation_prompt,
+                **self._context,
                 **self._specials,
             ):
                 size += len(part)

@@ -17,9 +17,11 @@ import mlx.core as mx
 from ..options import OPTIONS
 from . import store
 from .constrained import SchemaConstraint
-from .conversation import encode_conversation, reply_start
+from .conversation import assistant_message, encode_conversation, message_key, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
+from .reasoning import opens_reasoning, think_tags, thinking_context
+from .reply_parts import ReplySplitter, split_reply
 from .sampling import Sampler
 from .saved_states import StateStore, model_identity, worth_loading
 from .session import CachePolicy, Session
@@ -27,6 +29,7 @@ from .stats import turn_stats
 from .stops import StopMatcher, stop_tokens
 from .streaming import stream_reply
 from .templates import resolve_template
+from .tool_calls import tool_format
 
 # The options of one turn: a field per declared option, with its declared default.
 TurnOptions = make_dataclass(
@@ -59,18 +62,30 @@ def cache_policy(opts: TurnOptions, program) -> CachePolicy:
 
 
 class Turn:
-    """Iterate to stream text; ``result`` is complete once iteration ends."""
+    """Iterate to stream text (``events`` to have it split into reasoning, answer
+    and tool calls); ``result`` is complete once iteration ends."""
 
     def __init__(self, pte_path: str, tokenizer_path: str, messages: list[dict], opts: TurnOptions, notice=None,
-                 state_dir=None, schema: dict | None = None):
+                 state_dir=None, schema: dict | None = None, tools: list[dict] | None = None):
         """``state_dir``: where cache states are saved between processes (None: nowhere);
-        ``schema``: a JSON schema the reply must be a document of (constrained.py)."""
+        ``schema``: a JSON schema the reply must be a document of (constrained.py);
+        ``tools``: the tools offered, as chat templates take them (tool_calls.tool_definitions)."""
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
         self.key, self.program = store.get_program(pte_path, opts.compute_dtype)
         self.tokenizer = store.get_tokenizer(tokenizer_path)
-        self.template = resolve_template(opts.chat, self.tokenizer)
+        template = resolve_template(opts.chat, self.tokenizer)
+        self.tool_format = tool_format(template.source) if tools else None
+        context = thinking_context(template.source, opts.reasoning)
+        if tools:
+            context["tools"] = tools
+        self.template = template.bound(**context)
+        self.think = think_tags(template.source)
+        # the reply starts inside the reasoning when the generation prompt opened it
+        self.in_reasoning = bool(self.think) and bool(messages) and opens_reasoning(
+            self.template.render(messages), self.think)
+        self.parts = None  # a ReplyParts once ``events`` runs
         self.opts = opts
         self.notice = notice or (lambda msg: print(msg, file=sys.stderr))
         self.result = TurnResult()
@@ -131,6 +146,22 @@ class Turn:
             states = relist()
         return 0, seconds
 
+    def events(self):
+        """The reply as ("reasoning" | "text", text) events; then
+        ``parts.calls`` holds the tool calls it made."""
+        splitter = ReplySplitter(self.think, self.in_reasoning, self.tool_format)
+        self.parts = splitter.parts
+        for text in self:
+            yield from splitter.feed(text)
+        yield from splitter.finish()
+
+    def _reply_key(self, text: str) -> str:
+        """What llm will hand this reply back as, as ``message_key`` reads it."""
+        if not self.think and self.tool_format is None:
+            return text
+        parts = split_reply(text, self.think, self.in_reasoning, self.tool_format)
+        return message_key(assistant_message(parts.content, parts.reasoning, parts.calls))
+
     def __iter__(self):
         generated = store.REPLIES.of(self.key)
         states = []
@@ -174,8 +205,10 @@ class Turn:
         )
         if self.constraint is not None and not self.constraint.complete:
             raise TextError(_cut_document(reply.finish_reason, self.opts.max_tokens))
+        reply_key = None
         if not reply.stop_string:
-            store.REPLIES.remember(self.key, reply.text, reply.ids)
+            reply_key = self._reply_key(reply.text)
+            store.REPLIES.remember(self.key, reply_key, reply.ids)
         result = TurnResult(
             prompt_tokens=len(prompt), cached_tokens=cached, output_tokens=len(reply.ids),
             finish_reason=reply.finish_reason, cache_path=path,
@@ -185,10 +218,10 @@ class Turn:
             result.stats["disk_loaded_tokens"] = loaded if path == "disk" else 0
             result.stats["disk_load_s"] = round(load_s, 4)
             t0 = time.perf_counter()
-            replies = [[m["content"], generated[m["content"]]] for m in fitted.messages
-                       if m["role"] == "assistant" and m["content"] in generated]
-            if not reply.stop_string:
-                replies.append([reply.text, reply.ids])
+            keys = [message_key(m) for m in fitted.messages if m["role"] == "assistant"]
+            replies = [[key, generated[key]] for key in keys if key in generated]
+            if reply_key is not None:
+                replies.append([reply_key, reply.ids])
             try:
                 saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies, fitted.cut)
             except OSError as e:  # a full disk or an unwritable user dir: the reply stands

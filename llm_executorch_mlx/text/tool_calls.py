@@ -1,0 +1,100 @@
+"""Tool calls as a chat template's model family writes them.
+
+A template that renders ``tools`` tells the model how to call one, and the
+model answers in that family's format. We read the family from the template's
+own text, never guess: a template whose format is not one of these gets a
+clear refusal.
+
+- ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number of them, with text around them.
+- ``llama3_json`` (Llama 3.1, 3.2, 3.3): the whole reply is one JSON object,
+  ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``.
+
+mlx-lm's parsers for these are ``json.loads`` of the tagged text, and the
+package brings transformers with it at run time: not worth the dependency.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .errors import TextError
+
+SUPPORTED = "Qwen2.5/Qwen3/Hermes <tool_call> JSON, Llama 3.1/3.2 JSON"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's call syntax. ``opening``/``closing``: the tags around a
+    call (what could begin ``opening`` is held back from the streamed
+    answer); ``bare_starts``: how a reply that is a call as a whole begins,
+    known only once the reply ends."""
+
+    family: str
+    opening: str | None = None
+    closing: str | None = None
+    bare_starts: tuple[str, ...] = ()
+
+    def parse_call(self, text: str) -> ToolCall | None:
+        """The call written in ``text`` (between the tags, or the whole bare
+        reply), or None when it is not one."""
+        body = text.strip()
+        if self.opening is None and body.startswith(_PYTHON_TAG):
+            body = body[len(_PYTHON_TAG):].strip()
+        return _call_from_json(body)
+
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def _call_from_json(text: str) -> ToolCall | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments")
+    if arguments is None:
+        arguments = value.get("parameters", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(value["name"], arguments)
+
+
+def tool_format(source: str | None) -> ToolFormat:
+    """The call format a chat template's ``source`` asks for; a TextError
+    when it renders no tools or in a format we do not read."""
+    if source is not None and "tools" in source:
+        if "<tool_call>" in source:
+            return ToolFormat("hermes", "<tool_call>", "</tool_call>")
+        if "<|eot_id|>" in source and '"parameters": ' in source:
+            return ToolFormat("llama3_json", bare_starts=("{", _PYTHON_TAG))
+    raise TextError(
+        "tools are not supported for this model's chat template: it does not render tools in a "
+        f"format we read ({SUPPORTED})"
+    )
+
+
+def tool_definitions(tools) -> list[dict]:
+    """llm's tools as chat templates take them (OpenAI's function form)."""
+    return [
+        {"type": "function", "function": {
+            "name": t.name,
+            "description": t.description or "",
+            "parameters": t.input_schema or {"type": "object", "properties": {}},
+        }}
+        for t in tools
+    ]
