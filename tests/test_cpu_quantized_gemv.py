@@ -259,7 +259,8 @@ def test_interleaving_takes_whole_blocks_of_rows_only(kernel, lanes):
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 128, 129])
 @pytest.mark.parametrize("last_row", [False, True])
-def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, last_row):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, last_row, batch):
     """A node whose weight program.py interleaved: the GEMV up to 128 rows,
     the interleaved weight dequantized for BLAS above, the last-row LM head."""
     node = _Node(32, 4)
@@ -267,7 +268,7 @@ def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, 
     run = build(node, _Context(cpu.kernels(build=True), interleaved=frozenset({node.w.idx})))
     rng = np.random.default_rng(rows)
     stored = quantized(rng, 96, 256, 4, 32)
-    x = mx.array(rng.standard_normal((1, rows, 256)).astype(np.float32))
+    x = mx.array(rng.standard_normal((batch, rows, 256)).astype(np.float32))
     frame = [x, *kernel.interleave_quantized(*stored, 32, 4), None]
     run(frame)
     expected = mx.quantized_matmul(x[:, -1:] if last_row else x, *stored, True, 32, 4)

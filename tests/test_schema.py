@@ -189,4 +189,4 @@ def test_closed_objects_only_closes_objects_that_say_nothing_of_other_keys():
 def test_llm_models_lists_schemas_and_async(tiny):
     register(*tiny)
     r = CliRunner().invoke(cli, ["models", "list", "--options", "-q", "pte:tiny"], catch_exceptions=False)
-    assert "  Features:\n  - streaming\n  - schemas\n  - async\n" in r.output
+    assert "  Features:\n  - streaming\n  - schemas\n  - tools\n  - async\n" in r.output

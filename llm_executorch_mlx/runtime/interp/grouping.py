@@ -90,7 +90,8 @@ def _runs(ctx, members, ops, signature):
         xs = f[x]
         k = xs.shape[-1]
         most = INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
-        fits = xs.dtype == mx.float32 and xs.size // k <= most and k % (256 // bits) == 0
+        fits = (xs.dtype == mx.float32 and xs.size // k <= most and k % (256 // bits) == 0
+                and (xs.ndim <= 2 or xs.size // k == xs.shape[-2]))  # rows in the last two axes only
         if fits and all(f[s].dtype == mx.float32 for _, s, _ in weights):
             ys = gemvs(xs, [f[w] for w, _, _ in weights], [f[s] for _, s, _ in weights],
                        [f[b] for _, _, b in weights], group, bits, interleaved=interleaved)

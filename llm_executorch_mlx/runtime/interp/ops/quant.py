@@ -154,9 +154,15 @@ def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, 
             xs = xs.astype(mx.float32)
         m = xs.size // xs.shape[-1]
         if last_row and m > 1:
-            xs, m = xs[..., -1:, :], 1
-        y = (gemv(xs, ws, s, b, group_size, bits, interleaved=True) if m <= INTERLEAVED_GEMV_ROWS
-             else xs @ dequantize(ws, s, b, group_size, bits, interleaved=True))
+            xs = xs[..., -1:, :]
+            m = xs.size // xs.shape[-1]
+        if m > INTERLEAVED_GEMV_ROWS:
+            y = xs @ dequantize(ws, s, b, group_size, bits, interleaved=True)
+        elif xs.ndim > 2 and m != xs.shape[-2]:  # rows in more axes than the last two: the GEMV's view
+            y = gemv(xs.reshape(m, xs.shape[-1]), ws, s, b, group_size, bits, interleaved=True)
+            y = y.reshape(*xs.shape[:-1], y.shape[-1])
+        else:
+            y = gemv(xs, ws, s, b, group_size, bits, interleaved=True)
         f[out] = y if dtype == mx.float32 else y.astype(dtype)
 
     return run
