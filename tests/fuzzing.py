@@ -287,14 +287,19 @@ def fuzz(pte_path, mutants: int, seed: int, worker: Worker, report=None) -> dict
     """Run ``mutants`` seeded mutants of ``pte_path``; return counts by outcome
     and, for every escape, (outcome, detail, how the mutant was made, seed)."""
     data = pathlib.Path(pte_path).read_bytes()
-    mutator = Mutator(data, seed, structure_ranges(pte_path))
-    counts = dict.fromkeys(OUTCOMES, 0)
+    return run_mutants(Mutator(data, seed, structure_ranges(pte_path)), worker, mutants, OUTCOMES, ESCAPES, report)
+
+
+def run_mutants(mutator: Mutator, worker, mutants: int, outcomes, escaping, report=None) -> dict:
+    """``mutants`` of ``mutator`` through ``worker.run``: counts by outcome (of
+    ``outcomes``) and every one whose outcome is in ``escaping``."""
+    counts = dict.fromkeys(outcomes, 0)
     escapes = []
     for i in range(mutants):
         mutant, how = mutator.mutate()
         outcome, detail = worker.run(mutant)
         counts[outcome] += 1
-        if outcome in ESCAPES:
+        if outcome in escaping:
             escapes.append({"outcome": outcome, "detail": detail, "mutation": how, "index": i})
         if report is not None:
             report(i, outcome, detail, how)

@@ -155,14 +155,4 @@ def fuzz_states(worker: StateWorker, mutants: int, seed: int, report=None) -> di
     outcome and every escape, as ``fuzzing.fuzz`` returns them."""
     data = worker.good_state()
     mutator = fuzzing.Mutator(data, seed, state_structure(data))
-    counts = dict.fromkeys(STATE_OUTCOMES, 0)
-    escapes = []
-    for i in range(mutants):
-        mutant, how = mutator.mutate()
-        outcome, detail = worker.run(mutant)
-        counts[outcome] += 1
-        if outcome in STATE_ESCAPES:
-            escapes.append({"outcome": outcome, "detail": detail, "mutation": how, "index": i})
-        if report is not None:
-            report(i, outcome, detail, how)
-    return {"counts": counts, "escapes": escapes}
+    return fuzzing.run_mutants(mutator, worker, mutants, STATE_OUTCOMES, STATE_ESCAPES, report)
