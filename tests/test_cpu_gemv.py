@@ -49,6 +49,21 @@ def test_matches_numpy_for_a_row_major_weight(kernel, K, N, M):
     np.testing.assert_allclose(np.array(y), x @ W.T, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 16, 32])
+def test_products_of_one_x_are_each_gemv(kernel, dtype, M):
+    """gemvs (a layer's q, k, v as one op) computes each product exactly as
+    gemv alone does, for weights of different widths."""
+    rng = np.random.default_rng(M)
+    Ws = [mx.array(weight(rng, N, 576)).astype(dtype) for N in (576, 192, 192)]
+    x = mx.array(rng.standard_normal((1, M, 576)).astype(np.float32))
+    ys = kernel.gemvs(x, [W.T for W in Ws])
+    assert [y.shape for y in ys] == [(1, M, 576), (1, M, 192), (1, M, 192)]
+    for y, W in zip(ys, Ws):
+        np.testing.assert_array_equal(np.array(y), np.array(kernel.gemv(x, W.T)))
+        np.testing.assert_allclose(np.array(y), np.array(x) @ np.array(W.astype(mx.float32)).T, rtol=1e-5, atol=1e-4)
+
+
 def test_other_layouts_and_a_strided_row_are_read_as_they_are(kernel):
     rng = np.random.default_rng(3)
     W = weight(rng, 40, 24)
@@ -70,6 +85,10 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.gemv(mx.zeros((2, 2, 8)), w)
     with pytest.raises(ValueError, match=r"w \[K, N\]"):
         kernel.gemv(x, mx.zeros((7, 4)))
+    with pytest.raises(ValueError, match="one or more weights"):
+        kernel.gemvs(x, [])
+    with pytest.raises(ValueError, match="all float32 or all bfloat16"):
+        kernel.gemvs(x, [w, w.astype(mx.bfloat16)])
 
 
 def layer_chain(rng, layers, K=96, N=256):
@@ -152,6 +171,8 @@ def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas
     rows = []
     real = kernel.gemv
     monkeypatch.setattr(kernel, "gemv", lambda x, w, **kw: rows.append(x.shape[:-1]) or real(x, w, **kw))
+    together = kernel.gemvs  # a layer's q, k, v and its gate, up (grouping.py): one row count each
+    monkeypatch.setattr(kernel, "gemvs", lambda x, ws, **kw: rows.extend([x.shape[:-1]] * len(ws)) or together(x, ws, **kw))
     _, pte = exported("llama")
     program = load_program(pte)
     assert program.prepare_cpu_kernels().gemv.on

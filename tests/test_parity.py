@@ -81,6 +81,17 @@ def test_fp32_logits_match_transformers(exported, arch):
     assert err <= 1e-4 * scale, f"max abs error {err} vs logit scale {scale}"
     # greedy tokens are the reference's argmax at every decode position
     assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()
+    assert_products_grouped(load_program(pte))
+
+
+def assert_products_grouped(program):
+    """With the extension's GEMV, each layer's q, k, v and its gate, up ran
+    as one op each (grouping.py); without it (the flag, or no compiler) none did."""
+    grouped = program.prepare_cpu_kernels().gemv.on
+    forward = program.load_method("forward", cache=program.new_cache(capacity=16))
+    layers = program.metadata.n_caches
+    assert forward.op_names.count("MatmulGroup") == 2 * layers * grouped
+    assert forward.op_names.count("MatmulGrouped") == 3 * layers * grouped
 
 
 def assert_close_where_decisive(tokens, ours, ref, rel_tol):
@@ -155,6 +166,7 @@ def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv,
     err = np.abs(ours[:-1] - ref).max()
     assert err <= 1e-4 * scale, f"max abs error {err} vs logit scale {scale}"
     assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()
+    assert_products_grouped(program)
 
 
 @pytest.mark.parametrize("gemv", ["1", "0"], ids=["quantized-gemv", "mlx-quantized-matmul"])

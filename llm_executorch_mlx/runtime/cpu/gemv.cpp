@@ -151,8 +151,7 @@ void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t
 // op runs them). T: float, or uint16_t for bf16 weights, widened as they are
 // loaded (exactly: a bf16 is the top half of an fp32).
 template <typename T>
-void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
-  const Product& j = *static_cast<const Product*>(job.task);
+void dense_product_rows(const Product& j, int64_t lo, int64_t hi) {
   const T* W = static_cast<const T*>(j.w);
   if (j.w_col != 1) {
     for (int r = 0; r < j.x_rows; ++r) {
@@ -173,6 +172,24 @@ void dense_rows(const SharedJob& job, int64_t lo, int64_t hi) {
       case 3: dense_block<3, T>(j, x, y, lo, hi, r == 0); break;
       default: dense_block<4, T>(j, x, y, lo, hi, r == 0);
     }
+  }
+}
+
+// Products of one x (a decode step's linear layer, or a layer's q, k and v
+// and its gate and up together), as one SharedJob's task: its chunks, each
+// rows of one product.
+struct Products {
+  std::vector<Product> each;
+  std::vector<std::pair<int, int64_t>> chunks;  // (product, first row)
+  std::vector<int64_t> chunk_rows;  // per product
+};
+
+template <typename T>
+void dense_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
+  const Products& t = *static_cast<const Products*>(job.task);
+  for (int64_t c = lo; c < hi; ++c) {
+    const auto [i, first] = t.chunks[c];
+    dense_product_rows<T>(t.each[i], first, std::min(t.each[i].N, first + t.chunk_rows[i]));
   }
 }
 
@@ -210,17 +227,9 @@ void quantized_product_rows(const Product& j, int64_t lo, int64_t hi) {
   }
 }
 
-// Several quantized products of one x (q, k and v; gate and up), as one
-// SharedJob's task: its chunks, each rows of one product.
-struct QuantizedProducts {
-  std::vector<Product> each;
-  std::vector<std::pair<int, int64_t>> chunks;  // (product, first row)
-  std::vector<int64_t> chunk_rows;  // per product
-};
-
 template <int BITS>
 void quantized_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
-  const QuantizedProducts& t = *static_cast<const QuantizedProducts*>(job.task);
+  const Products& t = *static_cast<const Products*>(job.task);
   for (int64_t c = lo; c < hi; ++c) {
     const auto [i, first] = t.chunks[c];
     quantized_product_rows<BITS>(t.each[i], first, std::min(t.each[i].q.N, first + t.chunk_rows[i]));
@@ -241,25 +250,29 @@ class SharedGemv : public SharedPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     if (bits_) return eval_quantized(inputs, outputs);
-    const auto &x = inputs[0], &w = inputs[1];
-    auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    const auto& x = inputs[0];
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
+    for (auto& a : inputs) encoder.set_input_array(a);
+    const int n = int(outputs.size());
+    const int64_t K = x.shape(-1), M = x.size() / K;
+    std::vector<Product> each(n);
+    std::vector<std::shared_ptr<std::atomic<bool>>> started;
+    for (int i = 0; i < n; ++i) {
+      const auto& w = inputs[1 + i];
+      auto& out = outputs[i];
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      const int64_t N = w.shape(1), w_row = w.strides(1), w_col = w.strides(0);
+      each[i] = Product{nullptr, w.data<void>(), out.data<float>(), K, N, w_row, w_col, int(M), {}, 0};
+      // rows contiguous: the weights are one span, which the host may read ahead
+      const int64_t span = w_col == 1 ? ((N - 1) * w_row + K) * int64_t(w.itemsize()) : 0;
+      started.push_back(read_ahead_later(w, w.data<void>(), span));
+    }
+    const bool bf16 = inputs[1].dtype() == mx::bfloat16;
     const float* xp = x.data<float>();
-    const bool bf16 = w.dtype() == mx::bfloat16;
-    const void* wp = w.data<void>();
-    float* yp = out.data<float>();
-    const int64_t K = w.shape(0), N = w.shape(1), M = x.size() / K;
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
-    const int64_t w_row = w.strides(1), w_col = w.strides(0);
-    // rows contiguous: the weights are one span, which the host may read ahead
-    const int64_t span = w_col == 1 ? ((N - 1) * w_row + K) * int64_t(w.itemsize()) : 0;
-    auto started = read_ahead_later(w, wp, span);
-    encoder.dispatch([=]() {
-      started->store(true, std::memory_order_relaxed);
+    encoder.dispatch([=]() mutable {
+      for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> packed;  // x's rows, contiguous
       const float* xs = xp;
       if (x_col != 1 || (M > 1 && x_row != K)) {
@@ -268,7 +281,7 @@ class SharedGemv : public SharedPrimitive {
           for (int64_t k = 0; k < K; ++k) packed[m * K + k] = xp[m * x_row + k * x_col];
         xs = packed.data();
       }
-      Product p{xs, wp, yp, K, N, w_row, w_col, int(M), {}, 0};
+      Products task{each, {}, {}};
       // one row of x: ~8k weights (32 KB) a chunk, whole groups of four
       // rows, small enough to share a 576-row product, large enough to
       // stream. More rows: 16 weight rows a chunk, which each pass over x's
@@ -276,7 +289,12 @@ class SharedGemv : public SharedPrimitive {
       // (4 or 8 rows a chunk measured ~15% slower at 16 rows of x,
       // benchmarks/bench_rows.py).
       const int64_t rows = M > 1 ? 16 : std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
-      SharedJob j(bf16 ? dense_rows<uint16_t> : dense_rows<float>, &p, N, rows);
+      for (int i = 0; i < n; ++i) {
+        task.each[i].x = xs;
+        task.chunk_rows.push_back(rows);
+        for (int64_t first = 0; first < each[i].N; first += rows) task.chunks.emplace_back(i, first);
+      }
+      SharedJob j(bf16 ? dense_chunks<uint16_t> : dense_chunks<float>, &task, int64_t(task.chunks.size()), 1);
       run_shared(j);
     });
   }
@@ -346,7 +364,7 @@ class SharedGemv : public SharedPrimitive {
       permute_x(xp, x_row, x_col, int(M), K, bits, group, permuted.data(), sums.data());
       for (auto& p : each) p.q.xsum = sums.data(), p.q.xp = permuted.data();
 #endif
-      QuantizedProducts task{each, {}, {}};
+      Products task{each, {}, {}};
       for (int i = 0; i < n; ++i) {
         // ~32 KB of packed weights a chunk, as the fp32 product's chunks
         // (whole blocks of rows where they are interleaved)
@@ -363,22 +381,42 @@ class SharedGemv : public SharedPrimitive {
 
 }  // namespace
 
-mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s) {
+std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped,
+                             mx::StreamOrDevice s) {
   std::ostringstream err;
-  if (x.dtype() != mx::float32 || (w.dtype() != mx::float32 && w.dtype() != mx::bfloat16)) {
-    err << "x must be float32 and w float32 or bfloat16";
-  } else if (w.ndim() != 2 || x.ndim() < 1 || w.shape(0) == 0 || x.shape(-1) != w.shape(0) ||
-             x.size() / w.shape(0) > kDenseRows ||
-             (x.ndim() > 2 && x.size() != x.shape(-1) * x.shape(-2))) {
-    err << "needs x [..., M, K] with M <= " << kDenseRows << " rows in its last two axes and w [K, N], got "
-        << x.shape() << " and " << w.shape();
+  const int64_t K = x.ndim() ? x.shape(-1) : 0;
+  if (x.dtype() != mx::float32) {
+    err << "x must be float32";
+  } else if (ws.empty()) {
+    err << "needs one or more weights";
+  } else if (x.ndim() < 1 || K == 0 || x.size() / K > kDenseRows || (x.ndim() > 2 && x.size() != K * x.shape(-2))) {
+    err << "needs x [..., M, K] with M <= " << kDenseRows << " rows in its last two axes, got " << x.shape();
+  }
+  for (size_t i = 0; err.str().empty() && i < ws.size(); ++i) {
+    const auto& w = ws[i];
+    if ((w.dtype() != mx::float32 && w.dtype() != mx::bfloat16) || w.dtype() != ws[0].dtype()) {
+      err << "the weights must be all float32 or all bfloat16";
+    } else if (w.ndim() != 2 || w.shape(0) != K) {
+      err << "needs each w [K, N] with K " << K << " (x's last axis), got " << w.shape();
+    }
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
   if (!err.str().empty()) throw std::invalid_argument("gemv: " + err.str());
-  auto shape = x.shape();
-  shape.back() = w.shape(1);
-  return mx::array(shape, mx::float32, std::make_shared<SharedGemv>(stream, 0, 0, helped), {x, w});
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::array> inputs{x};
+  for (const auto& w : ws) {
+    auto shape = x.shape();
+    shape.back() = w.shape(1);
+    shapes.push_back(shape);
+    inputs.push_back(w);
+  }
+  return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(ws.size(), mx::float32),
+                                std::make_shared<SharedGemv>(stream, 0, 0, helped), inputs);
+}
+
+mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s) {
+  return gemvs(x, {w}, helped, s)[0];
 }
 
 // The checks quantized_gemv and dequantize share: "" when w, scales, biases

@@ -27,6 +27,11 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 // wait_helping.
 mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s);
 
+// gemv of one x with each of several weights of one dtype (a layer's q, k and
+// v projections; its gate and up), the products one shared job.
+std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped,
+                             mx::StreamOrDevice s);
+
 // x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w
 // MLX's affine quantization (4 or 8 bits, groups of 32, 64 or 128, fp32
 // scales and biases), read as stored; shared with the host thread as gemv.

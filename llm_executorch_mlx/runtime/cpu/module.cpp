@@ -20,6 +20,9 @@ NB_MODULE(cpu_kernels, m) {
   m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
         "x @ w for x [..., M, K] fp32 (M <= 32) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
         "helped, the host thread helps while it is in submit_helping or wait_helping.");
+  m.def("gemvs", &llm_pte::gemvs, "x"_a, "ws"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
+        "[gemv(x, w) for w in ws] as one op (weights all fp32 or all bf16): one job shared with\n"
+        "the host.");
   m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"

@@ -1,21 +1,24 @@
-"""Load-time grouping of quantized products that read the same ``x``.
+"""Load-time grouping of products that read the same ``x``.
 
-A transformer layer multiplies one normalised ``x`` by three quantized
-weights (q, k and v) and, later, another by two (gate and up). On the CPU
-with the extension's quantized GEMV (``cpu/gemv.cpp``), each product of a
-decode step or a short chunk prepares ``x`` for the kernel, posts a job the
-host thread helps with, and waits for its last chunk. Grouped, the first
-node of the group runs all of them as one op (``quantized_gemvs``): ``x``
-prepared once, one job whose chunks cover every product, and fewer MLX
-nodes; each later node of the group then only hands on its product, kept in
-a scratch slot. A chunk too long for the GEMV (a prefill chunk) runs each
-node's own route at its own place, as without grouping.
+A transformer layer multiplies one normalised ``x`` by three weights (q, k
+and v) and, later, another by two (gate and up). On the CPU with the
+extension's GEMV (``cpu/gemv.cpp``), each product of a decode step or a
+short chunk posts a job the host thread helps with and waits for its last
+chunk (a quantized one also prepares ``x`` for the kernel). Grouped, the
+first node of the group runs all of them as one op (``gemvs``,
+``quantized_gemvs``): one job whose chunks cover every product, ``x``
+prepared once, and fewer MLX nodes; each later node of the group then only
+hands on its product, kept in a scratch slot. A chunk too long for the GEMV
+(a prefill chunk) runs each node's own route at its own place, as without
+grouping.
 
-A node joins the group of an earlier one when it reads the same ``x`` slot
-(not written in between), with the same bits, group size and mode, and its
-weight, scales and biases are constants (the weight one no chain writes, its
-scales and biases at most filled by the init chain), so that they exist when
-the first node runs.
+A quantized matmul joins the group of an earlier one when it reads the same
+``x`` slot (not written in between), with the same bits, group size and
+mode, and its weight, scales and biases are constants (the weight one no
+chain writes, its scales and biases at most filled by the init chain), so
+that they exist when the first node runs. A dense ``AddmmNode`` (fp32 or
+bf16 weights) joins likewise when its ``mat2`` is the transpose of such a
+constant, of the first node's dtype.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import mlx.core as mx
 
 from ..dtypes import on_cpu
 from ..pte.graph import node_name, tensor_fields
+from .ops.nn import build_addmm, few_rows
 from .ops.quant import (
     INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, build_quantized_matmul,
 )
-from .ops.shape import text
+from .ops.shape import int_list, text
 
 NODE = "QuantizedMatmulNode"
 WINDOW = 12  # nodes after the first a member may be (q, k, v and their views; gate, silu, up)
@@ -112,6 +116,97 @@ def _runs(ctx, members, ops, signature):
                 run(f)
             else:
                 f[out], f[slot] = y, None
+
+        return later
+
+    return first_run, {j: later_run(n) for n, j in enumerate(members) if n}
+
+
+DENSE_NODE = "AddmmNode"
+
+
+def plan_dense_group(ctx, instructions: list, i: int, taken) -> tuple | None:
+    """As ``plan_quantized_group``, for an ``AddmmNode`` at ``i`` whose
+    weight is a constant's transpose (a linear layer's fp32 or bf16 weight)."""
+    kernels = ctx.kernels
+    if node_name(instructions[i]) != DENSE_NODE or kernels is None or not kernels.gemv.on or not on_cpu():
+        return None
+    try:
+        first = instructions[i].op
+        weight = _dense_weight(ctx, instructions, i, first)
+        if weight is None:
+            return None
+        x, members, weights = first.mat1.idx, [i], [weight]
+        for j in range(i + 1, min(len(instructions), i + 1 + WINDOW)):
+            name = node_name(instructions[j])
+            if name in ("IfNode", "ScanNode"):
+                break
+            op = instructions[j].op
+            if name == DENSE_NODE and j not in taken and op.mat1.idx == x:
+                w = _dense_weight(ctx, instructions, j, op)
+                if w is not None and w.dtype == weight.dtype and w.shape[0] == weight.shape[0]:
+                    members.append(j)
+                    weights.append(w)
+            if x in tensor_fields(op)[1]:
+                break  # x is written: later nodes read another x
+    except (AttributeError, TypeError):
+        return None  # malformed: each node's own builder reports it
+    if len(members) < 2:
+        return None
+    return _dense_runs(ctx, members, [instructions[j].op for j in members], weights)
+
+
+def _dense_weight(ctx, instructions, j, op) -> mx.array | None:
+    """``op``'s ``mat2`` as the ``[K, N]`` view of a fixed constant, when the
+    last node before ``j`` to write it transposes that constant; its bias (if
+    any) must be plain (alpha = beta = 1)."""
+    if op.bias is not None and (float(op.alpha), float(op.beta)) != (1.0, 1.0):
+        return None
+    slot = op.mat2.idx
+    for k in range(j - 1, -1, -1):
+        if slot not in tensor_fields(instructions[k].op)[1]:
+            continue
+        t = instructions[k].op
+        if node_name(instructions[k]) != "TransposeNode" or int_list(t.perm) != [1, 0]:
+            return None
+        w = ctx.fixed_constant(t.x.idx)
+        if w is None or w.ndim != 2 or w.dtype not in (mx.float32, mx.bfloat16):
+            return None
+        view = w.T  # as build_transpose makes it: a view, made once
+        mx.eval(view)
+        return view
+    return None
+
+
+def _dense_runs(ctx, members, ops, weights):
+    gemvs = ctx.kernels.extension.gemvs
+    x = ops[0].mat1.idx
+    biases = [ctx.t_opt(op.bias) for op in ops]
+    outs = [ctx.out(op.out) for op in ops]
+    own = [build_addmm(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
+    stashes = [ctx.scratch_slot() for _ in ops[1:]]
+
+    def first_run(f):
+        xs = f[x]
+        if few_rows(xs, weights[0]):
+            ys = gemvs(xs, weights)
+            f[outs[0]] = ys[0] if biases[0] is None else ys[0] + f[biases[0]]
+            for slot, y in zip(stashes, ys[1:]):
+                f[slot] = y
+            return
+        own[0](f)
+        for slot in stashes:
+            f[slot] = None
+
+    def later_run(n):
+        slot, out, bias, run = stashes[n - 1], outs[n], biases[n], own[n]
+
+        def later(f):
+            y = f[slot]
+            if y is None:
+                run(f)
+            else:
+                f[out], f[slot] = (y if bias is None else y + f[bias]), None
 
         return later
 

@@ -51,9 +51,9 @@ def _addmm(n, ctx, rows):
 
     def product(x_in, x, w):
         """The GEMV's product, or None where BLAS's is better."""
-        if _few_rows(x_in, w):
+        if few_rows(x_in, w):
             return gemv(x, w)
-        if w.dtype == mx.bfloat16 and _few_rows(x, w) and x.size == x.shape[-1]:
+        if w.dtype == mx.bfloat16 and few_rows(x, w) and x.size == x.shape[-1]:
             # a long chunk's bf16 LM head row: read as stored (widening would
             # cost more), by the stream thread alone (the host would take a
             # core from BLAS's threads for the rest of the chunk)
@@ -78,7 +78,7 @@ def _addmm(n, ctx, rows):
     return run
 
 
-def _few_rows(x, w) -> bool:
+def few_rows(x, w) -> bool:
     """At most ``DENSE_GEMV_ROWS`` fp32 rows against a 2-D fp32 weight, or a
     bf16 one kept as stored (program.py). ``x`` is taken before any last-row
     slice, so a long prefill chunk's LM head stays a BLAS product: no host
@@ -145,9 +145,9 @@ def _cpu_rms_norm(eps: float):
     weighted = mx.compile(lambda x, weight: normalise(x) * weight)
 
     def rms_norm(x, weight, eps):
-        few_rows = x.ndim > 0 and 0 < x.size <= _FEW_ROWS * x.shape[-1]
+        short = x.ndim > 0 and 0 < x.size <= _FEW_ROWS * x.shape[-1]
         fits = weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])
-        if x.dtype != mx.float32 or not fits or not few_rows:
+        if x.dtype != mx.float32 or not fits or not short:
             return mx.fast.rms_norm(x, weight, eps)
         return plain(x) if weight is None else weighted(x, weight)
 
