@@ -32,7 +32,7 @@ import time
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,2,4,8,16,24,32", help="row counts, comma-separated (at most 32)")
+    p.add_argument("--rows", default="1,4,16,32,64,128", help="row counts, comma-separated (at most 128)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "q4", "q8"), default="fp32",
                    help="the weights' dtype (default: fp32)")
     p.add_argument("--weights", type=int, default=60, help="[1536, 576] weights per pass (default: 60)")

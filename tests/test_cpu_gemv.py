@@ -40,7 +40,7 @@ def weight(rng, N, K):
         (5, 1),
     ],
 )
-@pytest.mark.parametrize("M", [1, 3, 4, 7, 16, 32])  # a decode step's row; a short chunk's
+@pytest.mark.parametrize("M", [1, 3, 4, 7, 16, 32, 128])  # a decode step's row; a short chunk's; a prefill chunk's
 def test_matches_numpy_for_a_row_major_weight(kernel, K, N, M):
     rng = np.random.default_rng(K + N + M)
     W, x = weight(rng, N, K), rng.standard_normal((1, M, K)).astype(np.float32)
@@ -79,8 +79,8 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
     x, w = mx.zeros((1, 8)), mx.zeros((8, 4))
     with pytest.raises(ValueError, match="float32"):
         kernel.gemv(x.astype(mx.bfloat16), w)
-    with pytest.raises(ValueError, match="M <= 32 rows"):
-        kernel.gemv(mx.zeros((33, 8)), w)
+    with pytest.raises(ValueError, match="M <= 128 rows"):
+        kernel.gemv(mx.zeros((129, 8)), w)
     with pytest.raises(ValueError, match="in its last two axes"):
         kernel.gemv(mx.zeros((2, 2, 8)), w)
     with pytest.raises(ValueError, match=r"w \[K, N\]"):
@@ -159,14 +159,14 @@ def test_results_do_not_depend_on_which_thread_ran_a_chunk(kernel):
         np.testing.assert_array_equal(np.array(helped), np.array(alone))
 
 
-@pytest.mark.parametrize("few", [32, 4])  # the default; one that sends the first chunk to BLAS
+@pytest.mark.parametrize("few", [128, 4])  # the default; one that sends the first chunk to BLAS
 def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas(kernel, exported, monkeypatch,
                                                                                  few):
     from llm_executorch_mlx.runtime import load_program
     from llm_executorch_mlx.runtime.interp.ops import nn
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
-    assert nn.DENSE_GEMV_ROWS == 32  # cpu/gemv.cpp's kDenseRows
+    assert nn.DENSE_GEMV_ROWS == 128  # cpu/gemv.cpp's kDenseRows
     monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few)
     rows = []
     real = kernel.gemv

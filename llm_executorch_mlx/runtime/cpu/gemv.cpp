@@ -50,10 +50,12 @@ constexpr int kQuantizedRows = 16;
 // above ~32 rows (benchmarks/bench_rows.py --quantized).
 constexpr int kInterleavedQuantizedRows = 128;
 
-// Most rows of x a dense product takes. Below this, BLAS's sgemm costs about
-// what a whole prefill chunk's would: it repacks every weight for each call
-// (benchmarks/bench_rows.py measures the crossing).
-constexpr int kDenseRows = 32;
+// Most rows of x a dense product takes: a prefill chunk of the exports'
+// default size. BLAS's sgemm repacks every weight for each call, so a few-row
+// product costs it about what a whole chunk's does, and it reads a bf16
+// weight only once widened; at 128 rows this loop, shared with the host,
+// still matches it (benchmarks/bench_rows.py measures the crossing).
+constexpr int kDenseRows = 128;
 
 // s[r * 4 + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
 // four weight rows, for the returned k (the rest is the caller's): sixteen

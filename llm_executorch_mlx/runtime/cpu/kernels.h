@@ -21,8 +21,8 @@ namespace mx = mlx::core;
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, int window, mx::StreamOrDevice s);
 
-// x @ w for x [..., M, K] fp32 with M <= 32 rows (a decode step's one, a
-// short chunk's) and w [K, N] fp32 or bf16, read as stored; unless not
+// x @ w for x [..., M, K] fp32 with M <= 128 rows (a decode step's one, a
+// short chunk's, a prefill chunk's) and w [K, N] fp32 or bf16, read as stored; unless not
 // `helped`, the host thread helps run it while it is in submit_helping or
 // wait_helping.
 mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s);

@@ -18,7 +18,7 @@ NB_MODULE(cpu_kernels, m) {
         "causal: the T queries are the last T of the S positions; window > 0: each query sees\n"
         "only the last `window` keys up to its own.");
   m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
-        "x @ w for x [..., M, K] fp32 (M <= 32) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
+        "x @ w for x [..., M, K] fp32 (M <= 128) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
         "helped, the host thread helps while it is in submit_helping or wait_helping.");
   m.def("gemvs", &llm_pte::gemvs, "x"_a, "ws"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
         "[gemv(x, w) for w in ws] as one op (weights all fp32 or all bf16): one job shared with\n"

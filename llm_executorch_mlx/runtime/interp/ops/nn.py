@@ -12,10 +12,13 @@ from ...errors import PteError
 from .table import op
 
 # Most rows of x the extension's dense GEMV takes (cpu/gemv.cpp's kDenseRows):
-# a decode step's one, a chat turn's short chunk. BLAS's sgemm repacks the
-# whole weight for every call, which costs a few-row product as much as a
-# 128-row one; the GEMV reads it once as stored (fp32 or bf16).
-DENSE_GEMV_ROWS = 32
+# a decode step's one, a chat turn's short chunk, a prefill chunk of the
+# exports' default size. BLAS's sgemm repacks the whole weight for every
+# call, which costs a few-row product as much as a 128-row one, and needs a
+# bf16 weight widened first; the GEMV reads it once as stored (fp32 or bf16),
+# shared with the host thread (benchmarks/bench_rows.py: BLAS / ours 1.1-1.2
+# at 128 rows for fp32, 1.2-2 for bf16).
+DENSE_GEMV_ROWS = 128
 
 
 @op("AddmmNode")
