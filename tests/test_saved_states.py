@@ -121,21 +121,23 @@ def test_with_disk_states_off_a_new_process_reprefills_the_text_history(tiny, us
     assert states() == []
 
 
-def test_ring_layers_past_their_window_load_from_disk(exported, tokenizer_dir):
-    """gemma3's sliding layers (window 16): the state holds their last cells
-    only, and each turn in a new process equals transformers on the history."""
+def test_ring_layers_past_their_window_load_from_disk_in_new_processes(exported, tokenizer_dir, user_dir):
+    """gemma3's sliding layers (window 16): `llm -c` in a new process each
+    turn loads the state, which holds their last cells only, and each reply
+    is transformers' on the history holding the ids generated before."""
     model_dir, pte = exported("gemma3")
     register(pte, tokenizer_dir)
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
     reference = models.hf_turns(tokenizer_dir, model_dir, USER_TURNS, 10)
-    model = llm.get_model("pte:tiny")
-    history = []
-    for i, (text, (ids, _, expected)) in enumerate(zip(USER_TURNS, reference)):
-        forget()
-        r = model.prompt(text, messages=history, max_tokens=10)
-        assert r.text() == expected and r.input_tokens == len(ids)
-        j = r.response_json
-        assert j["cache_path"] == ("cold" if i == 0 else "disk") and j["cache_length"] > 16  # past the window
-        history += [llm.user(text), llm.assistant(r.text())]
+    for i, (text, (_, _, expected)) in enumerate(zip(USER_TURNS, reference)):
+        assert run((["-m", "pte:tiny"] if i == 0 else ["-c"]) + [text, "-o", "max_tokens", "10"], env) == expected
+    logged = last_logged(3)  # oldest first
+    assert [e["response_json"]["cache_path"] for e in logged] == ["cold", "disk", "disk"]
+    for e, previous, (ids, _, _) in zip(logged[1:], logged, reference[1:]):
+        j = e["response_json"]
+        assert e["input_tokens"] == len(ids)
+        assert j["disk_loaded_tokens"] == previous["response_json"]["cache_length"] > 16  # past the window
+        assert j["prefilled_tokens"] == len(ids) - j["disk_loaded_tokens"]
     # a sliding layer's arrays hold its window's cells, a full layer all of them
     import mlx.core as mx
 
@@ -143,7 +145,7 @@ def test_ring_layers_past_their_window_load_from_disk(exported, tokenizer_dir):
     arrays = mx.load(str(path))
     # the cells a sliding layer holds: its window and a chunk's worth less one
     # (16 + 16 - 1), those a step after any rewind the cache allows still reads
-    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, j["cache_length"]]
+    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, logged[-1]["response_json"]["cache_length"]]
 
 
 def test_a_system_prompt_reused_in_another_process_starts_warm(tiny):
