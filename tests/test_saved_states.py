@@ -148,6 +148,81 @@ def test_ring_layers_past_their_window_load_from_disk_in_new_processes(exported,
     assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, logged[-1]["response_json"]["cache_length"]]
 
 
+# `llm` on a disk where writing a saved state takes 30 s a write call: the
+# state's first bytes are written, then it waits (the test interrupts it there)
+SLOW_DISK_LLM = """
+import sys, time
+import mlx.core as mx
+
+class SlowDisk:
+    def __init__(self, f):
+        self.f = f
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def write(self, data):
+        n = self.f.write(data)
+        self.f.flush()
+        print("[slow disk] writing the state", file=sys.stderr, flush=True)
+        time.sleep(30)
+        return n
+
+save = mx.save_safetensors
+mx.save_safetensors = lambda f, arrays, **kw: save(SlowDisk(f), arrays, **kw)
+from llm.cli import cli
+cli(prog_name="llm")
+"""
+
+
+def test_ctrl_c_while_a_state_is_written_stops_at_once_and_leaves_no_state(tiny, user_dir):
+    """A real SIGINT to `llm -c` while it writes the state after the reply:
+    the reply was printed, the process ends at once (as llm ends on any
+    Ctrl-C: "Aborted!", the turn not logged), no temp or half-written state
+    is left, and the next `llm -c` continues from the previous turn's state
+    as transformers does on that history."""
+    import select
+    import signal
+    import time
+
+    pte, tok_dir, model_dir = tiny
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    first = models.hf_turns(tok_dir, model_dir, USER_TURNS[:2], 8)
+    assert run(["-m", "pte:tiny", USER_TURNS[0], "-o", "max_tokens", "8"], env) == first[0][2]
+    (before,) = states()
+    saved = before.read_bytes()
+    p = subprocess.Popen([sys.executable, "-c", SLOW_DISK_LLM, "-c", USER_TURNS[1], "-o", "max_tokens", "8"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        err = b""
+        while b"[slow disk]" not in err:
+            line = p.stderr.readline()
+            assert line, (err + p.stderr.read()).decode()  # it ended before writing a state
+            err += line
+        assert select.select([p.stdout], [], [], 10)[0]
+        printed = os.read(p.stdout.fileno(), 1 << 16).decode()  # before the interrupt
+        assert printed == first[1][2]  # the reply, printed before its state is written
+        assert list(user_dir.glob("executorch-mlx-states/.*.tmp"))  # the state is being written
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, rest = p.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    err = (err + rest).decode()
+    assert p.returncode == 1 and err.rstrip().endswith("Aborted!") and "Traceback" not in err, err
+    assert took < 5  # not held until the write ends (30 s a write call)
+    assert out == b""
+    assert list(user_dir.glob("executorch-mlx-states/.*")) == []  # its temp file removed
+    assert states() == [before] and before.read_bytes() == saved
+    logged = last_logged(2)
+    assert len(logged) == 1  # llm logs no interrupted turn: the next -c continues the first
+    expected = models.hf_turns(tok_dir, model_dir, [USER_TURNS[0], USER_TURNS[2]], 8)[1][2]
+    assert run(["-c", USER_TURNS[2], "-o", "max_tokens", "8"], env) == expected
+    j = last_logged()[0]["response_json"]
+    assert j["cache_path"] == "disk" and j["disk_loaded_tokens"] == logged[0]["response_json"]["cache_length"]
+
+
 def test_a_system_prompt_reused_in_another_process_starts_warm(tiny):
     pte, tok_dir, model_dir = tiny
     system = "You are a helpful assistant who answers about cats and the sky in short sentences."
