@@ -366,17 +366,49 @@ def test_pte_cache_lists_and_clears_the_states(tiny):
     assert invoke("pte", "cache").output.startswith("No saved cache states")
 
 
-def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys):
+def _odd_states_path(odd):
+    """The states path made a file or a path no one can read (a symlink loop: root too);
+    what our one line says of it."""
+    path = saved_states_dir()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if odd == "a file":
+        path.write_text("a file where the directory would be")
+        return f"{path} is a file, not the directory of saved cache states: move or delete it"
+    path.symlink_to(path.name)
+    return f"cannot read the saved cache states in {path} (Too many levels of symbolic links): fix or delete that path"
+
+
+@pytest.mark.parametrize("odd", ["a file", "a symlink loop"])
+def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys, odd):
     pte, tok_dir, model_dir = tiny
-    saved_states_dir().parent.mkdir(parents=True, exist_ok=True)
-    saved_states_dir().write_text("a file where the directory would be")
+    problem = _odd_states_path(odd)
     expected = models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": "Hello there"}], 6)[1]
     capsys.readouterr()
     r = llm.get_model("pte:tiny").prompt("Hello there", max_tokens=6)
     assert r.text() == expected
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("[pte] could not save the cache state in ")
-    assert r.response_json["disk_save_s"] is None
+    assert capsys.readouterr().err == f"[pte] could not save the cache state: {problem}\n"
+    assert r.response_json["cache_path"] == "cold" and r.response_json["disk_save_s"] is None
+
+
+@pytest.mark.parametrize("odd", ["a file", "a symlink loop"])
+@pytest.mark.parametrize("command", [["pte", "cache"], ["pte", "cache", "clear"]])
+def test_pte_cache_on_a_states_path_it_cannot_read_is_one_line_naming_it_and_the_fix(user_dir, odd, command):
+    problem = _odd_states_path(odd)
+    before = os.readlink(saved_states_dir()) if odd != "a file" else saved_states_dir().read_text()
+    r = CliRunner().invoke(cli, command)
+    assert r.exit_code == 1 and r.output == f"Error: {problem}\n"
+    assert (os.readlink(saved_states_dir()) if odd != "a file" else saved_states_dir().read_text()) == before
+
+
+def test_a_directory_under_a_state_name_is_noted_as_not_deleted(user_dir):
+    (saved_states_dir() / "x.safetensors").mkdir(parents=True)
+    r = CliRunner().invoke(cli, ["pte", "cache"])
+    assert r.exit_code == 0 and r.stdout.startswith("No saved cache states in ")
+    assert r.stderr == ("[pte] ignored the saved cache state x.safetensors: unreadable (Is a directory); "
+                        "could not delete it (Is a directory): delete it by hand\n")
+    r = CliRunner().invoke(cli, ["pte", "cache", "clear"])
+    assert r.exit_code == 0 and r.output == "Deleted 0 saved cache states (0.00 MB)\n"
+    assert (saved_states_dir() / "x.safetensors").is_dir()
 
 
 def test_inside_one_process_the_next_turn_continues_the_live_session(tiny):
