@@ -142,10 +142,12 @@ def test_ring_layers_past_their_window_load_from_disk_in_new_processes(exported,
     import mlx.core as mx
 
     (path,) = states()  # the last turn's, which superseded the others
-    arrays = mx.load(str(path))
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    length = logged[-1]["response_json"]["cache_length"]
     # the cells a sliding layer holds: its window and a chunk's worth less one
     # (16 + 16 - 1), those a step after any rewind the cache allows still reads
-    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, logged[-1]["response_json"]["cache_length"]]
+    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, length]
+    assert json.loads(meta["state"])["floor"] == length - 16  # it gives prefixes down to a chunk back
 
 
 # `llm` on a disk where writing a saved state takes 30 s a write call: the
