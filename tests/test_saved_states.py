@@ -368,19 +368,25 @@ def test_pte_cache_lists_and_clears_the_states(tiny):
     assert invoke("pte", "cache").output.startswith("No saved cache states")
 
 
+ODD_PATHS = ["a file", "a link to nothing", "a symlink loop"]
+
+
 def _odd_states_path(odd):
-    """The states path made a file or a path no one can read (a symlink loop: root too);
-    what our one line says of it."""
+    """The states path made a file, a dangling link or a path no one can read
+    (a symlink loop: root too); what our one line says of it."""
     path = saved_states_dir()
     path.parent.mkdir(parents=True, exist_ok=True)
     if odd == "a file":
         path.write_text("a file where the directory would be")
         return f"{path} is a file, not the directory of saved cache states: move or delete it"
+    if odd == "a link to nothing":
+        path.symlink_to("gone")
+        return f"{path} is a link to gone, which does not exist: create that directory or delete the link"
     path.symlink_to(path.name)
     return f"cannot read the saved cache states in {path} (Too many levels of symbolic links): fix or delete that path"
 
 
-@pytest.mark.parametrize("odd", ["a file", "a symlink loop"])
+@pytest.mark.parametrize("odd", ODD_PATHS)
 def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys, odd):
     pte, tok_dir, model_dir = tiny
     problem = _odd_states_path(odd)
@@ -392,7 +398,7 @@ def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsy
     assert r.response_json["cache_path"] == "cold" and r.response_json["disk_save_s"] is None
 
 
-@pytest.mark.parametrize("odd", ["a file", "a symlink loop"])
+@pytest.mark.parametrize("odd", ODD_PATHS)
 @pytest.mark.parametrize("command", [["pte", "cache"], ["pte", "cache", "clear"]])
 def test_pte_cache_on_a_states_path_it_cannot_read_is_one_line_naming_it_and_the_fix(user_dir, odd, command):
     problem = _odd_states_path(odd)

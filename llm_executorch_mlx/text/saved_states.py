@@ -177,14 +177,17 @@ class StateStore:
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
     def _entries(self) -> list[pathlib.Path]:
-        """Every file in the directory (none when it does not exist yet).
+        """Every entry of the directory (none when it does not exist yet).
 
         Raises:
-            StateDirError: the path is a file, or cannot be read.
+            StateDirError: the path is a file, a link to nothing, or cannot be read.
         """
         try:
             return [self.directory / name for name in os.listdir(self.directory)]
         except FileNotFoundError:
+            if self.directory.is_symlink():
+                raise StateDirError(f"{self.directory} is a link to {os.readlink(self.directory)}, which does not "
+                                    f"exist: create that directory or delete the link") from None
             return []
         except OSError as e:
             if self.directory.is_file():
@@ -314,7 +317,7 @@ class StateStore:
         header["checksum"] = _checksum(header, arrays)
         key = self.key(identity, policy)
         path = self.directory / f"{key}-{hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]}{SUFFIX}"
-        self._entries()
+        self._entries()  # a path that cannot hold states is our StateDirError, not mkdir's OSError
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".tmp")
         try:
