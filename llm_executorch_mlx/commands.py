@@ -258,10 +258,15 @@ def register_commands(cli):
 def add_cache_commands(pte):
     from .plugin import saved_states_dir
 
-    def saved():
-        from .text.saved_states import StateStore
+    def listed(what: str):
+        """``StateStore``'s ``all`` or ``clear``; a states path it cannot read is our one-line error."""
+        from .text.saved_states import StateDirError, StateStore  # the text package loads mlx
 
-        return StateStore(saved_states_dir(), 0, lambda msg: click.echo(msg, err=True))
+        store = StateStore(saved_states_dir(), 0, lambda msg: click.echo(msg, err=True))
+        try:
+            return getattr(store, what)()
+        except StateDirError as e:
+            raise click.ClickException(str(e)) from None
 
     @pte.group(name="cache", invoke_without_command=True)
     @click.pass_context
@@ -269,7 +274,7 @@ def add_cache_commands(pte):
         "List the KV cache states saved on disk (llm pte cache clear removes them)"
         if ctx.invoked_subcommand is not None:
             return
-        states = saved().all()
+        states = listed("all")
         if not states:
             click.echo(f"No saved cache states in {saved_states_dir()}")
             return
@@ -285,5 +290,5 @@ def add_cache_commands(pte):
     @cache.command(name="clear")
     def clear():
         "Delete every saved KV cache state"
-        count, size = saved().clear()
+        count, size = listed("clear")
         click.echo(f"Deleted {count} saved cache states ({size / 1e6:.2f} MB)")

@@ -11,6 +11,8 @@ build runs once per test session (~1-2 min: the download and the export).
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import llm
 import pytest
@@ -163,22 +165,19 @@ def test_three_turns_are_cache_hits_that_equal_transformers_on_the_history(demo_
 
 
 def test_continue_in_new_processes_loads_saved_states_and_equals_transformers(demo_build, reference):
-    """`llm -c` as a new process runs it (all the process kept between turns
-    forgotten): each turn loads the state the previous one saved, prefills
-    only its own tokens and answers as transformers does on the history."""
+    """`llm -c` in a new process each turn: it loads the state the previous
+    one saved, prefills only its own tokens and answers as transformers does
+    on the history."""
     register_demo(demo_build)
     tok, _ = reference
     messages, held = [], []
     for i, text in enumerate(["What is the capital of France?", "And of Italy?", "Which of the two is larger?"]):
-        store.POOL.clear()
-        store.REPLIES.clear()
-        store.TRUNCATIONS.clear()
         messages.append({"role": "user", "content": text})
         ids, expected = hf_greedy(reference, messages)
-        r = invoke("-m", "smol", text, "-o", "max_tokens", MAX_TOKENS) if i == 0 else \
-            invoke("-c", text, "-o", "max_tokens", MAX_TOKENS)
-        assert r.exit_code == 0, r.output
-        reply = r.stdout.rstrip("\n")
+        args = (["-m", "smol"] if i == 0 else ["-c"]) + [text, "-o", "max_tokens", str(MAX_TOKENS)]
+        p = subprocess.run([sys.executable, "-m", "llm", *args], capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        reply = p.stdout.rstrip("\n")
         assert reply == tok.decode(expected, skip_special_tokens=True)
         stats = json.loads(invoke("logs", "-n", 1, "--json").stdout)[0]["response_json"]
         assert stats["cache_path"] == ("cold" if i == 0 else "disk")

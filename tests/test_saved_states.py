@@ -121,29 +121,108 @@ def test_with_disk_states_off_a_new_process_reprefills_the_text_history(tiny, us
     assert states() == []
 
 
-def test_ring_layers_past_their_window_load_from_disk(exported, tokenizer_dir):
-    """gemma3's sliding layers (window 16): the state holds their last cells
-    only, and each turn in a new process equals transformers on the history."""
+def test_ring_layers_past_their_window_load_from_disk_in_new_processes(exported, tokenizer_dir, user_dir):
+    """gemma3's sliding layers (window 16): `llm -c` in a new process each
+    turn loads the state, which holds their last cells only, and each reply
+    is transformers' on the history holding the ids generated before."""
     model_dir, pte = exported("gemma3")
     register(pte, tokenizer_dir)
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
     reference = models.hf_turns(tokenizer_dir, model_dir, USER_TURNS, 10)
-    model = llm.get_model("pte:tiny")
-    history = []
-    for i, (text, (ids, _, expected)) in enumerate(zip(USER_TURNS, reference)):
-        forget()
-        r = model.prompt(text, messages=history, max_tokens=10)
-        assert r.text() == expected and r.input_tokens == len(ids)
-        j = r.response_json
-        assert j["cache_path"] == ("cold" if i == 0 else "disk") and j["cache_length"] > 16  # past the window
-        history += [llm.user(text), llm.assistant(r.text())]
+    for i, (text, (_, _, expected)) in enumerate(zip(USER_TURNS, reference)):
+        assert run((["-m", "pte:tiny"] if i == 0 else ["-c"]) + [text, "-o", "max_tokens", "10"], env) == expected
+    logged = last_logged(3)  # oldest first
+    assert [e["response_json"]["cache_path"] for e in logged] == ["cold", "disk", "disk"]
+    for e, previous, (ids, _, _) in zip(logged[1:], logged, reference[1:]):
+        j = e["response_json"]
+        assert e["input_tokens"] == len(ids)
+        assert j["disk_loaded_tokens"] == previous["response_json"]["cache_length"] > 16  # past the window
+        assert j["prefilled_tokens"] == len(ids) - j["disk_loaded_tokens"]
     # a sliding layer's arrays hold its window's cells, a full layer all of them
     import mlx.core as mx
 
     (path,) = states()  # the last turn's, which superseded the others
-    arrays = mx.load(str(path))
+    arrays, meta = mx.load(str(path), return_metadata=True)
+    length = logged[-1]["response_json"]["cache_length"]
     # the cells a sliding layer holds: its window and a chunk's worth less one
     # (16 + 16 - 1), those a step after any rewind the cache allows still reads
-    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, j["cache_length"]]
+    assert [arrays[f"k.{i}"].shape[2] for i in range(3)] == [31, 31, length]
+    assert json.loads(meta["state"])["floor"] == length - 16  # it gives prefixes down to a chunk back
+
+
+# `llm` on a disk where writing a saved state takes 30 s a write call: the
+# state's first bytes are written, then it waits (the test interrupts it there)
+SLOW_DISK_LLM = """
+import sys, time
+import mlx.core as mx
+
+class SlowDisk:
+    def __init__(self, f):
+        self.f = f
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+    def write(self, data):
+        n = self.f.write(data)
+        self.f.flush()
+        print("[slow disk] writing the state", file=sys.stderr, flush=True)
+        time.sleep(30)
+        return n
+
+save = mx.save_safetensors
+mx.save_safetensors = lambda f, arrays, **kw: save(SlowDisk(f), arrays, **kw)
+from llm.cli import cli
+cli(prog_name="llm")
+"""
+
+
+def test_ctrl_c_while_a_state_is_written_stops_at_once_and_leaves_no_state(tiny, user_dir):
+    """A real SIGINT to `llm -c` while it writes the state after the reply:
+    the reply was printed, the process ends at once (as llm ends on any
+    Ctrl-C: "Aborted!", the turn not logged), no temp or half-written state
+    is left, and the next `llm -c` continues from the previous turn's state
+    as transformers does on that history."""
+    import select
+    import signal
+    import time
+
+    pte, tok_dir, model_dir = tiny
+    env = dict(os.environ, LLM_USER_PATH=str(user_dir))
+    first = models.hf_turns(tok_dir, model_dir, USER_TURNS[:2], 8)
+    assert run(["-m", "pte:tiny", USER_TURNS[0], "-o", "max_tokens", "8"], env) == first[0][2]
+    (before,) = states()
+    saved = before.read_bytes()
+    p = subprocess.Popen([sys.executable, "-c", SLOW_DISK_LLM, "-c", USER_TURNS[1], "-o", "max_tokens", "8"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        err = b""
+        while b"[slow disk]" not in err:
+            line = p.stderr.readline()
+            assert line, (err + p.stderr.read()).decode()  # it ended before writing a state
+            err += line
+        assert select.select([p.stdout], [], [], 10)[0]
+        printed = os.read(p.stdout.fileno(), 1 << 16).decode()  # before the interrupt
+        assert printed == first[1][2]  # the reply, printed before its state is written
+        assert list(user_dir.glob("executorch-mlx-states/.*.tmp"))  # the state is being written
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, rest = p.communicate(timeout=20)
+        took = time.monotonic() - t0
+    finally:
+        p.kill()
+    err = (err + rest).decode()
+    assert p.returncode == 1 and err.rstrip().endswith("Aborted!") and "Traceback" not in err, err
+    assert took < 5  # not held until the write ends (30 s a write call)
+    assert out == b""
+    assert list(user_dir.glob("executorch-mlx-states/.*")) == []  # its temp file removed
+    assert states() == [before] and before.read_bytes() == saved
+    logged = last_logged(2)
+    assert len(logged) == 1  # llm logs no interrupted turn: the next -c continues the first
+    expected = models.hf_turns(tok_dir, model_dir, [USER_TURNS[0], USER_TURNS[2]], 8)[1][2]
+    assert run(["-c", USER_TURNS[2], "-o", "max_tokens", "8"], env) == expected
+    j = last_logged()[0]["response_json"]
+    assert j["cache_path"] == "disk" and j["disk_loaded_tokens"] == logged[0]["response_json"]["cache_length"]
 
 
 def test_a_system_prompt_reused_in_another_process_starts_warm(tiny):
@@ -289,17 +368,55 @@ def test_pte_cache_lists_and_clears_the_states(tiny):
     assert invoke("pte", "cache").output.startswith("No saved cache states")
 
 
-def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys):
+ODD_PATHS = ["a file", "a link to nothing", "a symlink loop"]
+
+
+def _odd_states_path(odd):
+    """The states path made a file, a dangling link or a path no one can read
+    (a symlink loop: root too); what our one line says of it."""
+    path = saved_states_dir()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if odd == "a file":
+        path.write_text("a file where the directory would be")
+        return f"{path} is a file, not the directory of saved cache states: move or delete it"
+    if odd == "a link to nothing":
+        path.symlink_to("gone")
+        return f"{path} is a link to gone, which does not exist: create that directory or delete the link"
+    path.symlink_to(path.name)
+    return f"cannot read the saved cache states in {path} (Too many levels of symbolic links): fix or delete that path"
+
+
+@pytest.mark.parametrize("odd", ODD_PATHS)
+def test_a_state_that_cannot_be_saved_is_a_note_and_the_reply_stands(tiny, capsys, odd):
     pte, tok_dir, model_dir = tiny
-    saved_states_dir().parent.mkdir(parents=True, exist_ok=True)
-    saved_states_dir().write_text("a file where the directory would be")
+    problem = _odd_states_path(odd)
     expected = models.hf_greedy(tok_dir, model_dir, [{"role": "user", "content": "Hello there"}], 6)[1]
     capsys.readouterr()
     r = llm.get_model("pte:tiny").prompt("Hello there", max_tokens=6)
     assert r.text() == expected
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("[pte] could not save the cache state in ")
-    assert r.response_json["disk_save_s"] is None
+    assert capsys.readouterr().err == f"[pte] could not save the cache state: {problem}\n"
+    assert r.response_json["cache_path"] == "cold" and r.response_json["disk_save_s"] is None
+
+
+@pytest.mark.parametrize("odd", ODD_PATHS)
+@pytest.mark.parametrize("command", [["pte", "cache"], ["pte", "cache", "clear"]])
+def test_pte_cache_on_a_states_path_it_cannot_read_is_one_line_naming_it_and_the_fix(user_dir, odd, command):
+    problem = _odd_states_path(odd)
+    before = os.readlink(saved_states_dir()) if odd != "a file" else saved_states_dir().read_text()
+    r = CliRunner().invoke(cli, command)
+    assert r.exit_code == 1 and r.output == f"Error: {problem}\n"
+    assert (os.readlink(saved_states_dir()) if odd != "a file" else saved_states_dir().read_text()) == before
+
+
+def test_a_directory_under_a_state_name_is_noted_as_not_deleted(user_dir):
+    (saved_states_dir() / "x.safetensors").mkdir(parents=True)
+    r = CliRunner().invoke(cli, ["pte", "cache"])
+    assert r.exit_code == 0 and r.stdout.startswith("No saved cache states in ")
+    assert r.stderr == ("[pte] ignored the saved cache state x.safetensors: unreadable (Is a directory); "
+                        "could not delete it (Is a directory): delete it by hand\n")
+    r = CliRunner().invoke(cli, ["pte", "cache", "clear"])
+    assert r.exit_code == 0 and r.output == "Deleted 0 saved cache states (0.00 MB)\n"
+    assert (saved_states_dir() / "x.safetensors").is_dir()
 
 
 def test_inside_one_process_the_next_turn_continues_the_live_session(tiny):

@@ -8,9 +8,10 @@ is in docs/design.md ("Saved cache states").
 
 A state is written to a temp file and renamed, so a reader sees a whole
 state or none, and it carries a checksum of its header and arrays, so a
-damaged, truncated or foreign file is noticed, deleted and never used. The
-directory is kept under a byte budget, the least recently used (saved or
-loaded) states deleted first. Importing this is cheap: mlx only in load/save.
+damaged, truncated or foreign file is noticed, deleted and never used; a
+Ctrl-C while it is written removes the temp file. The directory is kept
+under a byte budget, the least recently used (saved or loaded) states
+deleted first. Importing this is cheap: mlx only in load/save.
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ LOAD_GAIN = 16  # a state must give a 1/LOAD_GAIN of its length more than a live
 
 class StateError(Exception):
     """A state file that cannot be used (damaged, truncated or foreign)."""
+
+
+class StateDirError(Exception):
+    """The states directory cannot be listed or written; the message names it and the fix."""
 
 
 # what a file another process changed or deleted meanwhile raises: pruning skips it
@@ -171,20 +176,49 @@ class StateStore:
         text = json.dumps({"model": identity, "policy": policy}, sort_keys=True)
         return hashlib.sha1(text.encode()).hexdigest()[:16]
 
-    def _files(self, pattern: str = "*" + SUFFIX) -> list[pathlib.Path]:
+    def _entries(self) -> list[pathlib.Path]:
+        """Every entry of the directory (none when it does not exist yet).
+
+        Raises:
+            StateDirError: the path is a file, a link to nothing, or cannot be read.
+        """
         try:
-            return [p for p in self.directory.glob(pattern) if not p.name.startswith(".")]
-        except OSError:
+            return [self.directory / name for name in os.listdir(self.directory)]
+        except FileNotFoundError:
+            if self.directory.is_symlink():
+                raise StateDirError(f"{self.directory} is a link to {os.readlink(self.directory)}, which does not "
+                                    f"exist: create that directory or delete the link") from None
             return []
+        except OSError as e:
+            if self.directory.is_file():
+                raise StateDirError(f"{self.directory} is a file, not the directory of saved cache states: "
+                                    f"move or delete it") from None
+            raise StateDirError(f"cannot read the saved cache states in {self.directory} "
+                                f"({e.strerror or type(e).__name__}): fix or delete that path") from None
+
+    def _files(self, pattern: str = "*" + SUFFIX, strict: bool = False) -> list[pathlib.Path]:
+        """The states matching ``pattern`` (temp files never match). A
+        directory that cannot be read holds none, unless ``strict`` (then
+        StateDirError): a turn goes on cold, and its save says why."""
+        try:
+            entries = self._entries()
+        except StateDirError:
+            if strict:
+                raise
+            return []
+        return [p for p in entries if p.match(pattern) and not p.name.startswith(".")]
 
     def _damaged(self, path: pathlib.Path, why: str, inode: int | None = None) -> None:
         """Note and delete a damaged state, unless it was replaced meanwhile."""
-        self.notice(f"[pte] ignored the saved cache state {path.name}: {why}; deleted it")
+        done = "deleted it"
         try:
             if inode is None or os.stat(path).st_ino == inode:
                 path.unlink()
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError as e:  # a directory under a state's name, say
+            done = f"could not delete it ({e.strerror or type(e).__name__}): delete it by hand"
+        self.notice(f"[pte] ignored the saved cache state {path.name}: {why}; {done}")
 
     def _state(self, path: pathlib.Path) -> SavedState | None:
         try:
@@ -192,9 +226,11 @@ class StateStore:
             return SavedState(path, st.st_size, st.st_mtime, _read_header(path))
         except FileNotFoundError:
             return None  # deleted by another process meanwhile
-        except (OSError, StateError) as e:
-            self._damaged(path, str(e) if isinstance(e, StateError) else type(e).__name__)
-            return None
+        except StateError as e:
+            self._damaged(path, str(e))
+        except OSError as e:
+            self._damaged(path, f"unreadable ({e.strerror or type(e).__name__})")
+        return None
 
     def states(self, identity: dict, policy: dict) -> list[SavedState]:
         """The states of this model file and policy, most recently used first."""
@@ -210,8 +246,12 @@ class StateStore:
         return sorted(found, key=lambda s: s.used, reverse=True)
 
     def all(self) -> list[SavedState]:
-        """Every readable state, most recently used first (damaged ones noted and deleted)."""
-        found = [s for s in map(self._state, self._files()) if s is not None]
+        """Every readable state, most recently used first (damaged ones noted and deleted).
+
+        Raises:
+            StateDirError: the directory cannot be read.
+        """
+        found = [s for s in map(self._state, self._files(strict=True)) if s is not None]
         return sorted(found, key=lambda s: s.used, reverse=True)
 
     def load(self, state: SavedState, n: int, cache) -> bool | None:
@@ -253,7 +293,11 @@ class StateStore:
         """Save ``cache`` (holding ``ids``; its prompt made with the truncation
         ``cut``) atomically; drop the states it supersedes and the least
         recently used ones past the budget. None when it does not fit the
-        budget."""
+        budget.
+
+        Raises:
+            StateDirError: the directory cannot be read (``OSError``: nor written).
+        """
         import mlx.core as mx
 
         if not ids or cache.length != len(ids):
@@ -273,13 +317,14 @@ class StateStore:
         header["checksum"] = _checksum(header, arrays)
         key = self.key(identity, policy)
         path = self.directory / f"{key}-{hashlib.sha1(json.dumps(ids).encode()).hexdigest()[:16]}{SUFFIX}"
+        self._entries()  # a path that cannot hold states is our StateDirError, not mkdir's OSError
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
                 mx.save_safetensors(f, arrays, metadata={"state": json.dumps(header)})
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException:  # a Ctrl-C too: no temp file is left behind
             with contextlib.suppress(*_RACES):
                 os.unlink(tmp)
             raise
@@ -325,9 +370,13 @@ class StateStore:
                     tmp.unlink()
 
     def clear(self) -> tuple[int, int]:
-        """Delete every state; (files, bytes) deleted."""
+        """Delete every state; (files, bytes) deleted.
+
+        Raises:
+            StateDirError: the directory cannot be read.
+        """
         count = size = 0
-        for path in self._files() + list(self.directory.glob(".*.tmp")):
+        for path in self._files(strict=True) + [p for p in self._entries() if p.match(".*.tmp")]:
             with contextlib.suppress(*_RACES):
                 n = os.stat(path).st_size
                 path.unlink()

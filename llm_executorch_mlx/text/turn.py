@@ -23,7 +23,7 @@ from .errors import TextError
 from .reasoning import opens_reasoning, think_tags, thinking_context
 from .reply_parts import ReplySplitter, split_reply
 from .sampling import Sampler
-from .saved_states import StateStore, model_identity, worth_loading
+from .saved_states import StateDirError, StateStore, model_identity, worth_loading
 from .session import CachePolicy, Session
 from .stats import turn_stats
 from .stops import StopMatcher, stop_tokens
@@ -224,6 +224,9 @@ class Turn:
                 replies.append([reply_key, reply.ids])
             try:
                 saved = self.disk.save(identity, disk_policy, session.cache, session.tokens, replies, fitted.cut)
+            except StateDirError as e:  # the states path is a file or cannot be read: the reply stands
+                saved = None
+                self.notice(f"[pte] could not save the cache state: {e}")
             except OSError as e:  # a full disk or an unwritable user dir: the reply stands
                 saved = None
                 self.notice(f"[pte] could not save the cache state in {self.disk.directory}: {e.strerror or e}")
