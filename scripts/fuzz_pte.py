@@ -2,11 +2,12 @@
 
     nice -n 15 python scripts/fuzz_pte.py --mutants 100000 [--kinds llama-fp32,llama-4w,gemma3-ring]
         [--seed 0] [--memory-mb 512] [--cpu-limit 60] [--json out.json] [--atheris-runs N [--atheris-seconds S]]
-        [--states N]
+        [--states N] [--pte KIND=PATH ...]
 
 Each mutant of the tests' tiny exports (tests/models.py, kept in the tests'
-pytest cache) goes through ``load_program`` -> ``new_cache`` ->
-``load_method("forward")`` -> ``execute`` in one child process under an
+pytest cache; or of the files ``--pte KIND=PATH`` names, so that a machine
+without torch and executorch can run it) goes through ``load_program`` ->
+``new_cache`` -> ``load_method("forward")`` -> ``execute`` in one child process under an
 address-space limit and a CPU-time limit (tests/fuzzing.py). Prints one line
 of counts per kind, every escape (foreign exception, memory, crash, hang) with
 how its mutant was made, and exits 1 when there was one.
@@ -36,19 +37,35 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 import fuzzing  # noqa: E402
-from models import make_fixture  # noqa: E402
 
 
-def fixture(kind: str) -> pathlib.Path:
+def fixture(kind: str, given: dict[str, pathlib.Path]) -> pathlib.Path:
+    """The file fuzzed as ``kind``: the one ``--pte`` names, else the tests'
+    export (built with torch and executorch the first time)."""
+    if kind in given:
+        return given[kind]
+    from models import make_fixture
+
     root = REPO / ".pytest_cache" / "d" / "pte-fixtures"
     root.mkdir(parents=True, exist_ok=True)
     return make_fixture(root, *fuzzing.KINDS[kind])[1]
 
 
+def named_pte(text: str) -> tuple[str, pathlib.Path]:
+    """``KIND=PATH`` of ``--pte``."""
+    kind, sep, path = text.partition("=")
+    if not sep or kind not in fuzzing.KINDS:
+        raise argparse.ArgumentTypeError(f"--pte takes KIND=PATH with KIND one of {', '.join(sorted(fuzzing.KINDS))}"
+                                         f" (got {text!r})")
+    if not pathlib.Path(path).is_file():
+        raise argparse.ArgumentTypeError(f"--pte {kind}: no file at {path}")
+    return kind, pathlib.Path(path)
+
+
 def run_mutants(args) -> dict:
     results = {}
     for kind in args.kinds:
-        pte = fixture(kind)
+        pte = fixture(kind, args.pte)
         worker = fuzzing.Worker(memory_limit=args.memory_mb << 20, cpu_limit=args.cpu_limit)
         started = time.monotonic()
 
@@ -83,6 +100,7 @@ def run_states(args) -> dict:
     import tempfile
 
     import state_fuzzing
+    from models import make_fixture
 
     results = {}
     for arch in ("llama", "gemma3"):
@@ -115,7 +133,7 @@ def run_atheris(args) -> int:
     for directory in seeds.values():
         directory.mkdir(parents=True, exist_ok=True)
     for kind in args.kinds:
-        pte = fixture(kind)
+        pte = fixture(kind, args.pte)
         (seeds["pte"] / f"{kind}.pte").write_bytes(b"\0" + pte.read_bytes())
         f = PteFile(pte)
         for name, plan in f.plans.items():
@@ -157,7 +175,7 @@ def _tokenizer_seeds(directory: pathlib.Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mutants", type=int, default=100_000, help="mutants per kind")
-    p.add_argument("--kinds", type=lambda s: s.split(","), default=sorted(fuzzing.KINDS))
+    p.add_argument("--kinds", type=lambda s: s.split(","), help="default: the --pte kinds, else all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-mb", type=int, default=512, help="address space a worker may add after importing MLX")
     p.add_argument("--cpu-limit", type=float, default=60.0, help="CPU seconds one mutant may take")
@@ -165,7 +183,11 @@ def main(argv=None) -> int:
     p.add_argument("--atheris-runs", type=int, default=0, help="inputs per atheris target (0: no atheris)")
     p.add_argument("--atheris-seconds", type=int, default=600, help="the most time per atheris target")
     p.add_argument("--states", type=int, default=0, help="mutants of a saved cache state per fixture")
+    p.add_argument("--pte", type=named_pte, action="append", default=[], metavar="KIND=PATH",
+                   help="fuzz this file as KIND instead of building the tests' export (no torch or executorch needed)")
     args = p.parse_args(argv)
+    args.pte = dict(args.pte)
+    args.kinds = args.kinds or sorted(args.pte or fuzzing.KINDS)
     results = {}
     if args.mutants:
         results = run_mutants(args)

@@ -2,6 +2,11 @@
 anything but a ``PteError`` (or a clean run), and the escapes fuzzing found
 stay fixed. ``scripts/fuzz_pte.py`` is the long run."""
 
+import json
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
 import fuzzing
@@ -74,6 +79,42 @@ def test_mutants_are_reproducible_from_their_seed(exported):
     assert mutants == [b.mutate() for _ in range(3)]
     assert mutants != [other.mutate() for _ in range(3)]
     assert all(m != data for m, _ in mutants)
+
+
+SCRIPTS = pathlib.Path(__file__).resolve().parent.parent / "scripts"
+
+
+def _long_run(*args: str) -> subprocess.CompletedProcess:
+    """scripts/fuzz_pte.py's main() in a fresh process, which then says
+    whether tests/models.py (torch and executorch) was imported."""
+    code = (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import fuzz_pte; rc = fuzz_pte.main({list(args)!r}); "
+            "print('models imported' if 'models' in sys.modules else 'models not imported'); sys.exit(rc)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+
+
+def test_the_long_run_fuzzes_the_file_it_is_given_without_building_a_fixture(llama, tmp_path):
+    """``--pte KIND=PATH``, for a machine without torch and executorch: the
+    counts are those of the same seeded mutants of that file run here."""
+    out = tmp_path / "counts.json"
+    run = _long_run("--pte", f"llama-fp32={llama[1]}", "--mutants", "20", "--seed", "3", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "models not imported"
+    worker = fuzzing.Worker(memory_limit=512 << 20, cpu_limit=60)
+    try:
+        expected = fuzzing.fuzz(llama[1], 20, seed=3, worker=worker)
+    finally:
+        worker.close()
+    assert {kind: r["counts"] for kind, r in json.loads(out.read_text()).items()} == {"llama-fp32": expected["counts"]}
+
+
+@pytest.mark.parametrize("pte, message", [
+    ("llama=x.pte", "--pte takes KIND=PATH with KIND one of gemma3-ring, llama-4w, llama-fp32 (got 'llama=x.pte')"),
+    ("llama-4w=/nonexistent/x.pte", "--pte llama-4w: no file at /nonexistent/x.pte"),
+])
+def test_the_long_run_refuses_a_pte_it_cannot_use_in_one_line(pte, message):
+    run = _long_run("--pte", pte, "--mutants", "1")
+    assert run.returncode == 2
+    assert run.stderr.splitlines()[-1].endswith(f"argument --pte: {message}")
 
 
 # -- the escapes fuzzing found, one each ----------------------------------------
