@@ -86,26 +86,44 @@ def _runs(ctx, members, ops, signature):
     x, bits, group, interleaved = signature
     gemvs = ctx.kernels.extension.quantized_gemvs
     weights = [(op.w.idx, op.scales.idx, op.biases.idx) for op in ops]
-    outs = [ctx.out(op.out) for op in ops]
     own = [build_quantized_matmul(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
-    stashes = [ctx.scratch_slot() for _ in ops[1:]]
 
-    def first_run(f):
+    def products(f):
         xs = f[x]
         k = xs.shape[-1]
         most = INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
         fits = (xs.dtype == mx.float32 and xs.size // k <= most and k % (256 // bits) == 0
                 and (xs.ndim <= 2 or xs.size // k == xs.shape[-2]))  # rows in the last two axes only
-        if fits and all(f[s].dtype == mx.float32 for _, s, _ in weights):
-            ys = gemvs(xs, [f[w] for w, _, _ in weights], [f[s] for _, s, _ in weights],
-                       [f[b] for _, _, b in weights], group, bits, interleaved=interleaved)
-            f[outs[0]] = ys[0]
-            for slot, y in zip(stashes, ys[1:]):
-                f[slot] = y
+        if not fits or any(f[s].dtype != mx.float32 for _, s, _ in weights):
+            return None
+        return gemvs(xs, [f[w] for w, _, _ in weights], [f[s] for _, s, _ in weights],
+                     [f[b] for _, _, b in weights], group, bits, interleaved=interleaved)
+
+    return _group_runs(ctx, members, ops, own, products)
+
+
+def _group_runs(ctx, members, ops, own, products, biases=None):
+    """The runs replacing a group's nodes: the first computes every product
+    (``products(f)``, or None where the GEMV does not take this x: each node
+    then runs its own route ``own``), each later one hands on its own from a
+    scratch slot, plus its bias (a frame slot, or None) if it has one."""
+    outs = [ctx.out(op.out) for op in ops]
+    biases = biases or [None] * len(ops)
+    stashes = [ctx.scratch_slot() for _ in ops[1:]]
+
+    def with_bias(f, n, y):
+        return y if biases[n] is None else y + f[biases[n]]
+
+    def first_run(f):
+        ys = products(f)
+        if ys is None:
+            own[0](f)
+            for slot in stashes:
+                f[slot] = None
             return
-        own[0](f)
-        for slot in stashes:
-            f[slot] = None
+        f[outs[0]] = with_bias(f, 0, ys[0])
+        for slot, y in zip(stashes, ys[1:]):
+            f[slot] = y
 
     def later_run(n):
         slot, out, run = stashes[n - 1], outs[n], own[n]
@@ -115,12 +133,11 @@ def _runs(ctx, members, ops, signature):
             if y is None:
                 run(f)
             else:
-                f[out], f[slot] = y, None
+                f[out], f[slot] = with_bias(f, n, y), None
 
         return later
 
     return first_run, {j: later_run(n) for n, j in enumerate(members) if n}
-
 
 DENSE_NODE = "AddmmNode"
 
@@ -181,33 +198,10 @@ def _dense_weight(ctx, instructions, j, op) -> mx.array | None:
 def _dense_runs(ctx, members, ops, weights):
     gemvs = ctx.kernels.extension.gemvs
     x = ops[0].mat1.idx
-    biases = [ctx.t_opt(op.bias) for op in ops]
-    outs = [ctx.out(op.out) for op in ops]
     own = [build_addmm(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
-    stashes = [ctx.scratch_slot() for _ in ops[1:]]
 
-    def first_run(f):
+    def products(f):
         xs = f[x]
-        if few_rows(xs, weights[0]):
-            ys = gemvs(xs, weights)
-            f[outs[0]] = ys[0] if biases[0] is None else ys[0] + f[biases[0]]
-            for slot, y in zip(stashes, ys[1:]):
-                f[slot] = y
-            return
-        own[0](f)
-        for slot in stashes:
-            f[slot] = None
+        return gemvs(xs, weights) if few_rows(xs, weights[0]) else None
 
-    def later_run(n):
-        slot, out, bias, run = stashes[n - 1], outs[n], biases[n], own[n]
-
-        def later(f):
-            y = f[slot]
-            if y is None:
-                run(f)
-            else:
-                f[out], f[slot] = (y if bias is None else y + f[bias]), None
-
-        return later
-
-    return first_run, {j: later_run(n) for n, j in enumerate(members) if n}
+    return _group_runs(ctx, members, ops, own, products, [ctx.t_opt(op.bias) for op in ops])
