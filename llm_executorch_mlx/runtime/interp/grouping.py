@@ -50,6 +50,17 @@ def _signature(ctx, op):
     return op.x.idx, op.bits, op.groupSize, op.w.idx in ctx.interleaved
 
 
+def plan_group(ctx, instructions: list, i: int, taken) -> tuple | None:
+    """``(kind, first_run, {j: later_run})`` for a product at ``i`` with
+    partners later in the chain (``kind`` names the ops: "QuantizedMatmul"
+    or "Matmul", then "Group" / "Grouped"); else None."""
+    for kind, plan in (("QuantizedMatmul", plan_quantized_group), ("Matmul", plan_dense_group)):
+        group = plan(ctx, instructions, i, taken)
+        if group is not None:
+            return (kind, *group)
+    return None
+
+
 def plan_quantized_group(ctx, instructions: list, i: int, taken) -> tuple | None:
     """For a quantized matmul at ``i`` with partners later in the chain:
     ``(first_run, {j: later_run})``; else None. ``taken``: instruction

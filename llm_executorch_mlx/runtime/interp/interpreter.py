@@ -23,7 +23,7 @@ from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..pte.graph import node_name, tensor_fields
 from .fusion import GROUP, plan_swiglu, try_fuse
-from .grouping import plan_dense_group, plan_quantized_group
+from .grouping import plan_group
 from .int32 import clamp_int32
 from .ops import BUILDERS
 from .ops.nn import build_addmm_last_row
@@ -292,12 +292,9 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
             ctx.record_write(node_name(instr), instr.op)
             i += 1
             continue
-        group = plan_quantized_group(ctx, instructions, i, deferred.keys()) if fusing else None
-        kind = "QuantizedMatmul"
-        if group is None and fusing:
-            group, kind = plan_dense_group(ctx, instructions, i, deferred.keys()), "Matmul"
+        group = plan_group(ctx, instructions, i, deferred.keys()) if fusing else None
         if group is not None:
-            first_run, later = group
+            kind, first_run, later = group
             deferred.update((j, (f"{kind}Grouped", run)) for j, run in later.items())
             ops.append((f"{kind}Group", first_run))
             ctx.record_write(node_name(instr), instr.op)
