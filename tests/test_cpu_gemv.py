@@ -1,5 +1,6 @@
-"""The extension's few-row product (``gemv``, runtime/cpu/gemv.cpp) and its
-SwiGLU (``silu_mul``, swiglu.cpp) against numpy, and the host thread's share
+"""The extension's few-row product (``gemv``, runtime/cpu/gemv.cpp), its
+SwiGLU (``silu_mul``, swiglu.cpp) and RMSNorm (``rms_norm``, rms_norm.cpp)
+against numpy, and the host thread's share
 of the product (``submit_helping``/``wait_helping``,
 which a method's ``submit``/``wait`` call for every decode step on the CPU,
 runtime/steps.py)."""
@@ -282,3 +283,58 @@ def test_silu_mul_reads_views_and_refuses_other_inputs(kernel):
         kernel.silu_mul(up, up[:, :4])
     with pytest.raises(ValueError, match="float32"):
         kernel.silu_mul(up.astype(mx.bfloat16), up)
+
+
+def rms_norm_float64(x, w, eps):
+    x = np.asarray(x, np.float64)
+    y = x / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    return y if w is None else y * np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (128, 576), (1, 7, 13), (5,), (2, 3, 1)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_rms_norm_matches_float64(kernel, shape, weighted):
+    """An RMSNorm (rms_norm.cpp): against float64 numpy and MLX's own op, for
+    a decode step's row, a prefill chunk's rows, widths that are not whole
+    vectors, and rows of large and tiny magnitude."""
+    rng = np.random.default_rng(sum(shape))
+    x = rng.standard_normal(shape).astype(np.float32)
+    x.reshape(-1, shape[-1])[0] *= 1e4
+    x.reshape(-1, shape[-1])[-1] *= 1e-4
+    w = rng.standard_normal(shape[-1]).astype(np.float32) if weighted else None
+    ours = kernel.rms_norm(mx.array(x), None if w is None else mx.array(w), 1e-5)
+    assert ours.shape == x.shape and ours.dtype == mx.float32
+    np.testing.assert_allclose(np.array(ours), rms_norm_float64(x, w, 1e-5), rtol=2e-6, atol=1e-6)
+    mlx = mx.fast.rms_norm(mx.array(x), None if w is None else mx.array(w), 1e-5)
+    np.testing.assert_allclose(np.array(ours), np.array(mlx), rtol=1e-5, atol=1e-6)
+
+
+def test_rms_norm_reads_views_and_refuses_other_inputs(kernel):
+    rng = np.random.default_rng(13)
+    x = mx.array(rng.standard_normal((24, 5)).astype(np.float32)).T  # a transposed view, rows of 24
+    pair = mx.array(rng.standard_normal((24, 2)).astype(np.float32))
+    w = pair[:, 1]  # a strided weight
+    np.testing.assert_allclose(np.array(kernel.rms_norm(x, w, 1e-6)), rms_norm_float64(np.array(x), np.array(w), 1e-6),
+                               rtol=2e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.rms_norm(x.astype(mx.bfloat16), w, 1e-6)
+    with pytest.raises(ValueError, match="one value per entry"):
+        kernel.rms_norm(x, w[:4], 1e-6)
+    with pytest.raises(ValueError, match="last axis"):
+        kernel.rms_norm(mx.array(1.0), None, 1e-6)
+
+
+def test_the_norm_node_runs_as_one_op_where_the_extension_is(kernels, tmp_path):
+    """On the CPU with the extension, an RMSNorm node's route is its one op
+    (not MLX's three or ten nodes), equal to the MLX-op route within
+    rounding; other dtypes keep MLX's op."""
+    from llm_executorch_mlx.runtime.interp.ops import nn
+
+    x, w = mx.array(np.random.default_rng(3).standard_normal((1, 1, 64)).astype(np.float32)), mx.ones((64,))
+    with_extension = nn._extension_rms_norm(kernels.extension, 1e-5)(x, w, 1e-5)
+    dot = tmp_path / "norm.dot"
+    mx.export_to_dot(str(dot), with_extension)
+    assert '"RmsNorm"' in dot.read_text() and "Square" not in dot.read_text()
+    np.testing.assert_allclose(np.array(with_extension), np.array(nn._cpu_rms_norm(1e-5)(x, w, 1e-5)), rtol=1e-5)
+    bf16 = nn._extension_rms_norm(kernels.extension, 1e-5)(x.astype(mx.bfloat16), w, 1e-5)
+    assert bf16.dtype == mx.float32  # MLX's own op and promotion for other dtypes

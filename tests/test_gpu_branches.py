@@ -74,6 +74,7 @@ def _seeing_a_gpu(monkeypatch):
             monkeypatch.setattr(module, "on_cpu", off_cpu)  # dtypes and every module that imported it
     monkeypatch.setattr(attention_ops, "cpu_attention", cpu_branch("cpu_attention"))
     monkeypatch.setattr(nn_ops, "_cpu_rms_norm", cpu_branch("_cpu_rms_norm"))
+    monkeypatch.setattr(nn_ops, "_extension_rms_norm", cpu_branch("_extension_rms_norm"))
     monkeypatch.setattr(fusion, "_RopeTables", cpu_branch("_RopeTables"))
     monkeypatch.setattr(fastmath, "swiglu", cpu_branch("fastmath.swiglu"))
     counts = {}

@@ -1,11 +1,11 @@
-"""Build and load the CPU kernel extension: CPU attention, the shared GEMV (fp32 and quantized) and SwiGLU as MLX ops.
+"""Build and load the CPU kernel extension: CPU attention, the shared GEMV (fp32 and quantized), SwiGLU and RMSNorm as MLX ops.
 
 MLX's Python API cannot add a CPU kernel to its lazy graph; a C++ extension
 can. One module, ``cpu_kernels``, holds both parts: ``attention.cpp`` (fused
 attention) and ``gemv.cpp`` (few-row products), with ``shared_work.cpp``
 (the helped submission of a step: the host thread runs chunks of both
-parts' decode work), and ``swiglu.cpp`` (an element-wise kernel either part
-brings), bound by ``module.cpp``. It is compiled
+parts' decode work), ``swiglu.cpp`` (an element-wise kernel either part
+brings) and ``rms_norm.cpp`` (the norm before each of them), bound by ``module.cpp``. It is compiled
 once per source, compiler, MLX (version and install), nanobind, Python and
 CPU into the user's cache directory (``native.py``), with nanobind's own
 sources (the ``cpu`` extra installs nanobind) and MLX's headers from its
@@ -39,7 +39,7 @@ import mlx.core as mx
 from . import native
 
 HERE = pathlib.Path(__file__).parent
-SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "swiglu.cpp", "shared_work.cpp", "module.cpp"))
+SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "swiglu.cpp", "rms_norm.cpp", "shared_work.cpp", "module.cpp"))
 HEADERS = tuple(HERE / name for name in ("kernels.h", "shared_work.h", "simd.h", "quantized_rows.h", "quantized_dot.h",
                                         "quantized_interleaved.h"))
 MODULE = "cpu_kernels"
@@ -189,7 +189,8 @@ def _agrees_with_mlx(module: ModuleType) -> bool:
     """Both parts against MLX's own ops. Attention: grouped-query cases with
     strided keys, two queries (the kernel's row loops), thirteen (its tiled
     path, a partial block), and thirteen with a window of five. GEMV: one row
-    against a row-major weight; two rows against 4- and 8-bit weights."""
+    against a row-major weight; two rows against 4- and 8-bit weights.
+    RMSNorm: three rows of a width that is not a whole vector."""
     pool = mx.random.normal((2, 1, 2, 24, 16), key=mx.random.key(1))
     k, v = pool[0][:, :, :20], pool[1][:, :, :20]
     for T, window in ((2, 0), (13, 0), (13, 5)):
@@ -217,4 +218,6 @@ def _agrees_with_mlx(module: ModuleType) -> bool:
             if not mx.allclose(ours, mx.quantized_matmul(x, q, scales, biases, True, 32, bits),
                                atol=1e-4 + bound.item()).item():
                 return False
-        return True
+        x, w = mx.random.normal((3, 20), key=mx.random.key(6)), mx.random.normal((20,), key=mx.random.key(7))
+        return mx.allclose(module.rms_norm(x, w, 1e-5, stream=mx.cpu), mx.fast.rms_norm(x, w, 1e-5),
+                           atol=1e-6, rtol=1e-5).item()

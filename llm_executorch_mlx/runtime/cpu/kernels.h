@@ -2,10 +2,11 @@
 // (attention.cpp) and the few-row products (gemv.cpp), each one MLX op on
 // the CPU stream whose decode-step work the host thread helps with
 // (shared_work.cpp: submit_helping, wait_helping); and element-wise SwiGLU
-// (swiglu.cpp).
+// (swiglu.cpp), and RMSNorm (rms_norm.cpp).
 
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "mlx/array.h"
@@ -62,6 +63,10 @@ int interleaved_rows();
 
 // silu(gate) * up for fp32 gate and up of one shape (swiglu.cpp).
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s);
+
+// x / sqrt(mean(x^2, axis=-1) + eps) * w for fp32 x and w [K] (or none): mx.fast.rms_norm
+// as one op (rms_norm.cpp).
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float eps, mx::StreamOrDevice s);
 
 // w.astype(float32) for a 2-D bf16 w, vectorised where w's rows are contiguous.
 mx::array widen_bf16(const mx::array& w, mx::StreamOrDevice s);

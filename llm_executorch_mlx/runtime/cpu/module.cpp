@@ -2,6 +2,7 @@
 // ops, bound with nanobind in MLX's type domain (extension.py builds it).
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -46,6 +47,8 @@ NB_MODULE(cpu_kernels, m) {
         "Rows an interleaved block holds; 0 where this build has no interleaved layout.");
   m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up for float32 gate and up of one shape, on the CPU, vectorised.");
+  m.def("rms_norm", &llm_pte::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.fast.rms_norm(x, weight, eps) for float32 x and weight (or None) as one op on the CPU.");
   m.def("widen_bf16", &llm_pte::widen_bf16, "w"_a, nb::kw_only(), "stream"_a = nb::none(),
         "w.astype(mx.float32) for a 2-D bfloat16 w on the CPU, vectorised where its rows are\n"
         "contiguous.");

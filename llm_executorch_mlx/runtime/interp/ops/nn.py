@@ -121,7 +121,10 @@ class _BatchedWeight:
 @op("RMSNormNode")
 def build_rms_norm(n, ctx):
     x, w, out, eps = ctx.t(n.x), ctx.t_opt(n.weight), ctx.out(n.out), float(n.eps)
-    rms_norm = _cpu_rms_norm(eps) if on_cpu() else mx.fast.rms_norm
+    rms_norm = mx.fast.rms_norm
+    if on_cpu():
+        extension = ctx.kernels.extension if ctx.kernels is not None else None
+        rms_norm = _cpu_rms_norm(eps) if extension is None else _extension_rms_norm(extension, eps)
 
     def run(f):
         f[out] = rms_norm(f[x], None if w is None else f[w], eps)
@@ -153,6 +156,21 @@ def _cpu_rms_norm(eps: float):
         if x.dtype != mx.float32 or not fits or not short:
             return mx.fast.rms_norm(x, weight, eps)
         return plain(x) if weight is None else weighted(x, weight)
+
+    return rms_norm
+
+
+def _extension_rms_norm(extension, eps: float):
+    """``mx.fast.rms_norm`` (same signature) as the extension's one op for
+    fp32 rows and weight, of any count; MLX's own op otherwise, so other
+    dtypes keep its promotion rules and checks."""
+    fallback = _cpu_rms_norm(eps)
+
+    def rms_norm(x, weight, eps):
+        if x.dtype == mx.float32 and x.ndim > 0 and x.size and (
+                weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])):
+            return extension.rms_norm(x, weight, eps)
+        return fallback(x, weight, eps)
 
     return rms_norm
 
