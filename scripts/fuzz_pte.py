@@ -8,7 +8,8 @@ Each mutant of the tests' tiny exports (tests/models.py, kept in the tests'
 pytest cache; or of the files ``--pte KIND=PATH`` names, so that a machine
 without torch and executorch can run it) goes through ``load_program`` ->
 ``new_cache`` -> ``load_method("forward")`` -> ``execute`` in one child process under an
-address-space limit and a CPU-time limit (tests/fuzzing.py); ``--processes P``
+address-space limit and a CPU-time limit (tests/fuzzing.py), with the CPU
+kernel extension built first where it can be; ``--processes P``
 runs P such children at once, child p on its share of the mutants with seed
 ``--seed + p``. Prints one line of counts per kind (with how many of its
 mutants were distinct), every escape (foreign exception, memory, crash, hang)
@@ -32,6 +33,7 @@ import argparse
 import collections
 import concurrent.futures
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -67,7 +69,19 @@ def named_pte(text: str) -> tuple[str, pathlib.Path]:
     return kind, pathlib.Path(path)
 
 
+def build_kernels() -> str:
+    """Build the CPU kernel extension (once per machine) in a child process,
+    since the workers only load a build already there; returns which kernels
+    the workers run."""
+    code = ("from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(build=True); "
+            "print(f'gemv: {k.gemv.why}; attention: {k.attention.why}')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def run_mutants(args) -> dict:
+    print(f"CPU kernels: {build_kernels()}", flush=True)
     results = {}
     for kind in args.kinds:
         pte = fixture(kind, args.pte)
