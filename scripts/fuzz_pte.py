@@ -215,7 +215,8 @@ def main(argv=None) -> int:
     p.add_argument("--kinds", type=lambda s: s.split(","), help="default: the --pte kinds, else all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--processes", type=int, default=1,
-                   help="workers run at once, each on its share of the mutants with its own seed (--seed, --seed + 1, ...)")
+                   help="workers run at once, each on its share of the mutants with its own seed "
+                        "(--seed, --seed + 1, ...)")
     p.add_argument("--memory-mb", type=int, default=512, help="address space a worker may add after importing MLX")
     p.add_argument("--cpu-limit", type=float, default=60.0, help="CPU seconds one mutant may take")
     p.add_argument("--json", type=pathlib.Path, help="write the counts and escapes here")

@@ -105,7 +105,8 @@ def _runs(ctx, members, ops, signature):
     def products(f):
         xs = f[x]
         k = xs.shape[-1]
-        fits = (xs.dtype == mx.float32 and all(c.k(f[w], f[s], f[b]) == k for c, (w, s, b) in zip(operands, weights))
+        fits = (xs.dtype == mx.float32
+                and all(c.k(f[w], f[s], f[b]) == k for c, (w, s, b) in zip(operands, weights))
                 and xs.size // k <= most and (xs.ndim <= 2 or xs.size // k == xs.shape[-2]))  # rows in the last two axes
         if not fits:
             return None
