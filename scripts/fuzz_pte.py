@@ -1,16 +1,20 @@
 """The long fuzz run: mutants of each fixture kind, counts by outcome.
 
     nice -n 15 python scripts/fuzz_pte.py --mutants 100000 [--kinds llama-fp32,llama-4w,gemma3-ring]
-        [--seed 0] [--memory-mb 512] [--cpu-limit 60] [--json out.json] [--atheris-runs N [--atheris-seconds S]]
-        [--states N] [--pte KIND=PATH ...]
+        [--seed 0] [--processes 1] [--memory-mb 512] [--cpu-limit 60] [--json out.json]
+        [--atheris-runs N [--atheris-seconds S]] [--states N] [--pte KIND=PATH ...]
 
 Each mutant of the tests' tiny exports (tests/models.py, kept in the tests'
 pytest cache; or of the files ``--pte KIND=PATH`` names, so that a machine
 without torch and executorch can run it) goes through ``load_program`` ->
 ``new_cache`` -> ``load_method("forward")`` -> ``execute`` in one child process under an
-address-space limit and a CPU-time limit (tests/fuzzing.py). Prints one line
-of counts per kind, every escape (foreign exception, memory, crash, hang) with
-how its mutant was made, and exits 1 when there was one.
+address-space limit and a CPU-time limit (tests/fuzzing.py), with the CPU
+kernel extension built first where it can be; ``--processes P``
+runs P such children at once, child p on its share of the mutants with seed
+``--seed + p``. Prints one line of counts per kind (with how many of its
+mutants were distinct), every escape (foreign exception, memory, crash, hang)
+with how its mutant was made and the seed and index that rebuild it, and
+exits 1 when there was one.
 
 ``--atheris-runs N`` then runs atheris (coverage-guided; the ``fuzz`` extra)
 on each target of ``scripts/atheris_targets.py`` (the container and graph
@@ -27,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import json
+import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -62,37 +69,67 @@ def named_pte(text: str) -> tuple[str, pathlib.Path]:
     return kind, pathlib.Path(path)
 
 
+def build_kernels() -> str:
+    """Build the CPU kernel extension (once per machine) in a child process,
+    since the workers only load a build already there; returns which kernels
+    the workers run."""
+    code = ("from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(build=True); "
+            "print(f'gemv: {k.gemv.why}; attention: {k.attention.why}')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def run_mutants(args) -> dict:
+    print(f"CPU kernels: {build_kernels()}", flush=True)
     results = {}
     for kind in args.kinds:
         pte = fixture(kind, args.pte)
-        worker = fuzzing.Worker(memory_limit=args.memory_mb << 20, cpu_limit=args.cpu_limit)
         started = time.monotonic()
-
         seen = dict.fromkeys(fuzzing.OUTCOMES, 0)
+        lock = threading.Lock()
 
-        def progress(i, outcome, detail, how):
-            seen[outcome] += 1
-            if outcome in fuzzing.ESCAPES:  # as it happens: a run cut short still shows it
-                print(f"  {kind} mutant {i}: {outcome}: {detail}  ({how})", file=sys.stderr, flush=True)
-            if (i + 1) % 2000 == 0:
-                counts = " ".join(f"{k} {v}" for k, v in seen.items())
-                print(f"  {kind}: {i + 1} mutants, {time.monotonic() - started:.0f} s: {counts}",
-                      file=sys.stderr, flush=True)
+        def progress(seed):
+            def report(i, outcome, detail, how):
+                with lock:
+                    seen[outcome] += 1
+                    if outcome in fuzzing.ESCAPES:  # as it happens: a run cut short still shows it
+                        print(f"  {kind} seed {seed} mutant {i}: {outcome}: {detail}  ({how})", file=sys.stderr,
+                              flush=True)
+                    if sum(seen.values()) % 2000 == 0:
+                        counts = " ".join(f"{k} {v}" for k, v in seen.items())
+                        print(f"  {kind}: {sum(seen.values())} mutants, {time.monotonic() - started:.0f} s: {counts}",
+                              file=sys.stderr, flush=True)
+            return report
 
-        try:
-            result = fuzzing.fuzz(pte, args.mutants, args.seed, worker, progress)
-        finally:
-            worker.close()
-        result["seconds"] = round(time.monotonic() - started, 1)
+        def one(p):
+            """Process ``p``'s share of the mutants, of seed ``args.seed + p``."""
+            seed = args.seed + p
+            share = args.mutants // args.processes + (p < args.mutants % args.processes)
+            worker = fuzzing.Worker(memory_limit=args.memory_mb << 20, cpu_limit=args.cpu_limit)
+            digests = []
+            try:
+                result = fuzzing.fuzz(pte, share, seed, worker, progress(seed), digests)
+            finally:
+                worker.close()
+            return [dict(e, seed=seed) for e in result["escapes"]], digests
+
+        with concurrent.futures.ThreadPoolExecutor(args.processes) as pool:  # each thread waits on its child
+            parts = list(pool.map(one, range(args.processes)))
+        seeds = f"seed {args.seed}" + (f"-{args.seed + args.processes - 1}" if args.processes > 1 else "")
+        result = {"counts": dict(seen), "escapes": [e for escapes, _ in parts for e in escapes],
+                  "distinct": len({d for _, digests in parts for d in digests}), "seeds": seeds,
+                  "processes": args.processes, "seconds": round(time.monotonic() - started, 1)}
         results[kind] = result
         counts = " ".join(f"{k} {v}" for k, v in result["counts"].items())
-        print(f"{kind}: {args.mutants} mutants (seed {args.seed}) in {result['seconds']:.0f} s: {counts}", flush=True)
+        print(f"{kind}: {args.mutants} mutants ({result['distinct']} distinct; {seeds}, {args.processes} processes) "
+              f"in {result['seconds']:.0f} s: {counts}", flush=True)
         for outcome_detail, n in collections.Counter(
             (e["outcome"], e["detail"]) for e in result["escapes"]
         ).most_common():
             first = next(e for e in result["escapes"] if (e["outcome"], e["detail"]) == outcome_detail)
-            print(f"  {n} x {outcome_detail[0]}: {outcome_detail[1]}  (e.g. mutant {first['index']}: {first['mutation']})")
+            print(f"  {n} x {outcome_detail[0]}: {outcome_detail[1]}  (e.g. seed {first['seed']} mutant "
+                  f"{first['index']}: {first['mutation']})")
     return results
 
 
@@ -177,6 +214,9 @@ def main(argv=None) -> int:
     p.add_argument("--mutants", type=int, default=100_000, help="mutants per kind")
     p.add_argument("--kinds", type=lambda s: s.split(","), help="default: the --pte kinds, else all")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--processes", type=int, default=1,
+                   help="workers run at once, each on its share of the mutants with its own seed "
+                        "(--seed, --seed + 1, ...)")
     p.add_argument("--memory-mb", type=int, default=512, help="address space a worker may add after importing MLX")
     p.add_argument("--cpu-limit", type=float, default=60.0, help="CPU seconds one mutant may take")
     p.add_argument("--json", type=pathlib.Path, help="write the counts and escapes here")

@@ -25,6 +25,7 @@ Used by ``tests/test_fuzz.py`` (a bounded run) and ``scripts/fuzz_pte.py``
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pathlib
@@ -283,20 +284,25 @@ def _exit_text(code: int) -> str:
     return f"exit status {code}"
 
 
-def fuzz(pte_path, mutants: int, seed: int, worker: Worker, report=None) -> dict:
+def fuzz(pte_path, mutants: int, seed: int, worker: Worker, report=None, digests=None) -> dict:
     """Run ``mutants`` seeded mutants of ``pte_path``; return counts by outcome
     and, for every escape, (outcome, detail, how the mutant was made, seed)."""
     data = pathlib.Path(pte_path).read_bytes()
-    return run_mutants(Mutator(data, seed, structure_ranges(pte_path)), worker, mutants, OUTCOMES, ESCAPES, report)
+    return run_mutants(Mutator(data, seed, structure_ranges(pte_path)), worker, mutants, OUTCOMES, ESCAPES, report,
+                       digests)
 
 
-def run_mutants(mutator: Mutator, worker, mutants: int, outcomes, escaping, report=None) -> dict:
+def run_mutants(mutator: Mutator, worker, mutants: int, outcomes, escaping, report=None, digests=None) -> dict:
     """``mutants`` of ``mutator`` through ``worker.run``: counts by outcome (of
-    ``outcomes``) and every one whose outcome is in ``escaping``."""
+    ``outcomes``) and every one whose outcome is in ``escaping``. ``digests``
+    (a list) gets a short hash of each mutant, so that runs of several seeds
+    can count their distinct mutants."""
     counts = dict.fromkeys(outcomes, 0)
     escapes = []
     for i in range(mutants):
         mutant, how = mutator.mutate()
+        if digests is not None:
+            digests.append(hashlib.blake2b(mutant, digest_size=8).hexdigest())
         outcome, detail = worker.run(mutant)
         counts[outcome] += 1
         if outcome in escaping:

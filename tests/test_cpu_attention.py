@@ -175,6 +175,20 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.attention(mx.zeros((1, 2, 1, 8)), k, v, 1.0, window=-1)
 
 
+@pytest.mark.parametrize("q_shape, message", [
+    ((1, 3, 1, 16), r"^\[reshape\]"),  # 3 query heads over 2 key heads
+    ((1, 4, 1, 8), r"^\[matmul\]"),  # another head size
+])
+def test_a_query_the_kernel_would_refuse_meets_mlx_s_own_checks(kernels, kernel, monkeypatch, q_shape, message):
+    """A corrupt program's query that does not fit the cache's keys never
+    reaches the kernel, whose refusal would not name the node: MLX's ops say
+    what is wrong."""
+    monkeypatch.setattr(kernel, "attention", lambda *args, **kwargs: pytest.fail("the kernel was called"))
+    k, v = pools(np.random.default_rng(3), 1, 2, 40, 16, 64)
+    with pytest.raises(ValueError, match=message):
+        mx.eval(cpu_attention(kernels=kernels)(mx.zeros(q_shape), k, v, scale=0.25, mask=None))
+
+
 def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernels, kernel, monkeypatch):
     calls = []
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from llm_executorch_mlx.runtime import cpu, steps
+from llm_executorch_mlx.runtime.interp.ops import nn
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +91,45 @@ def test_bad_inputs_are_refused_with_the_reason(kernel):
         kernel.gemvs(x, [])
     with pytest.raises(ValueError, match="all float32 or all bfloat16"):
         kernel.gemvs(x, [w, w.astype(mx.bfloat16)])
+
+
+class _AddmmNode:
+    """The fields of an ``AddmmNode`` the builder reads: ``mat1 @ mat2``, no bias."""
+
+    def __init__(self):
+        slot = lambda i: type("Slot", (), {"idx": i})()  # noqa: E731
+        self.mat1, self.mat2, self.out = slot(0), slot(1), slot(2)
+        self.bias, self.alpha, self.beta = None, 1.0, 1.0
+
+
+class _Context:
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def t(self, slot):
+        return slot if slot is None else slot.idx
+
+    t_opt = out = t
+
+
+@pytest.mark.parametrize("x, w", [
+    # a fuzzed fp32 file's (tests/fuzzing.py, llama-fp32 seed 112 mutant 15):
+    # a weight of one row against x's 64 columns
+    ((1, 3, 64), (1, 128)),
+    ((1, 1, 64), (128, 64)),
+    ((1, 3, 0), (0, 8)),
+])
+def test_a_product_whose_shapes_do_not_fit_meets_mlx_s_own_check(kernels, x, w):
+    """The node never hands the GEMV a weight it would refuse (a corrupt
+    program's): MLX's matmul says what is wrong, or computes what it can."""
+    run = nn.build_addmm(_AddmmNode(), _Context(kernels))
+    frame = [mx.ones(x), mx.ones(w), None]
+    if x[-1] == 0:  # nothing to sum: zeros, as MLX's product gives
+        run(frame)
+        assert frame[2].shape == (1, 3, 8) and not mx.any(frame[2]).item()
+        return
+    with pytest.raises(ValueError, match=r"^\[matmul\] Last dimension of first input"):
+        run(frame)
 
 
 def layer_chain(rng, layers, K=96, N=256):

@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime import PteError, cpu
 from llm_executorch_mlx.runtime.interp.layout import interleavable_quantized
 from llm_executorch_mlx.runtime.interp.ops import quant
 
@@ -120,6 +120,9 @@ def test_a_strided_row_is_read_as_it_is(kernel):
     (lambda q, s, b, x: (x[..., :128], q, s, b, 32, 4), r"needs x \[\.\.\., K\]"),
     (lambda q, s, b, x: (mx.concatenate([x] * 17, axis=1), q, s, b, 32, 4), "at most 16 rows"),
     (lambda q, s, b, x: (x.astype(mx.bfloat16), q, s, b, 32, 4), "must be float32"),
+    # no columns: the row count divided by them (SIGFPE) before it was refused
+    (lambda q, s, b, x: (x[..., :0], q, s, b, 32, 4), "at most 16 rows"),
+    (lambda q, s, b, x: (x, q, s, b[:4], 32, 4), r"scales \(8,8\), biases \(4,8\)"),
 ])
 def test_bad_inputs_are_refused_with_the_reason(kernel, args, message):
     rng = np.random.default_rng(9)
@@ -175,6 +178,44 @@ def test_every_cpu_route_of_the_node_equals_mlx(kernel, with_extension, rows, la
     w_hand = by_hand(q, scales, biases, 4, 32)
     assert frame[4].shape == expected.shape
     np.testing.assert_allclose(np.array(frame[4]), np.array(expected), rtol=0, atol=tolerance(np.array(x), w_hand))
+
+
+@pytest.mark.parametrize("operands, message", [
+    # a fuzzed 4-bit file's (tests/fuzzing.py, llama-4w seed 107 mutant 181):
+    # biases computed at load to half the scales' rows
+    (lambda x, q, s, b: (x, q, s, b[:48]), "Scales and biases should have the same shape"),
+    (lambda x, q, s, b: (x[..., :128], q, s, b), "Last dimension of first input"),
+    (lambda x, q, s, b: (x, q, s[:, :4], b[:, :4]), "shapes of the weight and scales are incompatible"),
+])
+@pytest.mark.parametrize("last_row", [False, True])
+def test_operands_the_gemv_would_refuse_meet_mlx_s_own_checks(kernel, operands, message, last_row):
+    """Shapes that do not fit together (a corrupt program's) never reach the
+    extension, whose refusal would not name the node: MLX's quantized matmul
+    says what is wrong."""
+    node = _Node(32, 4)
+    build = quant.build_quantized_matmul_last_row if last_row else quant.build_quantized_matmul
+    run = build(node, _Context(cpu.kernels(build=True)))
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.standard_normal((1, 3, 256)).astype(np.float32))
+    frame = [*operands(x, *quantized(rng, 96, 256, 4, 32)), None]
+    with pytest.raises(ValueError, match=message) as refused:
+        run(frame)
+        mx.eval(frame[4])
+    assert str(refused.value).startswith("[quantized_matmul]")
+
+
+def test_rows_in_more_axes_than_two_are_a_blas_product(kernel):
+    """x [2, 3, K]: six rows the GEMV does not take as they lie (it reads the
+    last two axes), computed from the dequantized weight instead."""
+    run = quant.build_quantized_matmul(_Node(32, 4), _Context(cpu.kernels(build=True)))
+    rng = np.random.default_rng(6)
+    q, scales, biases = quantized(rng, 96, 256, 4, 32)
+    x = mx.array(rng.standard_normal((2, 3, 256)).astype(np.float32))
+    frame = [x, q, scales, biases, None]
+    run(frame)
+    w_hand = by_hand(q, scales, biases, 4, 32)
+    np.testing.assert_allclose(np.array(frame[4]), np.array(x) @ w_hand.T, rtol=0,
+                               atol=tolerance(np.array(x), w_hand))
 
 
 @pytest.mark.parametrize("bits, group, N, K", CASES)
@@ -275,6 +316,19 @@ def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, 
     assert frame[4].shape == expected.shape
     np.testing.assert_allclose(np.array(frame[4]), np.array(expected), rtol=0,
                                atol=tolerance(np.array(x), by_hand(*stored, 4, 32)))
+
+
+def test_an_x_of_another_width_than_an_interleaved_weight_is_our_error(kernel, lanes):
+    """Only the extension reads an interleaved weight, so an x that does not
+    fit it (a corrupt program's) is refused here, naming the node."""
+    node = _Node(32, 4)
+    run = quant.build_quantized_matmul(node, _Context(cpu.kernels(build=True), interleaved=frozenset({node.w.idx})))
+    rng = np.random.default_rng(7)
+    x = mx.array(rng.standard_normal((1, 3, 128)).astype(np.float32))
+    frame = [x, *kernel.interleave_quantized(*quantized(rng, 96, 256, 4, 32), 32, 4), None]
+    with pytest.raises(PteError, match=r"^QuantizedMatmulNode: x of shape \(1, 3, 128\) against a 4-bit weight "
+                                       r"of 256 columns: corrupt file\?$"):
+        run(frame)
 
 
 def test_every_quantized_linear_of_an_export_is_interleaved(exported):

@@ -112,3 +112,29 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     assert any(case.startswith("interleaved") for case in report["worst"]) == (variant == "avx2")
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
+
+
+SOURCES = pathlib.Path(__file__).resolve().parent.parent / "llm_executorch_mlx" / "runtime" / "cpu"
+
+
+def test_the_extension_formats_its_refusals_without_streams():
+    """g++ 13 instantiates libstdc++'s stream templates inside the extension,
+    with locale facet ids of their own: a refusal that wrote a number to an
+    string stream crashed the process (SIGSEGV) there. The sources use no
+    stream, and the built library defines none of libstdc++'s stream or
+    locale symbols (it would show them where such a compiler built it)."""
+    sources = sorted(SOURCES.glob("*.cpp")) + sorted(SOURCES.glob("*.h"))
+    assert sources
+    for source in sources:
+        text = source.read_text()
+        for stream in ("<sstream>", "<iostream>", "<ostream>", "stringstream", "std::cout", "std::cerr"):
+            assert stream not in text, f"{source.name} uses {stream}"
+    from llm_executorch_mlx.runtime.cpu import extension
+
+    built = extension.build()
+    assert built.module is not None, built.why
+    symbols = subprocess.run(["nm", "-D", "--defined-only", "-C", built.why], capture_output=True, text=True,
+                             check=True).stdout
+    assert "gemvs" in symbols or "PyInit_cpu_kernels" in symbols  # the listing is the library's own
+    for name in ("std::locale", "std::num_put", "std::basic_ostream", "std::ostream::_M_insert"):
+        assert name not in symbols

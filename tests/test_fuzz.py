@@ -107,6 +107,28 @@ def test_the_long_run_fuzzes_the_file_it_is_given_without_building_a_fixture(lla
     assert {kind: r["counts"] for kind, r in json.loads(out.read_text()).items()} == {"llama-fp32": expected["counts"]}
 
 
+def test_the_long_run_splits_the_mutants_over_processes_of_consecutive_seeds(llama, tmp_path):
+    """``--processes 2``: the counts of 11 mutants of seed 5 and 10 of seed 6
+    run one after the other here, and how many distinct mutants they were."""
+    out = tmp_path / "counts.json"
+    run = _long_run("--pte", f"llama-fp32={llama[1]}", "--mutants", "21", "--seed", "5", "--processes", "2",
+                    "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    worker = fuzzing.Worker(memory_limit=512 << 20, cpu_limit=60)
+    try:
+        parts = [fuzzing.fuzz(llama[1], n, seed=seed, worker=worker) for n, seed in ((11, 5), (10, 6))]
+    finally:
+        worker.close()
+    data = llama[1].read_bytes()
+    mutants = set()
+    for n, seed in ((11, 5), (10, 6)):
+        mutator = fuzzing.Mutator(data, seed, fuzzing.structure_ranges(llama[1]))
+        mutants.update(mutator.mutate()[0] for _ in range(n))
+    result = json.loads(out.read_text())["llama-fp32"]
+    assert result["counts"] == {k: parts[0]["counts"][k] + parts[1]["counts"][k] for k in fuzzing.OUTCOMES}
+    assert (result["distinct"], result["seeds"], result["processes"]) == (len(mutants), "seed 5-6", 2)
+
+
 @pytest.mark.parametrize("pte, message", [
     ("llama=x.pte", "--pte takes KIND=PATH with KIND one of gemma3-ring, llama-4w, llama-fp32 (got 'llama=x.pte')"),
     ("llama-4w=/nonexistent/x.pte", "--pte llama-4w: no file at /nonexistent/x.pte"),

@@ -25,7 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
+#include <string>
 #include <stdexcept>
 #include <vector>
 
@@ -515,25 +515,25 @@ class FusedAttention : public SharedPrimitive {
 
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, int window, mx::StreamOrDevice s) {
-  std::ostringstream err;
+  std::string err;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
-    err << "q, k and v must be 4-D, got " << q.shape() << ", " << k.shape() << ", " << v.shape();
+    err = "q, k and v must be 4-D, got " + text(q.shape()) + ", " + text(k.shape()) + ", " + text(v.shape());
   } else if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
              (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16 && k.dtype() != mx::float16)) {
-    err << "q must be float32, k and v both float32, bfloat16 or float16";
+    err = "q must be float32, k and v both float32, bfloat16 or float16";
   } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
              k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
-    err << "incompatible shapes q " << q.shape() << ", k " << k.shape() << ", v " << v.shape();
+    err = "incompatible shapes q " + text(q.shape()) + ", k " + text(k.shape()) + ", v " + text(v.shape());
   } else if (k.shape(2) == 0) {
-    err << "no keys to attend to";
+    err = "no keys to attend to";
   } else if (causal && q.shape(2) > k.shape(2)) {
-    err << "causal attention with more queries than keys";
+    err = "causal attention with more queries than keys";
   } else if (window < 0) {
-    err << "window must be 0 (none) or positive, got " << window;
+    err = "window must be 0 (none) or positive, got " + std::to_string(window);
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);  // the CPU unless asked otherwise
-  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
-  if (!err.str().empty()) throw std::invalid_argument("attention: " + err.str());
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("attention: " + err);
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<FusedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries),
                    {q, k, v});

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <sstream>
+#include <string>
 #include <stdexcept>
 #include <vector>
 
@@ -390,26 +390,27 @@ class SharedGemv : public SharedPrimitive {
 
 std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped,
                              mx::StreamOrDevice s) {
-  std::ostringstream err;
+  std::string err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
   if (x.dtype() != mx::float32) {
-    err << "x must be float32";
+    err = "x must be float32";
   } else if (ws.empty()) {
-    err << "needs one or more weights";
+    err = "needs one or more weights";
   } else if (x.ndim() < 1 || K == 0 || x.size() / K > kDenseRows || (x.ndim() > 2 && x.size() != K * x.shape(-2))) {
-    err << "needs x [..., M, K] with M <= " << kDenseRows << " rows in its last two axes, got " << x.shape();
+    err = "needs x [..., M, K] with M <= " + std::to_string(kDenseRows) + " rows in its last two axes, got " +
+          text(x.shape());
   }
-  for (size_t i = 0; err.str().empty() && i < ws.size(); ++i) {
+  for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
     const auto& w = ws[i];
     if ((w.dtype() != mx::float32 && w.dtype() != mx::bfloat16) || w.dtype() != ws[0].dtype()) {
-      err << "the weights must be all float32 or all bfloat16";
+      err = "the weights must be all float32 or all bfloat16";
     } else if (w.ndim() != 2 || w.shape(0) != K) {
-      err << "needs each w [K, N] with K " << K << " (x's last axis), got " << w.shape();
+      err = "needs each w [K, N] with K " + std::to_string(K) + " (x's last axis), got " + text(w.shape());
     }
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
-  if (!err.str().empty()) throw std::invalid_argument("gemv: " + err.str());
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("gemv: " + err);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (const auto& w : ws) {
@@ -430,53 +431,55 @@ mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOr
 // are a layout the row loops read.
 std::string check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t K,
                             int group_size, int bits) {
-  std::ostringstream err;
   if (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
-    err << "scales and biases must be float32 and w uint32";
+    return "scales and biases must be float32 and w uint32";
   } else if (bits != 4 && bits != 8) {
-    err << "bits must be 4 or 8, not " << bits;
+    return "bits must be 4 or 8, not " + std::to_string(bits);
   } else if (group_size != 32 && group_size != 64 && group_size != 128) {
-    err << "group_size must be 32, 64 or 128, not " << group_size;
+    return "group_size must be 32, 64 or 128, not " + std::to_string(group_size);
   } else if (w.ndim() != 2 || K == 0 || w.shape(1) * 32 / bits != K || K % group_size ||
              K % block_values(bits) || scales.shape() != mx::Shape{w.shape(0), int(K / group_size)} ||
              biases.shape() != scales.shape()) {
-    err << "needs x [..., K], w [N, K * bits / 32] and scales, biases [N, K / group_size] with K a "
-        << "multiple of " << block_values(bits) << ", got K " << K << ", w " << w.shape() << ", scales "
-        << scales.shape();
+    return "needs x [..., K], w [N, K * bits / 32] and scales, biases [N, K / group_size] with K a multiple of " +
+           std::to_string(block_values(bits)) + ", got K " + std::to_string(K) + ", w " + text(w.shape()) +
+           ", scales " + text(scales.shape()) + ", biases " + text(biases.shape());
   } else if (!w.flags().row_contiguous || !scales.flags().row_contiguous || !biases.flags().row_contiguous) {
-    err << "w, scales and biases must be row-contiguous";
+    return "w, scales and biases must be row-contiguous";
   }
-  return err.str();
+  return "";
 }
 
 // "" when w (N rows) can be or is interleaved here.
 std::string check_interleaved(const mx::array& w) {
-  std::ostringstream err;
-  if (kInterleavedRows == 0) err << "this build has no interleaved layout (no integer dot products)";
-  else if (w.shape(0) % kInterleavedRows) err << "interleaved weights need a multiple of " << kInterleavedRows << " rows, not " << w.shape(0);
-  return err.str();
+  if (kInterleavedRows == 0) return "this build has no interleaved layout (no integer dot products)";
+  if (w.shape(0) % kInterleavedRows) {
+    return "interleaved weights need a multiple of " + std::to_string(kInterleavedRows) + " rows, not " +
+           std::to_string(w.shape(0));
+  }
+  return "";
 }
 
 std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
                                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
                                        int group_size, int bits, bool interleaved, mx::StreamOrDevice s) {
-  std::ostringstream err;
+  std::string err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
   if (x.dtype() != mx::float32) {
-    err << "x must be float32";
+    err = "x must be float32";
   } else if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size()) {
-    err << "needs one or more weights, each with its scales and biases";
+    err = "needs one or more weights, each with its scales and biases";
   } else if (const int most = interleaved ? kInterleavedQuantizedRows : kQuantizedRows;
-             x.size() / K > most || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
-    err << "takes at most " << most << " rows in its last two axes, got " << x.shape();
+             K == 0 || x.size() / K > most || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
+    err = "takes x [..., M, K] with at most " + std::to_string(most) + " rows in its last two axes, got " +
+          text(x.shape());
   }
-  for (size_t i = 0; err.str().empty() && i < ws.size(); ++i) {
-    if (std::string why = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits); !why.empty()) err << why;
-    else if (interleaved) err << check_interleaved(ws[i]);
+  for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
+    err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits);
+    if (err.empty() && interleaved) err = check_interleaved(ws[i]);
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
-  if (!err.str().empty()) throw std::invalid_argument("quantized_gemv: " + err.str());
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("quantized_gemv: " + err);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < ws.size(); ++i) {

@@ -5,7 +5,7 @@
 // chunk's ~6% of its whole.
 
 #include <cstdint>
-#include <sstream>
+#include <string>
 #include <stdexcept>
 
 #include "kernels.h"
@@ -67,15 +67,15 @@ class SiluMul : public mx::UnaryPrimitive {
 }  // namespace
 
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s) {
-  std::ostringstream err;
+  std::string err;
   if (gate.dtype() != mx::float32 || up.dtype() != mx::float32) {
-    err << "gate and up must be float32";
+    err = "gate and up must be float32";
   } else if (gate.shape() != up.shape()) {
-    err << "gate and up must have one shape, got " << gate.shape() << " and " << up.shape();
+    err = "gate and up must have one shape, got " + text(gate.shape()) + " and " + text(up.shape());
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.str().empty() && stream.device != mx::Device::cpu) err << "runs on the CPU only";
-  if (!err.str().empty()) throw std::invalid_argument("silu_mul: " + err.str());
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("silu_mul: " + err);
   return mx::array(gate.shape(), mx::float32, std::make_shared<SiluMul>(stream), {gate, up});
 }
 

@@ -29,7 +29,8 @@ from ..dtypes import on_cpu
 from ..pte.graph import node_name, tensor_fields
 from .ops.nn import build_addmm, few_rows
 from .ops.quant import (
-    INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, build_quantized_matmul,
+    INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, GemvOperands,
+    build_quantized_matmul,
 )
 from .ops.shape import int_list, text
 
@@ -98,14 +99,16 @@ def _runs(ctx, members, ops, signature):
     gemvs = ctx.kernels.extension.quantized_gemvs
     weights = [(op.w.idx, op.scales.idx, op.biases.idx) for op in ops]
     own = [build_quantized_matmul(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
+    operands = [GemvOperands(group, bits) for _ in ops]
+    most = INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
 
     def products(f):
         xs = f[x]
         k = xs.shape[-1]
-        most = INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
-        fits = (xs.dtype == mx.float32 and xs.size // k <= most and k % (256 // bits) == 0
-                and (xs.ndim <= 2 or xs.size // k == xs.shape[-2]))  # rows in the last two axes only
-        if not fits or any(f[s].dtype != mx.float32 for _, s, _ in weights):
+        fits = (xs.dtype == mx.float32
+                and all(c.k(f[w], f[s], f[b]) == k for c, (w, s, b) in zip(operands, weights))
+                and xs.size // k <= most and (xs.ndim <= 2 or xs.size // k == xs.shape[-2]))  # rows in the last two axes
+        if not fits:
             return None
         return gemvs(xs, [f[w] for w, _, _ in weights], [f[s] for _, s, _ in weights],
                      [f[b] for _, _, b in weights], group, bits, interleaved=interleaved)

@@ -77,8 +77,19 @@ def cpu_attention(window: int = 0, kernels=None):
     def sdpa(Q, K, V, scale, mask):
         # the cache's masks: None (one query), "causal", or the window's band
         if (Q.dtype == mx.float32 and K.dtype in KERNEL_KV_DTYPES
-                and (window > 0 or not isinstance(mask, mx.array))):
+                and (window > 0 or not isinstance(mask, mx.array)) and kernel_takes(Q, K, V, mask is not None)):
             return fused_attention(Q, K, V, scale, mask is not None, window=window, stream=mx.cpu)
         return mlx_ops(Q, K, V, scale=scale, mask=mask)
 
     return sdpa
+
+
+def kernel_takes(Q, K, V, causal: bool) -> bool:
+    """The shapes the extension's kernel attends over (cpu/attention.cpp):
+    anything else (a corrupt program's query) goes to MLX's ops, whose
+    checks name the problem."""
+    if Q.ndim != 4 or K.ndim != 4 or K.shape != V.shape:
+        return False
+    B, H, T, D = Q.shape
+    _, H_kv, S, D_kv = K.shape
+    return B == K.shape[0] and D == D_kv and 0 < H_kv and H % H_kv == 0 and 0 < S and (not causal or T <= S)

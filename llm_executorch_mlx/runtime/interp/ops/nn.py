@@ -82,12 +82,13 @@ def _addmm(n, ctx, rows):
 
 
 def few_rows(x, w) -> bool:
-    """At most ``DENSE_GEMV_ROWS`` fp32 rows against a 2-D fp32 weight, or a
-    bf16 one kept as stored (program.py). ``x`` is taken before any last-row
-    slice, so a long prefill chunk's LM head stays a BLAS product: no host
-    thread helps a long chunk. A bf16 weight meets more rows only when this
+    """At most ``DENSE_GEMV_ROWS`` fp32 rows against a 2-D fp32 weight of as
+    many rows as ``x`` has columns, or a bf16 one kept as stored (program.py);
+    anything else (a corrupt program's shapes) is left to MLX's checks.
+    ``x`` is taken before any last-row slice, so a long prefill chunk's LM
+    head stays a BLAS product: no host thread helps a long chunk. A bf16 weight meets more rows only when this
     GEMV is in use, and is then widened per call for BLAS."""
-    return (x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2
+    return (x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2 and 0 < x.shape[-1] == w.shape[0]
             and x.size <= DENSE_GEMV_ROWS * x.shape[-1] and x.size == x.shape[-1] * (x.shape[-2] if x.ndim > 1 else 1))
 
 

@@ -62,6 +62,39 @@ def _check_weight(ctx, w, scales, biases, group_size: int, bits: int) -> None:
         )
 
 
+class GemvOperands:
+    """Whether the extension's quantized GEMV reads a weight (cpu/gemv.cpp's
+    ``check_quantized``): what it would refuse (a corrupt program's shapes)
+    goes to MLX's ops instead, whose checks name the problem. A product's
+    weight, scales and biases are the same arrays every step, so they are
+    checked once for each triple seen."""
+
+    def __init__(self, group_size: int, bits: int):
+        self.group_size, self.bits = group_size, bits
+        self._seen = (None, None, None, 0)
+
+    def k(self, w, scales, biases) -> int:
+        """The ``K`` (x's last axis) the GEMV takes with this weight; 0 where
+        it cannot read it."""
+        seen = self._seen
+        if seen[0] is w and seen[1] is scales and seen[2] is biases:
+            return seen[3]
+        k = self._k(w, scales, biases)
+        self._seen = (w, scales, biases, k)
+        return k
+
+    def _k(self, w, scales, biases) -> int:
+        group_size, bits = self.group_size, self.bits
+        if (w.dtype != mx.uint32 or w.ndim != 2 or scales.dtype != mx.float32
+                or biases is None or biases.dtype != mx.float32):
+            return 0
+        k = w.shape[1] * 32 // bits
+        if (k == 0 or k % group_size or k % (256 // bits) or scales.shape != (w.shape[0], k // group_size)
+                or biases.shape != scales.shape):
+            return 0
+        return k
+
+
 def _opt(f, slot):
     return None if slot is None else f[slot]
 
@@ -111,28 +144,32 @@ def _quantized_matmul(n, ctx, last_row: bool):
 
         return run
     if n.w.idx in ctx.interleaved:
-        return _interleaved_matmul(ctx.kernels.extension, x, w, scales, biases, out, group_size, bits, last_row)
+        return _interleaved_matmul(ctx.kernels.extension, x, w, scales, biases, out, group_size, bits, last_row,
+                                   ctx.current_node)
     kernels = ctx.kernels
     extension = kernels.extension if kernels is not None and kernels.gemv.on else None
     if bits not in QUANTIZED_GEMV_BITS or group_size not in QUANTIZED_GEMV_GROUPS:
         extension = None
     gemv, dequantize = (extension.quantized_gemv, extension.dequantize) if extension else (None, None)
+    operands = GemvOperands(group_size, bits)
 
     def run(f):
         xs, ws, s, b = f[x], f[w], f[scales], f[biases]
         k = xs.shape[-1]
+        ours = gemv is not None and xs.dtype == mx.float32 and operands.k(ws, s, b) == k
         m = xs.size // k
-        ours = gemv is not None and xs.dtype == s.dtype == mx.float32 and k % (256 // bits) == 0
         if last_row and m > 1:
             # a chunk's LM head, its last row only; a long chunk's without the
             # host's help, which would take a core from BLAS (steps.py)
             last = xs[..., -1:, :]
-            if ours and m <= QUANTIZED_GEMV_ROWS:
+            if ours and m <= QUANTIZED_GEMV_ROWS and last.size == k:
                 f[out] = gemv(last, ws, s, b, group_size, bits)
             else:
                 f[out] = qmm(last, ws, s, b, True, group_size, bits, mode)
         elif ours:
-            f[out] = (gemv(xs, ws, s, b, group_size, bits) if m <= QUANTIZED_GEMV_ROWS
+            # the GEMV takes rows in the last two axes only
+            f[out] = (gemv(xs, ws, s, b, group_size, bits)
+                      if m <= QUANTIZED_GEMV_ROWS and (xs.ndim <= 2 or m == xs.shape[-2])
                       else xs @ dequantize(ws, s, b, group_size, bits).T)
         else:
             f[out] = (qmm(xs, ws, s, b, True, group_size, bits, mode) if m <= MLX_QMM_ROWS
@@ -141,14 +178,19 @@ def _quantized_matmul(n, ctx, last_row: bool):
     return run
 
 
-def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, last_row):
+def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, last_row, where):
     """A weight stored interleaved (``program.py``) is read by the extension
     alone: its products of up to 32 rows, and for more rows its dequantized
-    transpose (``[K, N]``) with BLAS. Another x dtype computes in fp32."""
+    transpose (``[K, N]``) with BLAS. Another x dtype computes in fp32.
+    ``where`` names the node in the error an x of the wrong width gets."""
     gemv, dequantize = extension.quantized_gemv, extension.dequantize
 
     def run(f):
         xs, ws, s, b = f[x], f[w], f[scales], f[biases]
+        k = ws.shape[1] * 32 // bits  # checked at load (program.py interleaves it)
+        if xs.ndim == 0 or xs.shape[-1] != k:
+            raise PteError(f"{where}: x of shape {tuple(xs.shape)} against a {bits}-bit weight of {k} columns: "
+                           "corrupt file?")
         dtype = xs.dtype
         if dtype != mx.float32:
             xs = xs.astype(mx.float32)
