@@ -1,7 +1,7 @@
 """What a schema costs per token: the constrained-decoding mask against a decode step.
 
 Runs the plugin's decode loop (``generate_tokens``, greedy) on MODEL for one
-chat prompt, once free and once under a JSON schema (``SchemaConstraint``,
+chat prompt, once free and once under a JSON schema (``Constraint``,
 timed around each of its calls), several rounds each, and reports per token:
 the host time of the mask (the token taken into the grammar, the next mask
 computed and handed to MLX), and the decode step of both runs.
@@ -26,7 +26,7 @@ PROMPT = "Invent a dog."
 
 
 class Timed:
-    """A ``SchemaConstraint`` whose calls are timed."""
+    """A ``Constraint`` whose calls are timed."""
 
     def __init__(self, constraint):
         self.constraint, self.seconds = constraint, []
@@ -70,7 +70,7 @@ def main():
 
     from llm_executorch_mlx.runtime import load_program
     from llm_executorch_mlx.text import load_tokenizer, resolve_template
-    from llm_executorch_mlx.text.constrained import SchemaConstraint
+    from llm_executorch_mlx.text.constrained import Constraint
     from llm_executorch_mlx.text.conversation import encode_conversation
     from llm_executorch_mlx.text.stops import stop_tokens
 
@@ -83,13 +83,13 @@ def main():
     n_vocab = program.metadata.vocab_size or tokenizer.vocab_size
 
     t0 = time.perf_counter()
-    SchemaConstraint(SCHEMA, tokenizer, n_vocab, stops.ids)
+    Constraint(SCHEMA, tokenizer, n_vocab, stops.ids)
     print(f"token table and grammar, first time: {time.perf_counter() - t0:.3f} s")
     run(program, tokenizer, prompt, 8, stops)  # warm-up
     free, bound, masks = [], [], []
     for _ in range(args.reps):
         free.append(run(program, tokenizer, prompt, args.max_tokens, stops)[1])
-        timed = Timed(SchemaConstraint(SCHEMA, tokenizer, n_vocab, stops.ids))
+        timed = Timed(Constraint(SCHEMA, tokenizer, n_vocab, stops.ids))
         tokens, per_token = run(program, tokenizer, prompt, args.max_tokens, stops, timed)
         bound.append(per_token)
         # two calls per token (advance, apply); the first apply builds the lexer

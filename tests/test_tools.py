@@ -60,18 +60,18 @@ MULTIPLY_SPEC = {"type": "function", "function": {
 
 
 def make_chat_tokenizer(directory: pathlib.Path, template: str, eos: str = "<|im_end|>") -> pathlib.Path:
-    """A BPE tokenizer over printable ASCII (so JSON encodes without unknowns)
-    with ChatML's and Llama 3's special tokens, small enough for the test
+    """A byte-level BPE (Qwen's kind) over printable ASCII (so JSON encodes
+    without unknowns) with ChatML's and Llama 3's special tokens, small enough for the test
     models' 256 ids, and ``template`` as its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-    tok.decoder = decoders.Metaspace(prepend_scheme="never")
-    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=250, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    printable = "".join(c for c in string.printable if c not in "\x0b\x0c\r")
+    tok.train_from_iterator([printable] + CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=250, special_tokens=SPECIALS, show_progress=False))
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": eos, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast",
