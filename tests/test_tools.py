@@ -470,7 +470,7 @@ def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(qwen3_too
     (session,) = [s for _, s in store.POOL._sessions.values()]
     assert ref.decode(session.tokens).startswith(rendered)
     one, two = first.response_json, second.response_json
-    assert two["cache_path"] == "hit" and two["cached_tokens"] == one["prompt_tokens"] + one["output_tokens"] + 1
+    assert two["cache_path"] == "hit" and two["cached_tokens"] == one["prompt_tokens"] + first.output_tokens + 1
 
 
 def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(qwen3_tools, user_dir):
@@ -486,7 +486,7 @@ def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(qwen3_
      "Error: -o tool_choice required needs tools to call: offer some with -T/--tool or --functions"),
     (["-T", "llm_time", "-o", "tool_choice", "none"],
      "Error: tool_choice must be auto, required or the name of a tool offered (llm_time), got 'none'"),
-    (["-T", "llm_time", "-o", "tool_choice", "required", "--schema", "name"],
+    (["-T", "llm_time", "-o", "tool_choice", "required", "--schema", "name, age int"],
      "Error: -o tool_choice cannot be used with a schema: the reply is either a document or a call"),
 ])
 def test_tool_choice_misuse_is_one_line_naming_the_fix(qwen3_tools, user_dir, args, error):
