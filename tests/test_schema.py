@@ -142,7 +142,8 @@ def test_bad_schemas_and_stop_strings_get_one_line_errors(tiny):
 
 def test_a_tokenizer_llguidance_cannot_read_is_named(tmp_path):
     tok = load_tokenizer(tokenizers_built.build_unigram(tmp_path))  # a Metaspace decoder
-    with pytest.raises(TextError, match=f"^schemas cannot use the tokenizer {tok.path}: llguidance cannot read it"):
+    with pytest.raises(TextError, match=f"^schemas and forced tool calls cannot use the tokenizer {tok.path}: "
+                                        "llguidance cannot read it"):
         Constraint(PET, tok, tok.vocab_size, tok.eos_ids)
 
 

@@ -65,7 +65,8 @@ def token_table(tokenizer, n_vocab: int, end_ids: tuple[int, ...]) -> llguidance
             eos_token=list(end_ids),
         )
     except Exception as e:  # llguidance says why (an unknown pre-tokenizer, a vocabulary it cannot read)
-        raise TextError(f"schemas cannot use the tokenizer {tokenizer.path}: llguidance cannot read it ({e})") from None
+        raise TextError(f"schemas and forced tool calls cannot use the tokenizer {tokenizer.path}: "
+                        f"llguidance cannot read it ({e})") from None
 
 
 class _SentencePieceBytes:
@@ -195,5 +196,6 @@ class Constraint:
         written = self.tokenizer.decode(self._ids)
         return TextError(
             f"no token of the tokenizer {self.tokenizer.path.name} can continue the JSON "
-            f"{json.dumps(written)} as {self.what} requires: this tokenizer cannot write it"
+            f"{json.dumps(written)} as {self.what} requires: this tokenizer cannot write "
+            + ("that schema" if self.what == "the schema" else "such a call")
         )
