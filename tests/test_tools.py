@@ -493,3 +493,20 @@ def test_tool_choice_misuse_is_one_line_naming_the_fix(qwen3_tools, user_dir, ar
     register(*qwen3_tools, "toolsy")
     r = CliRunner().invoke(cli, ["-m", "pte:toolsy", "what time is it?", *args])
     assert r.exit_code == 1 and r.output.strip().splitlines() == [error]
+
+
+def test_a_call_is_not_forced_inside_reasoning_the_template_opens(qwen3_tools, user_dir, tmp_path):
+    # Qwen3's template with the generation prompt opening the reasoning, as its Thinking-2507 ones do
+    opened = QWEN3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert opened != QWEN3
+    pte, _ = qwen3_tools
+    make_chat_tokenizer(tmp_path / "tok", opened)
+    register(pte, tmp_path / "tok", "thinker")
+    r = CliRunner().invoke(cli, ["-m", "pte:thinker", "-T", "llm_time", "what time is it?",
+                                 "-o", "tool_choice", "required"])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "Error: -o tool_choice required cannot force a call inside the reasoning the template opens: "
+        "add -o reasoning false"]
+    r = CliRunner().invoke(cli, ["-m", "pte:thinker", "-T", "llm_time", "what time is it?", "--td", "-o",
+                                 "tool_choice", "required", "-o", "reasoning", "false", "-o", "max_tokens", "32"])
+    assert r.exit_code == 0 and "Tool call: llm_time({})" in r.output  # the fix it names works
