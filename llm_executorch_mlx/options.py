@@ -115,6 +115,11 @@ _DECLARED = (
            "Whether a reasoning model thinks before it answers (its <think> text streams as reasoning): "
            "true or false sets its chat template's enable_thinking (default: the template's own)",
            rule="true or false", valid=lambda v: isinstance(v, bool)),
+    Option("tool_choice", str, "auto",
+           "With tools: auto (default; the model decides), required (the reply is a call of one of "
+           "them) or a tool's name (a call of that one); a forced reply is constrained to the call's "
+           "syntax and the tool's schema, the reply after the tool's result is not",
+           rule="auto, required or a tool's name", valid=lambda v: isinstance(v, str) and bool(v.strip())),
     Option("kv_max_capacity", int, None,
            "Tokens the KV cache may hold (default: the model's max context)",
            rule=">= 1", valid=lambda v: _integer(v) and v >= 1),

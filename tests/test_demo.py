@@ -139,6 +139,26 @@ def test_schema_and_schema_multi_replies_validate(demo_build):
             jsonschema.validate(json.loads(r.stdout), schema)
 
 
+def test_with_qwen25s_tools_template_llm_T_forced_calls_the_tool(demo_build, tmp_path):
+    """The README's -T example: SmolLM2's tokenizer files with Qwen2.5's
+    template (both ChatML) beside them, one call forced, the tool run."""
+    import shutil
+
+    directory, _ = demo_build
+    tokenizer = tmp_path / "smol-tools"
+    tokenizer.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(directory / name, tokenizer / name)
+    templates = pathlib.Path(__file__).parent / "templates"
+    shutil.copy(templates / "Qwen-Qwen2.5-7B-Instruct.jinja", tokenizer / "chat_template.jinja")
+    r = invoke("pte", "register", directory / demo.PTE_NAME, "--tokenizer", tokenizer / "tokenizer.json",
+               "--name", "smol-tools")
+    assert r.exit_code == 0, r.output
+    r = invoke("-m", "pte:smol-tools", "-T", "llm_time", "what time is it?", "--td", "-o", "tool_choice", "required")
+    assert r.exit_code == 0, r.output
+    assert r.output.lstrip().startswith("Tool call: llm_time({})") and '"utc_time":' in r.output
+
+
 def test_three_turns_are_cache_hits_that_equal_transformers_on_the_history(demo_build, reference):
     """Each turn sends only its own tokens, and its reply is transformers'
     greedy reply to the whole history, which holds the ids generated before

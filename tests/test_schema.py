@@ -22,7 +22,7 @@ from tokenizers import models as tokenizer_models
 import models
 import test_text_tokenizer as tokenizers_built
 from llm_executorch_mlx.text import load_tokenizer, store
-from llm_executorch_mlx.text.constrained import SchemaConstraint, closed_objects
+from llm_executorch_mlx.text.constrained import Constraint, closed_objects
 from llm_executorch_mlx.text.errors import TextError
 
 PET = {
@@ -142,8 +142,9 @@ def test_bad_schemas_and_stop_strings_get_one_line_errors(tiny):
 
 def test_a_tokenizer_llguidance_cannot_read_is_named(tmp_path):
     tok = load_tokenizer(tokenizers_built.build_unigram(tmp_path))  # a Metaspace decoder
-    with pytest.raises(TextError, match=f"^schemas cannot use the tokenizer {tok.path}: llguidance cannot read it"):
-        SchemaConstraint(PET, tok, tok.vocab_size, tok.eos_ids)
+    with pytest.raises(TextError, match=f"^schemas and forced tool calls cannot use the tokenizer {tok.path}: "
+                                        "llguidance cannot read it"):
+        Constraint(PET, tok, tok.vocab_size, tok.eos_ids)
 
 
 BUILDERS = {
@@ -162,7 +163,7 @@ def test_masked_random_sampling_writes_valid_documents_with_every_tokenizer_kind
     end = tok.eos_ids or (tok.vocab_size - 1,)
     rng = np.random.default_rng(0)
     for seed in range(5):
-        constraint = SchemaConstraint(PET, tok, tok.vocab_size + 7, end)  # a padded logits row
+        constraint = Constraint(PET, tok, tok.vocab_size + 7, end)  # a padded logits row
         ids = []
         for _ in range(MAX_TOKENS):
             logits = constraint.apply(mx.array(rng.standard_normal(tok.vocab_size + 7).astype(np.float32)))

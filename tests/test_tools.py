@@ -59,19 +59,20 @@ MULTIPLY_SPEC = {"type": "function", "function": {
                    "required": ["a", "b"], "type": "object"}}}
 
 
-def make_chat_tokenizer(directory: pathlib.Path, template: str, eos: str = "<|im_end|>") -> pathlib.Path:
-    """A BPE tokenizer over printable ASCII (so JSON encodes without unknowns)
-    with ChatML's and Llama 3's special tokens, small enough for the test
-    models' 256 ids, and ``template`` as its chat template."""
+def make_chat_tokenizer(directory: pathlib.Path, template: str, eos: str = "<|im_end|>",
+                        specials=SPECIALS) -> pathlib.Path:
+    """A byte-level BPE (Qwen's kind) over printable ASCII (so JSON encodes
+    without unknowns) with ChatML's and Llama 3's special tokens (``specials``), small enough
+    for the test models' 256 ids, and ``template`` as its chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")
-    tok.decoder = decoders.Metaspace(prepend_scheme="never")
-    alphabet = [c for c in string.printable if c not in "\x0b\x0c\r"]
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(
-        vocab_size=250, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False))
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    printable = "".join(c for c in string.printable if c not in "\x0b\x0c\r")
+    tok.train_from_iterator([printable] + CORPUS * 4, trainers.BpeTrainer(
+        vocab_size=250, special_tokens=specials, show_progress=False))
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": eos, "chat_template": template, "tokenizer_class": "PreTrainedTokenizerFast",
@@ -357,3 +358,155 @@ def test_llm_models_lists_tools_and_the_reasoning_option(qwen3_tools, user_dir):
     out = CliRunner().invoke(cli, ["models", "--options", "-m", "pte:toolsy"]).output
     assert "- tools" in out.split("Features:")[1]
     assert "reasoning: boolean" in out and "enable_thinking" in out
+
+
+# -- forced calls (-o tool_choice): a random model made to write a valid call ----
+
+BOUNDED = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                            "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+           "required": ["a", "b"]}
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+# Bounded arguments, so any call closes within a few tokens whatever the weights pick.
+FORCED_SPECS = [
+    {"type": "function", "function": {"name": "multiply", "description": "Multiply.", "parameters": BOUNDED}},
+    {"type": "function", "function": {"name": "llm_time", "description": "The time.", "parameters": NO_ARGUMENTS}},
+]
+
+
+def random_call(fmt, specs, tok, end_id, seed) -> str:
+    """The text of one call sampled uniformly among the tokens the forced
+    grammar allows at each step, up to the end token it must reach."""
+    import mlx.core as mx
+    import numpy as np
+
+    from llm_executorch_mlx.text.constrained import Constraint
+
+    constraint = Constraint(None, tok, tok.vocab_size, [end_id], call=(fmt, specs))
+    rng, ids = np.random.default_rng(seed), []
+    for _ in range(200):
+        allowed = np.flatnonzero(np.isfinite(np.array(constraint.apply(mx.zeros(tok.vocab_size)))))
+        token = int(rng.choice(allowed))
+        if token == end_id:
+            return tok.decode(ids)
+        constraint.advance(token)
+        ids.append(token)
+    raise AssertionError(f"no end after 200 tokens: {tok.decode(ids)!r}")
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3.2"])
+@pytest.mark.parametrize("tags", ["special", "text"])
+def test_a_forced_call_is_a_valid_call_of_an_offered_tool_whatever_tokens_are_picked(tmp_path, family, tags):
+    import jsonschema
+
+    source, eos = (QWEN25, "<|im_end|>") if family == "qwen2.5" else (LLAMA32, "<|eot_id|>")
+    specials = SPECIALS if tags == "special" else [s for s in SPECIALS if "tool_call" not in s]
+    make_chat_tokenizer(tmp_path, source, eos, specials)
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    added = {t["content"] for t in json.loads((tmp_path / "tokenizer.json").read_text())["added_tokens"]}
+    assert ("<tool_call>" in added) == (tags == "special")
+    fmt = tool_format(source)
+    schemas = {s["function"]["name"]: s["function"]["parameters"] for s in FORCED_SPECS}
+    for seed in range(8):
+        text = random_call(fmt, FORCED_SPECS, tok, tok.token_to_id(eos), seed)
+        if fmt.opening:  # the family's own framing, exactly
+            assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+        parts = split_reply(text, None, False, fmt)
+        (call,) = parts.calls
+        assert parts.content == "" and call.name in schemas
+        jsonschema.validate(call.arguments, schemas[call.name])
+        key = "arguments" if fmt.opening else "parameters"
+        assert json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")) == {
+            "name": call.name, key: call.arguments}
+
+
+def test_a_tool_named_by_tool_choice_is_the_one_called(tmp_path):
+    make_chat_tokenizer(tmp_path, QWEN25)
+    tok = load_tokenizer(tmp_path / "tokenizer.json")
+    specs = [s for s in FORCED_SPECS if s["function"]["name"] == "llm_time"]
+    for seed in range(4):
+        assert random_call(HERMES, specs, tok, tok.token_to_id("<|im_end|>"), seed) == (
+            '<tool_call>\n{"name": "llm_time", "arguments": {}}\n</tool_call>')
+
+
+def forced_tools(seen):
+    def multiply(a, b):
+        seen.append(("multiply", a, b))
+        return a * b
+
+    def llm_time():
+        seen.append(("llm_time",))
+        return "12:00"
+
+    return [llm.Tool(name=s["function"]["name"], description=s["function"]["description"],
+                     input_schema=s["function"]["parameters"], implementation=f)
+            for s, f in zip(FORCED_SPECS, (multiply, llm_time))]
+
+
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1), (0.8, 2), (1.5, 3)])
+def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(qwen3_tools, user_dir, temperature, seed):
+    import jsonschema
+    import transformers
+
+    pte, tok_dir = qwen3_tools
+    register(pte, tok_dir, "toolsy")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    seen = []
+    options = {"kv_disk_mb": 0, "tool_choice": "required", "max_tokens": 48, "temperature": temperature,
+               "seed": seed}
+    chain = llm.get_model("pte:toolsy").chain("What is six times seven?", tools=forced_tools(seen), options=options)
+    first, second = list(chain.responses())[:2]
+    (call,) = first.tool_calls()
+    (spec,) = [s["function"] for s in FORCED_SPECS if s["function"]["name"] == call.name]
+    jsonschema.validate(call.arguments, spec["parameters"])
+    assert seen == [(call.name, *call.arguments.values())] and first.text() == ""
+
+    # the second round: a cache hit on the prompt transformers renders with the call and its result
+    result = str(call.arguments["a"] * call.arguments["b"]) if call.name == "multiply" else "12:00"
+    history = [{"role": "user", "content": "What is six times seven?"},
+               {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+               {"role": "tool", "content": result, "name": call.name}]
+    rendered = ref.apply_chat_template(history, tools=FORCED_SPECS, add_generation_prompt=True, tokenize=False)
+    (session,) = [s for _, s in store.POOL._sessions.values()]
+    assert ref.decode(session.tokens).startswith(rendered)
+    one, two = first.response_json, second.response_json
+    assert two["cache_path"] == "hit" and two["cached_tokens"] == one["prompt_tokens"] + first.output_tokens + 1
+
+
+def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(qwen3_tools, user_dir):
+    register(*qwen3_tools, "toolsy")
+    r = CliRunner().invoke(cli, ["-m", "pte:toolsy", "-T", "llm_time", "what time is it?", "--td",
+                                 "-o", "tool_choice", "required", "-o", "max_tokens", "32"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "Tool call: llm_time({})" in r.output and "utc_time" in r.output
+
+
+@pytest.mark.parametrize("args, error", [
+    (["-o", "tool_choice", "required"],
+     "Error: -o tool_choice required needs tools to call: offer some with -T/--tool or --functions"),
+    (["-T", "llm_time", "-o", "tool_choice", "none"],
+     "Error: tool_choice must be auto, required or the name of a tool offered (llm_time), got 'none'"),
+    (["-T", "llm_time", "-o", "tool_choice", "required", "--schema", "name, age int"],
+     "Error: -o tool_choice cannot be used with a schema: the reply is either a document or a call"),
+])
+def test_tool_choice_misuse_is_one_line_naming_the_fix(qwen3_tools, user_dir, args, error):
+    register(*qwen3_tools, "toolsy")
+    r = CliRunner().invoke(cli, ["-m", "pte:toolsy", "what time is it?", *args])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [error]
+
+
+def test_a_call_is_not_forced_inside_reasoning_the_template_opens(qwen3_tools, user_dir, tmp_path):
+    # Qwen3's template with the generation prompt opening the reasoning, as its Thinking-2507 ones do
+    opened = QWEN3.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+    assert opened != QWEN3
+    pte, _ = qwen3_tools
+    make_chat_tokenizer(tmp_path / "tok", opened)
+    register(pte, tmp_path / "tok", "thinker")
+    r = CliRunner().invoke(cli, ["-m", "pte:thinker", "-T", "llm_time", "what time is it?",
+                                 "-o", "tool_choice", "required"])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "Error: -o tool_choice required cannot force a call inside the reasoning the template opens: "
+        "add -o reasoning false"]
+    r = CliRunner().invoke(cli, ["-m", "pte:thinker", "-T", "llm_time", "what time is it?", "--td", "-o",
+                                 "tool_choice", "required", "-o", "reasoning", "false", "-o", "max_tokens", "32"])
+    assert r.exit_code == 0 and "Tool call: llm_time({})" in r.output  # the fix it names works

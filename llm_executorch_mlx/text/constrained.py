@@ -6,6 +6,12 @@ bitmask over the vocabulary, a few microseconds a step). Its token table is
 built once per tokenizer: from the tokenizer.json itself, from tiktoken's
 ranks, or from sentencepiece's pieces as bytes.
 
+A forced tool call (``-o tool_choice``) is a Lark grammar of the template
+family's call syntax around one ``%json`` sub-grammar per tool. A tag the
+tokenizer holds as a special token (Qwen's ``<tool_call>``) is named by its
+id (``<[id]>``): llguidance never lets text spell a special token, so a
+quoted tag would be unreachable there; elsewhere the tag is plain text.
+
 Documents are written compactly (one spelling of each separator, no free
 whitespace) and objects take only the properties their schema names, unless
 it says otherwise: a model cannot pad a document or grow it forever with
@@ -59,7 +65,8 @@ def token_table(tokenizer, n_vocab: int, end_ids: tuple[int, ...]) -> llguidance
             eos_token=list(end_ids),
         )
     except Exception as e:  # llguidance says why (an unknown pre-tokenizer, a vocabulary it cannot read)
-        raise TextError(f"schemas cannot use the tokenizer {tokenizer.path}: llguidance cannot read it ({e})") from None
+        raise TextError(f"schemas and forced tool calls cannot use the tokenizer {tokenizer.path}: "
+                        f"llguidance cannot read it ({e})") from None
 
 
 class _SentencePieceBytes:
@@ -86,7 +93,7 @@ class _SentencePieceBytes:
         return [self._byte_ids[b] for b in text]
 
 
-def _grammar(schema) -> str:
+def _schema_grammar(schema) -> str:
     if not isinstance(schema, dict):
         raise TextError(f"a schema must be a JSON object, got {type(schema).__name__}")
     try:
@@ -95,27 +102,59 @@ def _grammar(schema) -> str:
         raise TextError(f"the schema is not usable: {e}") from None
 
 
-class SchemaConstraint:
-    """What the reply may still become: a mask over the next token's logits.
+def _lark_tag(tag: str, tokenizer, table) -> str:
+    """``tag`` in Lark: its special token's id where the tokenizer has one, else its text."""
+    ids = tokenizer.encode(tag)
+    if len(ids) == 1 and table.is_special_token(ids[0]):
+        return f"<[{ids[0]}]>"
+    return json.dumps(tag)
+
+
+def _call_grammar(fmt, tools, tokenizer, table) -> str:
+    """One call of one of ``tools`` in ``fmt``'s syntax (tool_calls.ToolFormat)."""
+    calls = []
+    for tool in tools:
+        schema = fmt.call_schema(tool["function"]["name"], tool["function"]["parameters"])
+        calls.append("%json " + json.dumps({**closed_objects(schema), "x-guidance": _JSON_OPTIONS}))
+    rules = [f"call: {' | '.join(f'call_{i}' for i in range(len(calls)))}"]
+    rules += [f"call_{i}: {c}" for i, c in enumerate(calls)]
+    if fmt.opening is None:
+        start = "start: call"
+    else:
+        opening, closing = (_lark_tag(tag, tokenizer, table) for tag in (fmt.opening, fmt.closing))
+        start = f'start: {opening} "\\n" call "\\n" {closing}'
+    try:
+        return llguidance.LLMatcher.grammar_from_lark("\n".join([start, *rules]))
+    except ValueError as e:
+        raise TextError(f"the tools' schemas cannot force a call: {e}") from None
+
+
+class Constraint:
+    """What the reply may still become (a schema's document, or a forced tool
+    call): a mask over the next token's logits.
 
     ``advance(token)`` after each token is read on the host, ``apply(logits)``
     before the next one is sampled: the mask goes to the device as a plain
     array, so it adds no device sync to the step.
     """
 
-    def __init__(self, schema: dict, tokenizer, n_vocab: int, end_ids):
+    def __init__(self, schema: dict | None, tokenizer, n_vocab: int, end_ids, call=None):
         """``n_vocab``: the model's logits width (at least the tokenizer's);
-        ``end_ids``: the stop tokens a finished document may end with."""
+        ``end_ids``: the stop tokens a finished document may end with;
+        ``call``: (ToolFormat, tool definitions) to force one call of one of
+        them instead of a schema's document."""
         n_vocab = max(n_vocab, tokenizer.vocab_size)
         self.end_ids = tuple(sorted(end_ids))
+        self.what = "the schema" if call is None else "a call of the tools offered"
         if not self.end_ids:
-            raise TextError("schemas need a stop token to end the document: the tokenizer and model name none")
+            raise TextError("constrained replies need a stop token to end them: the tokenizer and model name none")
         self.tokenizer = tokenizer
         table = token_table(tokenizer, n_vocab, self.end_ids)
-        grammar = _grammar(schema)
+        grammar = _schema_grammar(schema) if call is None else _call_grammar(*call, tokenizer, table)
         problem = llguidance.LLMatcher.validate_grammar(grammar, table)
         if problem:
-            raise TextError(f"the schema is not usable: {problem.splitlines()[0]}")
+            usable = "the schema is not usable" if call is None else "the tools' schemas cannot force a call"
+            raise TextError(f"{usable}: {problem.splitlines()[0]}")
         self._matcher = llguidance.LLMatcher(table, grammar, log_level=0)
         self._bits = allocate_token_bitmask(1, n_vocab)
         self._ids: list[int] = []
@@ -124,7 +163,7 @@ class SchemaConstraint:
 
     @property
     def complete(self) -> bool:
-        """Whether the tokens so far form a whole document."""
+        """Whether the tokens so far form a whole document (or call)."""
         return self._matcher.is_accepting()
 
     def advance(self, token: int) -> None:
@@ -157,5 +196,6 @@ class SchemaConstraint:
         written = self.tokenizer.decode(self._ids)
         return TextError(
             f"no token of the tokenizer {self.tokenizer.path.name} can continue the JSON "
-            f"{json.dumps(written)} as the schema requires: this tokenizer cannot write that schema"
+            f"{json.dumps(written)} as {self.what} requires: this tokenizer cannot write "
+            + ("that schema" if self.what == "the schema" else "such a call")
         )

@@ -94,7 +94,7 @@ def generate_tokens(
             only while it has room.
         sample: maps a logits row and all ids so far (the whole prompt, then
             the generated ones) to a token (mx scalar).
-        constraint: a ``SchemaConstraint`` (constrained.py) or None. It takes
+        constraint: a ``Constraint`` (constrained.py) or None. It takes
             each token once it is read on the host and masks the logits of
             the next sample: a host array, so no extra device sync.
 

@@ -41,6 +41,15 @@ class ToolFormat:
     opening: str | None = None
     closing: str | None = None
     bare_starts: tuple[str, ...] = ()
+    arguments_key: str = "arguments"  # what the call's JSON names its arguments
+
+    def call_schema(self, name: str, parameters: dict) -> dict:
+        """The JSON schema of a call of the tool ``name`` (what a forced call writes)."""
+        return {
+            "type": "object",
+            "properties": {"name": {"const": name}, self.arguments_key: parameters},
+            "required": ["name", self.arguments_key],
+        }
 
     def parse_call(self, text: str) -> ToolCall | None:
         """The call written in ``text`` (between the tags, or the whole bare
@@ -81,7 +90,7 @@ def tool_format(source: str | None) -> ToolFormat:
         if "<tool_call>" in source:
             return ToolFormat("hermes", "<tool_call>", "</tool_call>")
         if "<|eot_id|>" in source and '"parameters": ' in source:
-            return ToolFormat("llama3_json", bare_starts=("{", _PYTHON_TAG))
+            return ToolFormat("llama3_json", bare_starts=("{", _PYTHON_TAG), arguments_key="parameters")
     raise TextError(
         "tools are not supported for this model's chat template: it does not render tools in a "
         f"format we read ({SUPPORTED})"
@@ -98,3 +107,24 @@ def tool_definitions(tools) -> list[dict]:
         }}
         for t in tools
     ]
+
+
+def forced_tools(choice: str, tools: list[dict] | None, messages: list[dict]) -> list[dict] | None:
+    """The tools the reply must call one of under ``-o tool_choice choice``,
+    or None when the model decides.
+
+    Only a reply to the user is forced: once the last message is a tool's
+    result, the call has been made, and forcing another would loop.
+    """
+    if choice == "auto":
+        return None
+    if not tools:
+        raise TextError(f"-o tool_choice {choice} needs tools to call: offer some with -T/--tool or --functions")
+    names = [t["function"]["name"] for t in tools]
+    if choice != "required" and choice not in names:
+        raise TextError(
+            f"tool_choice must be auto, required or the name of a tool offered ({', '.join(names)}), got {choice!r}"
+        )
+    if messages and messages[-1]["role"] == "tool":
+        return None
+    return tools if choice == "required" else [tools[names.index(choice)]]

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..options import OPTIONS
 from . import store
-from .constrained import SchemaConstraint
+from .constrained import Constraint
 from .conversation import assistant_message, encode_conversation, message_key, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
@@ -29,7 +29,7 @@ from .stats import turn_stats
 from .stops import StopMatcher, stop_tokens
 from .streaming import stream_reply
 from .templates import resolve_template
-from .tool_calls import tool_format
+from .tool_calls import forced_tools, tool_format
 
 # The options of one turn: a field per declared option, with its declared default.
 TurnOptions = make_dataclass(
@@ -96,18 +96,26 @@ class Turn:
         )
         self.messages = messages
         self.stops = stop_tokens(self.program.metadata.eos_ids, self.tokenizer, self.template.turn_end)
-        self.constraint = self._constraint(schema)
+        self.constraint = self._constraint(schema, forced_tools(opts.tool_choice, tools, messages))
         self.disk = (StateStore(state_dir, int(opts.kv_disk_mb * 2**20), self.notice)
                      if state_dir is not None and opts.kv_disk_mb else None)
 
-    def _constraint(self, schema: dict | None) -> SchemaConstraint | None:
-        """The reply's schema as a token mask; None without one."""
-        if schema is None:
+    def _constraint(self, schema: dict | None, forced: list[dict] | None) -> Constraint | None:
+        """The reply's schema, or the call it is forced to make, as a token mask;
+        None without either."""
+        if schema is not None and self.opts.tool_choice != "auto":
+            raise TextError("-o tool_choice cannot be used with a schema: the reply is either a document or a call")
+        if schema is None and forced is None:
             return None
+        what = "a schema" if forced is None else f"-o tool_choice {self.opts.tool_choice}"
         if self.opts.stop:
-            raise TextError("-o stop cannot be used with a schema: a stop string would cut the JSON document")
+            raise TextError(f"-o stop cannot be used with {what}: a stop string would cut the JSON")
+        if forced is not None and self.in_reasoning:
+            raise TextError(f"-o tool_choice {self.opts.tool_choice} cannot force a call inside the reasoning "
+                            "the template opens: add -o reasoning false")
         n_vocab = self.program.metadata.vocab_size or self.tokenizer.vocab_size
-        return SchemaConstraint(schema, self.tokenizer, n_vocab, self.stops.ids)
+        call = None if forced is None else (self.tool_format, forced)
+        return Constraint(schema, self.tokenizer, n_vocab, self.stops.ids, call=call)
 
     def _disk_key(self) -> tuple[dict, dict]:
         """The model identity and cache policy a saved state must match."""
@@ -204,7 +212,7 @@ class Turn:
             self.stops, matcher, decoder, self.constraint,
         )
         if self.constraint is not None and not self.constraint.complete:
-            raise TextError(_cut_document(reply.finish_reason, self.opts.max_tokens))
+            raise TextError(_cut_document(reply.finish_reason, self.opts.max_tokens, self.constraint.what))
         reply_key = None
         if not reply.stop_string:
             reply_key = self._reply_key(reply.text)
@@ -234,9 +242,10 @@ class Turn:
         self.result = result
 
 
-def _cut_document(finish_reason: str, max_tokens: int) -> str:
-    """Why a reply under a schema ended before its document closed, and the fix."""
+def _cut_document(finish_reason: str, max_tokens: int, what: str) -> str:
+    """Why a constrained reply ended before its document (or call) closed, and the fix."""
+    written = "JSON document" if what == "the schema" else "tool call"
     if finish_reason == "capacity":
-        return ("the cache filled before the reply's JSON document was complete: "
+        return (f"the cache filled before the reply's {written} was complete: "
                 "raise -o kv_max_capacity or start a new conversation")
-    return f"max_tokens {max_tokens} ended the reply before its JSON document was complete: raise -o max_tokens"
+    return f"max_tokens {max_tokens} ended the reply before its {written} was complete: raise -o max_tokens"
