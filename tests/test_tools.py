@@ -552,7 +552,8 @@ def smol_conversations():
 @pytest.mark.parametrize("thinking", [True, False])
 def test_smollm3s_tools_calls_and_results_render_as_transformers_renders_them(tmp_path, thinking):
     ours, ref = tokenizers(tmp_path, SMOLLM3)
-    template = resolve_template("auto", ours).bound(**SMOL.template_context([MULTIPLY_SPEC]), enable_thinking=thinking)
+    context = {**SMOL.template_context([MULTIPLY_SPEC]), "enable_thinking": thinking}
+    template = resolve_template("auto", ours).bound(**context)
     kwargs = {"xml_tools": SMOL_TOOLS, "enable_thinking": thinking, "add_generation_prompt": True}
     for from_llm, written in smol_conversations():
         messages = calls_as_text(from_llm, SMOL, THINK, ours, {})
@@ -607,7 +608,8 @@ def test_a_smollm3_tool_chain_sends_back_the_text_it_wrote_and_reuses_the_cache(
         script["ids"] = script_ids(ref, "The answer is 42.") + [im_end]
         return a * b
 
-    chain = llm.get_model("pte:smol3").chain("What is six times seven?", tools=[multiply], options={"kv_disk_mb": 0})
+    chain = llm.get_model("pte:smol3").chain("What is six times seven?", tools=[multiply],
+                                             options={"kv_disk_mb": 0})
     first, second = list(chain.responses())
     assert second.text() == "The answer is 42." and seen == [(6, 7)]
     assert [(c.name, c.arguments) for c in first.tool_calls()] == [("multiply", {"a": 6, "b": 7})]
