@@ -608,8 +608,8 @@ def test_a_smollm3_tool_chain_sends_back_the_text_it_wrote_and_reuses_the_cache(
         script["ids"] = script_ids(ref, "The answer is 42.") + [im_end]
         return a * b
 
-    chain = llm.get_model("pte:smol3").chain("What is six times seven?", tools=[multiply],
-                                             options={"kv_disk_mb": 0})
+    conversation = llm.get_model("pte:smol3").conversation()
+    chain = conversation.chain("What is six times seven?", tools=[multiply], options={"kv_disk_mb": 0})
     first, second = list(chain.responses())
     assert second.text() == "The answer is 42." and seen == [(6, 7)]
     assert [(c.name, c.arguments) for c in first.tool_calls()] == [("multiply", {"a": 6, "b": 7})]
@@ -628,6 +628,15 @@ def test_a_smollm3_tool_chain_sends_back_the_text_it_wrote_and_reuses_the_cache(
     assert one["prompt_tokens"] == len(round1) and one["cache_path"] == "cold"
     assert two["prompt_tokens"] == len(round2) and two["cache_path"] == "hit"
     assert two["cached_tokens"] == len(round1) + len(script_ids(ref, call_text)) + 1
+
+    # a later turn without tools still sends the call back
+    script["ids"] = script_ids(ref, "Bye.") + [im_end]
+    assert conversation.prompt("Thanks", kv_disk_mb=0).text() == "Bye."
+    round3 = ref.apply_chat_template(
+        [user, {"role": "assistant", "content": call_text}, {"role": "tool", "content": "42"},
+         {"role": "assistant", "content": "The answer is 42."}, {"role": "user", "content": "Thanks"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert any(s.tokens[: len(round3)] == round3 for _, s in store.POOL._sessions.values())
 
 
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1), (1.5, 3)])
