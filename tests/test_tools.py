@@ -451,12 +451,13 @@ def forced_tools(seen):
             for s, f in zip(FORCED_SPECS, (multiply, llm_time))]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "smollm3"])
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1), (0.8, 2), (1.5, 3)])
-def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(qwen3_tools, user_dir, temperature, seed):
+def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(request, user_dir, family, temperature, seed):
     import jsonschema
     import transformers
 
-    pte, tok_dir = qwen3_tools
+    pte, tok_dir = request.getfixturevalue(f"{family}_tools")
     register(pte, tok_dir, "toolsy")
     ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
     seen = []
@@ -471,19 +472,25 @@ def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(qwen3_too
 
     # the second round: a cache hit on the prompt transformers renders with the call and its result
     result = str(call.arguments["a"] * call.arguments["b"]) if call.name == "multiply" else "12:00"
-    history = [{"role": "user", "content": "What is six times seven?"},
-               {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+    written = {"name": call.name, "arguments": call.arguments}
+    if family == "qwen3":
+        turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": written}]}
+        tools = {"tools": FORCED_SPECS}
+    else:  # SmolLM3's template renders no tool_calls: the call goes back as the text its syntax writes
+        turn = {"role": "assistant", "content": "<tool_call>\n" + json.dumps(written) + "\n</tool_call>"}
+        tools = {"xml_tools": [s["function"] for s in FORCED_SPECS]}
+    history = [{"role": "user", "content": "What is six times seven?"}, turn,
                {"role": "tool", "content": result, "name": call.name}]
-    rendered = ref.apply_chat_template(history, tools=FORCED_SPECS, add_generation_prompt=True, tokenize=False)
+    rendered = ref.apply_chat_template(history, add_generation_prompt=True, tokenize=False, **tools)
     (session,) = [s for _, s in store.POOL._sessions.values()]
     assert ref.decode(session.tokens).startswith(rendered)
     one, two = first.response_json, second.response_json
     assert two["cache_path"] == "hit" and two["cached_tokens"] == one["prompt_tokens"] + first.output_tokens + 1
 
 
-def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(qwen3_tools, user_dir):
-    register(*qwen3_tools, "toolsy")
+@pytest.mark.parametrize("family", ["qwen3", "smollm3"])
+def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(request, user_dir, family):
+    register(*request.getfixturevalue(f"{family}_tools"), "toolsy")
     r = CliRunner().invoke(cli, ["-m", "pte:toolsy", "-T", "llm_time", "what time is it?", "--td",
                                  "-o", "tool_choice", "required", "-o", "max_tokens", "32"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -637,34 +644,3 @@ def test_a_smollm3_tool_chain_sends_back_the_text_it_wrote_and_reuses_the_cache(
          {"role": "assistant", "content": "The answer is 42."}, {"role": "user", "content": "Thanks"}],
         add_generation_prompt=True, tokenize=True, return_dict=False)
     assert any(s.tokens[: len(round3)] == round3 for _, s in store.POOL._sessions.values())
-
-
-@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1), (1.5, 3)])
-def test_a_forced_smollm3_chain_calls_a_tool_and_answers_from_the_cache(smollm3_tools, user_dir, temperature, seed):
-    import jsonschema
-    import transformers
-
-    pte, tok_dir = smollm3_tools
-    register(pte, tok_dir, "smol3")
-    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
-    seen = []
-    options = {"kv_disk_mb": 0, "tool_choice": "required", "max_tokens": 48, "temperature": temperature,
-               "seed": seed}
-    chain = llm.get_model("pte:smol3").chain("What is six times seven?", tools=forced_tools(seen), options=options)
-    first, second = list(chain.responses())[:2]
-    (call,) = first.tool_calls()
-    (spec,) = [s["function"] for s in FORCED_SPECS if s["function"]["name"] == call.name]
-    jsonschema.validate(call.arguments, spec["parameters"])
-    assert seen == [(call.name, *call.arguments.values())] and first.text() == ""
-
-    # the call goes back as the template's syntax writes it, and the next round is a cache hit
-    written = "<tool_call>\n" + json.dumps({"name": call.name, "arguments": call.arguments}) + "\n</tool_call>"
-    result = str(call.arguments["a"] * call.arguments["b"]) if call.name == "multiply" else "12:00"
-    history = [{"role": "user", "content": "What is six times seven?"}, {"role": "assistant", "content": written},
-               {"role": "tool", "content": result}]
-    rendered = ref.apply_chat_template(history, xml_tools=[s["function"] for s in FORCED_SPECS],
-                                       add_generation_prompt=True, tokenize=False)
-    (session,) = [s for _, s in store.POOL._sessions.values()]
-    assert ref.decode(session.tokens).startswith(rendered)
-    one, two = first.response_json, second.response_json
-    assert two["cache_path"] == "hit" and two["cached_tokens"] == one["prompt_tokens"] + first.output_tokens + 1
