@@ -7,11 +7,13 @@ from click.testing import CliRunner
 from llm.cli import cli
 from test_tools import (
     QWEN3,
+    SMOLLM3,
     TEMPLATES,
     qwen3_tools,
     register,
     script_ids,
     scripted_sampler,
+    smollm3_tools,
     tiny_llama,
     tokenizers,
     user_dir,
@@ -22,7 +24,7 @@ from llm_executorch_mlx.text.conversation import encode_conversation, message_ke
 from llm_executorch_mlx.text.reasoning import opens_reasoning, think_tags, thinking_context
 from llm_executorch_mlx.text.reply_parts import ReplySplitter, split_reply
 
-__all__ = ["qwen3_tools", "tiny_llama", "user_dir"]  # fixtures, shared with test_tools
+__all__ = ["qwen3_tools", "smollm3_tools", "tiny_llama", "user_dir"]  # fixtures, shared with test_tools
 
 THINK = think_tags(QWEN3)
 # What Qwen3 writes in thinking mode: its reasoning, then the answer.
@@ -153,3 +155,72 @@ def test_reasoning_false_on_a_template_without_the_switch_is_one_line(tiny_llama
     assert r.output.strip().splitlines() == [
         ("Error: -o reasoning false: this model's chat template has no switch for reasoning "
         "(enable_thinking); leave the option out")]
+
+
+# -- SmolLM3: enable_thinking picks /think or /no_think; /no_think closes an empty <think> itself --
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_smollm3s_switch_renders_as_transformers_and_never_opens_the_reasoning(tmp_path, thinking):
+    ours, ref = tokenizers(tmp_path, SMOLLM3)
+    assert think_tags(SMOLLM3) == THINK and thinking_context(SMOLLM3, thinking) == {"enable_thinking": thinking}
+    template = resolve_template("auto", ours).bound(**thinking_context(SMOLLM3, thinking))
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = template.render(messages)
+    assert prompt == ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=thinking)
+    assert ("Reasoning Mode: /think" in prompt) == thinking
+    assert not opens_reasoning(prompt, THINK)  # /think: the model opens it; /no_think: the prompt closed it
+
+
+def test_smollm3s_reasoning_streams_as_reasoning_and_the_next_turn_renders_as_transformers(
+        smollm3_tools, user_dir, monkeypatch):
+    import llm
+    import transformers
+
+    pte, tok_dir = smollm3_tools
+    register(pte, tok_dir, "smol3")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    im_end = ref.convert_tokens_to_ids("<|im_end|>")
+    script = scripted_sampler(monkeypatch)
+    script["ids"] = script_ids(ref, "<think>\nThe user greets me.\n</think>\nHello!") + [im_end]
+    conversation = llm.get_model("pte:smol3").conversation()
+    first = conversation.prompt("Hi", kv_disk_mb=0)
+    events = list(first.stream_events())
+    assert "".join(e.chunk for e in events if e.type == "reasoning") == "The user greets me."
+    assert first.text() == "Hello!"
+    script["ids"] = script_ids(ref, "Goodbye!") + [im_end]
+    assert conversation.prompt("Bye", kv_disk_mb=0).text() == "Goodbye!"
+    # SmolLM3's template renders an assistant turn's content alone: the reasoning is not in it
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+               {"role": "user", "content": "Bye"}]
+    expected = ref.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
+    (session,) = [s for _, s in store.POOL._sessions.values()]
+    assert session.tokens[: len(expected)] == expected
+
+
+def test_smollm3_without_reasoning_answers_and_its_next_turn_is_a_cache_hit(smollm3_tools, user_dir, monkeypatch):
+    import llm
+    import transformers
+
+    pte, tok_dir = smollm3_tools
+    register(pte, tok_dir, "smol3")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    im_end = ref.convert_tokens_to_ids("<|im_end|>")
+    script = scripted_sampler(monkeypatch)
+    script["ids"] = script_ids(ref, "Hello!") + [im_end]
+    conversation = llm.get_model("pte:smol3").conversation()
+    first = conversation.prompt("Hi", reasoning=False, kv_disk_mb=0)
+    assert first.text() == "Hello!" and not [e for e in first.stream_events() if e.type == "reasoning"]
+    script["ids"] = script_ids(ref, "Goodbye!") + [im_end]
+    second = conversation.prompt("Bye", reasoning=False, kv_disk_mb=0)
+    assert second.text() == "Goodbye!"
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+               {"role": "user", "content": "Bye"}]
+    expected = ref.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False,
+                                       enable_thinking=False)
+    (session,) = [s for _, s in store.POOL._sessions.values()]
+    assert session.tokens[: len(expected)] == expected
+    # the template writes the empty <think> block back where the prompt had it: nothing to re-prefill
+    assert second.response_json["cache_path"] == "hit"
+    assert second.response_json["cached_tokens"] == first.response_json["prompt_tokens"] + first.output_tokens + 1

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 from llm.cli import cli
 
 from llm_executorch_mlx.text import TextError, load_tokenizer, resolve_template, store
-from llm_executorch_mlx.text.conversation import encode_conversation, messages_from_llm
+from llm_executorch_mlx.text.conversation import calls_as_text, encode_conversation, messages_from_llm
+from llm_executorch_mlx.text.reasoning import think_tags
 from llm_executorch_mlx.text.reply_parts import ReplySplitter, split_reply
 from llm_executorch_mlx.text.tool_calls import ToolCall, tool_definitions, tool_format
 
@@ -26,6 +27,8 @@ QWEN25 = (TEMPLATES / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()
 LLAMA31 = (TEMPLATES / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
 LLAMA32 = (TEMPLATES / "meta-llama-Llama-3.2-3B-Instruct.jinja").read_text()
+# HuggingFaceTB/SmolLM3-3B's chat_template.jinja, as johnmai-dev/Jinja's tests keep it (templates/README.md)
+SMOLLM3 = (TEMPLATES / "HuggingFaceTB-SmolLM3-3B.jinja").read_text()
 FAMILIES = {"qwen2.5": QWEN25, "qwen3": QWEN3, "llama3.1": LLAMA31, "llama3.2": LLAMA32}
 
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
@@ -154,8 +157,13 @@ def test_llms_messages_become_template_messages():
 
 
 def test_each_family_is_read_from_its_template():
-    assert {name: tool_format(source).family for name, source in FAMILIES.items()} == {
-        "qwen2.5": "hermes", "qwen3": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json"}
+    assert {name: tool_format(source).family for name, source in {**FAMILIES, "smollm3": SMOLLM3}.items()} == {
+        "qwen2.5": "hermes", "qwen3": "hermes", "llama3.1": "llama3_json", "llama3.2": "llama3_json",
+        "smollm3": "smollm3"}
+    # SmolLM3's template reads xml_tools and renders no tool_calls: its calls go back as text
+    smol = tool_format(SMOLLM3)
+    assert (smol.tools_key, smol.calls_in_content) == ("xml_tools", True)
+    assert not any(tool_format(source).calls_in_content for source in FAMILIES.values())
 
 
 def test_a_template_without_tools_is_refused_not_guessed():
@@ -340,7 +348,7 @@ def test_tools_on_a_template_without_them_is_one_line_naming_the_families(tiny_l
     assert r.exit_code == 1
     assert r.output.strip().splitlines() == [
         ("Error: tools are not supported for this model's chat template: it does not render tools in a format "
-        "we read (Qwen2.5/Qwen3/Hermes <tool_call> JSON, Llama 3.1/3.2 JSON)")]
+        "we read (Qwen2.5/Qwen3/Hermes/SmolLM3 <tool_call> JSON, Llama 3.1/3.2 JSON)")]
 
 
 @pytest.fixture(scope="module")
@@ -393,12 +401,13 @@ def random_call(fmt, specs, tok, end_id, seed) -> str:
     raise AssertionError(f"no end after 200 tokens: {tok.decode(ids)!r}")
 
 
-@pytest.mark.parametrize("family", ["qwen2.5", "llama3.2"])
+@pytest.mark.parametrize("family", ["qwen2.5", "smollm3", "llama3.2"])
 @pytest.mark.parametrize("tags", ["special", "text"])
 def test_a_forced_call_is_a_valid_call_of_an_offered_tool_whatever_tokens_are_picked(tmp_path, family, tags):
     import jsonschema
 
-    source, eos = (QWEN25, "<|im_end|>") if family == "qwen2.5" else (LLAMA32, "<|eot_id|>")
+    source, eos = {"qwen2.5": (QWEN25, "<|im_end|>"), "smollm3": (SMOLLM3, "<|im_end|>"),
+                   "llama3.2": (LLAMA32, "<|eot_id|>")}[family]
     specials = SPECIALS if tags == "special" else [s for s in SPECIALS if "tool_call" not in s]
     make_chat_tokenizer(tmp_path, source, eos, specials)
     tok = load_tokenizer(tmp_path / "tokenizer.json")
@@ -442,12 +451,13 @@ def forced_tools(seen):
             for s, f in zip(FORCED_SPECS, (multiply, llm_time))]
 
 
+@pytest.mark.parametrize("family", ["qwen3", "smollm3"])
 @pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1), (0.8, 2), (1.5, 3)])
-def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(qwen3_tools, user_dir, temperature, seed):
+def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(request, user_dir, family, temperature, seed):
     import jsonschema
     import transformers
 
-    pte, tok_dir = qwen3_tools
+    pte, tok_dir = request.getfixturevalue(f"{family}_tools")
     register(pte, tok_dir, "toolsy")
     ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
     seen = []
@@ -462,19 +472,25 @@ def test_a_forced_chain_calls_runs_the_tool_and_answers_from_the_cache(qwen3_too
 
     # the second round: a cache hit on the prompt transformers renders with the call and its result
     result = str(call.arguments["a"] * call.arguments["b"]) if call.name == "multiply" else "12:00"
-    history = [{"role": "user", "content": "What is six times seven?"},
-               {"role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+    written = {"name": call.name, "arguments": call.arguments}
+    if family == "qwen3":
+        turn = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": written}]}
+        tools = {"tools": FORCED_SPECS}
+    else:  # SmolLM3's template renders no tool_calls: the call goes back as the text its syntax writes
+        turn = {"role": "assistant", "content": "<tool_call>\n" + json.dumps(written) + "\n</tool_call>"}
+        tools = {"xml_tools": [s["function"] for s in FORCED_SPECS]}
+    history = [{"role": "user", "content": "What is six times seven?"}, turn,
                {"role": "tool", "content": result, "name": call.name}]
-    rendered = ref.apply_chat_template(history, tools=FORCED_SPECS, add_generation_prompt=True, tokenize=False)
+    rendered = ref.apply_chat_template(history, add_generation_prompt=True, tokenize=False, **tools)
     (session,) = [s for _, s in store.POOL._sessions.values()]
     assert ref.decode(session.tokens).startswith(rendered)
     one, two = first.response_json, second.response_json
     assert two["cache_path"] == "hit" and two["cached_tokens"] == one["prompt_tokens"] + first.output_tokens + 1
 
 
-def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(qwen3_tools, user_dir):
-    register(*qwen3_tools, "toolsy")
+@pytest.mark.parametrize("family", ["qwen3", "smollm3"])
+def test_llm_T_with_tool_choice_required_calls_the_tool_on_random_weights(request, user_dir, family):
+    register(*request.getfixturevalue(f"{family}_tools"), "toolsy")
     r = CliRunner().invoke(cli, ["-m", "pte:toolsy", "-T", "llm_time", "what time is it?", "--td",
                                  "-o", "tool_choice", "required", "-o", "max_tokens", "32"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
@@ -510,3 +526,121 @@ def test_a_call_is_not_forced_inside_reasoning_the_template_opens(qwen3_tools, u
     r = CliRunner().invoke(cli, ["-m", "pte:thinker", "-T", "llm_time", "what time is it?", "--td", "-o",
                                  "tool_choice", "required", "-o", "reasoning", "false", "-o", "max_tokens", "32"])
     assert r.exit_code == 0 and "Tool call: llm_time({})" in r.output  # the fix it names works
+
+
+# -- SmolLM3: tools as xml_tools=, a turn that called goes back as its text ----
+
+SMOL = tool_format(SMOLLM3)
+THINK = think_tags(SMOLLM3)
+# xml_tools takes each function bare, as SmolLM3's model card passes them.
+SMOL_TOOLS = [MULTIPLY_SPEC["function"]]
+# A call as SmolLM3's template tells the model to write one, after reasoning in its tags.
+SMOL_CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool_call>'
+SMOL_THOUGHT = "<think>\nSix times seven: multiply.\n</think>\n"
+
+
+def smol_conversations():
+    """Conversations as llm hands them back (calls as tool_calls), each with
+    what transformers is given for it: the calls written in the turn's content."""
+    user = {"role": "user", "content": "What is six times seven?"}
+    result = {"role": "tool", "content": "42", "name": "multiply"}
+    system = {"role": "system", "content": "You are terse."}
+    return [
+        ([user], [user]),
+        ([system, user, call_message(a=6, b=7), result],
+         [system, user, {"role": "assistant", "content": SMOL_CALL}, result]),
+        ([user, call_message("Let me compute.", "Six times seven: multiply.", a=6, b=7), result,
+          {"role": "assistant", "content": "It is 42."}, {"role": "user", "content": "And 2 times 3?"}],
+         [user, {"role": "assistant", "content": SMOL_THOUGHT + "Let me compute.\n" + SMOL_CALL}, result,
+          {"role": "assistant", "content": "It is 42."}, {"role": "user", "content": "And 2 times 3?"}]),
+    ]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_smollm3s_tools_calls_and_results_render_as_transformers_renders_them(tmp_path, thinking):
+    ours, ref = tokenizers(tmp_path, SMOLLM3)
+    context = {**SMOL.template_context([MULTIPLY_SPEC]), "enable_thinking": thinking}
+    template = resolve_template("auto", ours).bound(**context)
+    kwargs = {"xml_tools": SMOL_TOOLS, "enable_thinking": thinking, "add_generation_prompt": True}
+    for from_llm, written in smol_conversations():
+        messages = calls_as_text(from_llm, SMOL, THINK, ours, {})
+        expected = ref.apply_chat_template(written, tokenize=False, **kwargs)
+        assert "### Tools" in expected and "'name': 'multiply'" in expected
+        assert template.render(messages) == expected
+        expected_ids = ref.apply_chat_template(written, tokenize=True, return_dict=False, **kwargs)
+        assert encode_conversation(messages, template, ours, {}) == expected_ids
+
+
+def test_smollm3s_reasoning_and_calls_are_read_in_any_chunking():
+    output = SMOL_THOUGHT + "Let me compute.\n" + SMOL_CALL
+    whole = split_reply(output, THINK, False, SMOL)
+    assert (whole.reasoning, whole.content, whole.calls) == (
+        "Six times seven: multiply.", "Let me compute.", [ToolCall("multiply", {"a": 6, "b": 7})])
+    for size in (1, 2, 3, 5, 11):
+        splitter = ReplySplitter(THINK, False, SMOL)
+        for i in range(0, len(output), size):
+            splitter.feed(output[i:i + size])
+        splitter.finish()
+        assert splitter.parts == whole
+
+
+@pytest.fixture(scope="module")
+def smollm3_tools(fixture_root, tmp_path_factory):
+    """A tiny random Qwen3 model with SmolLM3's real template: (pte, tokenizer dir).
+    Its context is 2048: SmolLM3's default system prompt takes ~1,000 of these tokens."""
+    from models import make_fixture
+
+    _, pte = make_fixture(fixture_root, "qwen3", False, "fp32", None, max_ctx_len=2048)
+    tok_dir = tmp_path_factory.mktemp("smollm3-tok")
+    make_chat_tokenizer(tok_dir, SMOLLM3)
+    return pte, tok_dir
+
+
+def test_a_smollm3_tool_chain_sends_back_the_text_it_wrote_and_reuses_the_cache(smollm3_tools, user_dir,
+                                                                                  monkeypatch):
+    import transformers
+
+    pte, tok_dir = smollm3_tools
+    register(pte, tok_dir, "smol3")
+    ref = transformers.AutoTokenizer.from_pretrained(tok_dir)
+    im_end = ref.convert_tokens_to_ids("<|im_end|>")
+    call_text = SMOL_THOUGHT + SMOL_CALL
+    script = scripted_sampler(monkeypatch)
+    script["ids"] = script_ids(ref, call_text) + [im_end]
+    seen = []
+
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers."""
+        seen.append((a, b))
+        script["ids"] = script_ids(ref, "The answer is 42.") + [im_end]
+        return a * b
+
+    conversation = llm.get_model("pte:smol3").conversation()
+    chain = conversation.chain("What is six times seven?", tools=[multiply], options={"kv_disk_mb": 0})
+    first, second = list(chain.responses())
+    assert second.text() == "The answer is 42." and seen == [(6, 7)]
+    assert [(c.name, c.arguments) for c in first.tool_calls()] == [("multiply", {"a": 6, "b": 7})]
+    (message,) = first.messages()
+    assert [type(p).__name__ for p in message.parts] == ["ReasoningPart", "ToolCallPart"] and first.text() == ""
+
+    # Each round's prompt is transformers' rendering, the call turn as the model wrote it.
+    user = {"role": "user", "content": "What is six times seven?"}
+    kwargs = {"xml_tools": SMOL_TOOLS, "add_generation_prompt": True, "tokenize": True, "return_dict": False}
+    round1 = ref.apply_chat_template([user], **kwargs)
+    round2 = ref.apply_chat_template(
+        [user, {"role": "assistant", "content": call_text}, {"role": "tool", "content": "42"}], **kwargs)
+    (session,) = [s for _, s in store.POOL._sessions.values()]
+    assert session.tokens[: len(round2)] == round2
+    one, two = first.response_json, second.response_json
+    assert one["prompt_tokens"] == len(round1) and one["cache_path"] == "cold"
+    assert two["prompt_tokens"] == len(round2) and two["cache_path"] == "hit"
+    assert two["cached_tokens"] == len(round1) + len(script_ids(ref, call_text)) + 1
+
+    # a later turn without tools still sends the call back
+    script["ids"] = script_ids(ref, "Bye.") + [im_end]
+    assert conversation.prompt("Thanks", kv_disk_mb=0).text() == "Bye."
+    round3 = ref.apply_chat_template(
+        [user, {"role": "assistant", "content": call_text}, {"role": "tool", "content": "42"},
+         {"role": "assistant", "content": "The answer is 42."}, {"role": "user", "content": "Thanks"}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert any(s.tokens[: len(round3)] == round3 for _, s in store.POOL._sessions.values())

@@ -124,6 +124,35 @@ def message_key(message: dict) -> str:
     return json.dumps([message.get("reasoning_content") or "", message.get("content") or "", calls], sort_keys=True)
 
 
+def calls_as_text(messages: list[dict], fmt, think, tokenizer, generated: dict[str, list[int]]) -> list[dict]:
+    """``messages`` for a template that renders no ``tool_calls`` (SmolLM3's
+    renders an assistant turn's content alone): each turn that called becomes
+    the text the model wrote. That is its ids' text where they were generated
+    here, remembered in ``generated`` under that text too so they are spliced;
+    else its reasoning in ``think`` tags, its text and its calls as ``fmt``
+    (a ToolFormat) writes them.
+    """
+    from .tool_calls import ToolCall
+
+    out = []
+    for m in messages:
+        if m["role"] != "assistant" or not m.get("tool_calls"):
+            out.append(m)
+            continue
+        ids = generated.get(message_key(m))
+        if ids is not None:
+            text = tokenizer.decode(ids)
+            generated.setdefault(text, ids)
+        else:
+            calls = [fmt.write_call(ToolCall(c["function"]["name"], c["function"]["arguments"]))
+                     for c in m["tool_calls"]]
+            reasoning = m.get("reasoning_content")
+            head = f"{think[0]}\n{reasoning}\n{think[1]}\n" if reasoning and think else ""
+            text = head + "\n".join(t for t in [m.get("content") or "", *calls] if t)
+        out.append({"role": "assistant", "content": text})
+    return out
+
+
 def assistant_message(content: str, reasoning: str = "", calls=()) -> dict:
     """An assistant message as chat templates take it (transformers' form)."""
     message = {"role": "assistant", "content": content}

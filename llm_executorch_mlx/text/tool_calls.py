@@ -7,6 +7,9 @@ clear refusal.
 
 - ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
   any number of them, with text around them.
+- ``smollm3`` (SmolLM3): Hermes' ``<tool_call>`` JSON, but the template
+  takes the tools as ``xml_tools=`` and renders no ``tool_calls``: a turn
+  that called goes back as its text, calls written in it (conversation.py).
 - ``llama3_json`` (Llama 3.1, 3.2, 3.3): the whole reply is one JSON object,
   ``{"name": ..., "parameters": {...}}``, optionally after ``<|python_tag|>``.
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 
 from .errors import TextError
 
-SUPPORTED = "Qwen2.5/Qwen3/Hermes <tool_call> JSON, Llama 3.1/3.2 JSON"
+SUPPORTED = "Qwen2.5/Qwen3/Hermes/SmolLM3 <tool_call> JSON, Llama 3.1/3.2 JSON"
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,20 @@ class ToolFormat:
     closing: str | None = None
     bare_starts: tuple[str, ...] = ()
     arguments_key: str = "arguments"  # what the call's JSON names its arguments
+    tools_key: str = "tools"  # the template variable the tools are rendered from
+    calls_in_content: bool = False  # the template renders no tool_calls: calls go back as text
+
+    def template_context(self, tools: list[dict]) -> dict:
+        """What the template renders ``tools`` (tool_definitions) from. SmolLM3's
+        ``xml_tools`` takes each function bare, as its model card passes them."""
+        if self.tools_key == "xml_tools":
+            return {"xml_tools": [t["function"] for t in tools]}
+        return {self.tools_key: tools}
+
+    def write_call(self, call: ToolCall) -> str:
+        """``call`` as the template tells the model to write one."""
+        body = json.dumps({"name": call.name, self.arguments_key: call.arguments}, ensure_ascii=False)
+        return body if self.opening is None else f"{self.opening}\n{body}\n{self.closing}"
 
     def call_schema(self, name: str, parameters: dict) -> dict:
         """The JSON schema of a call of the tool ``name`` (what a forced call writes)."""
@@ -87,6 +104,9 @@ def tool_format(source: str | None) -> ToolFormat:
     """The call format a chat template's ``source`` asks for; a TextError
     when it renders no tools or in a format we do not read."""
     if source is not None and "tools" in source:
+        if "xml_tools" in source and "<tool_call>" in source:
+            return ToolFormat("smollm3", "<tool_call>", "</tool_call>", tools_key="xml_tools",
+                              calls_in_content="tool_calls" not in source)
         if "<tool_call>" in source:
             return ToolFormat("hermes", "<tool_call>", "</tool_call>")
         if "<|eot_id|>" in source and '"parameters": ' in source:

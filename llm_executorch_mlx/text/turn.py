@@ -17,7 +17,7 @@ import mlx.core as mx
 from ..options import OPTIONS
 from . import store
 from .constrained import Constraint
-from .conversation import assistant_message, encode_conversation, message_key, reply_start
+from .conversation import assistant_message, calls_as_text, encode_conversation, message_key, reply_start
 from .detokenize import StreamDecoder
 from .errors import TextError
 from .reasoning import opens_reasoning, think_tags, thinking_context
@@ -79,7 +79,7 @@ class Turn:
         self.tool_format = tool_format(template.source) if tools else None
         context = thinking_context(template.source, opts.reasoning)
         if tools:
-            context["tools"] = tools
+            context.update(self.tool_format.template_context(tools))
         self.template = template.bound(**context)
         self.think = think_tags(template.source)
         # the reply starts inside the reasoning when the generation prompt opened it
@@ -163,6 +163,19 @@ class Turn:
             yield from splitter.feed(text)
         yield from splitter.finish()
 
+    def _history(self, generated: dict[str, list[int]]) -> list[dict]:
+        """The messages as the template takes them: where it renders no tool
+        calls (SmolLM3's), a turn that called goes back as the text it wrote."""
+        fmt = self.tool_format
+        if fmt is None and any(m.get("tool_calls") for m in self.messages):  # called before, no tools now
+            try:
+                fmt = tool_format(self.template.source)
+            except TextError:
+                fmt = None
+        if fmt is None or not fmt.calls_in_content:
+            return self.messages
+        return calls_as_text(self.messages, fmt, self.think, self.tokenizer, generated)
+
     def _reply_key(self, text: str) -> str:
         """What llm will hand this reply back as, as ``message_key`` reads it."""
         if not self.think and self.tool_format is None:
@@ -186,7 +199,7 @@ class Turn:
             return encode_conversation(messages, self.template, self.tokenizer, generated)
 
         capacity = self.policy.capacity
-        fitted = store.TRUNCATIONS.fit(self.key, self.messages, encode, capacity, self.opts.kv_overflow)
+        fitted = store.TRUNCATIONS.fit(self.key, self._history(generated), encode, capacity, self.opts.kv_overflow)
         if fitted.dropped:
             self.notice(
                 f"[pte] the conversation is too long for the {capacity}-token cache: "
