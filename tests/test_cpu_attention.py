@@ -291,25 +291,116 @@ def test_a_failed_marker_does_not_hide_a_built_kernel(kernel, tmp_path):
 def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kernels, kernel, monkeypatch,
                                                                            available):
     # the op as a model runs it (test_cache's side-by-side with ExecuTorch's
-    # reference cache), routed through the kernel or, without it, MLX ops
+    # reference cache), routed through the kernels or, without them, MLX ops:
+    # a flat layer's step is one update_and_attend, a ring's the attention
+    # kernel over what the cache hands it
     from test_cache import run_side_by_side
 
     calls = []
-    real = kernel.attention
-    monkeypatch.setattr(kernel, "attention", lambda *a, **k: calls.append(a[0].shape[2]) or real(*a, **k))
+    for name in ("attention", "update_and_attend"):
+        real = getattr(kernel, name)
+        monkeypatch.setattr(kernel, name, lambda *a, real=real, name=name, **k: calls.append((name, a[0].shape[2]))
+                            or real(*a, **k))
     if not available:
         kernels = dataclasses.replace(kernels, attention=cpu.Use(False, "off for this test"))
+
+    def expected(windows, steps):
+        kinds = ["attention" if w else "update_and_attend" for w in windows]
+        return [(kind, T) for T in steps for kind in kinds] if available else []
+
     run = functools.partial(run_side_by_side, kernels=kernels)
     run([0], [5, 1, 1, 3, 8])
-    assert calls == ([5, 1, 1, 3, 8] if available else [])
+    assert calls == expected([0], [5, 1, 1, 3, 8])
     # a flat layer and a ring of window 6 past its window (band masks, wraps),
     # then a ring of window 12 taking chunks of 8-10 (the tiled path) as it wraps
     for windows, steps, max_write in (([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], 6), ([12, 0], [9, 1, 10, 8, 1, 9], 10)):
         calls.clear()
         run(windows, steps, max_write=max_write)
-        assert calls == ([T for T in steps for _ in windows] if available else [])
+        assert calls == expected(windows, steps)
     # bf16 and fp16 caches under fp32 compute, read as stored
     for dtype in ("bf16", "fp16"):
         calls.clear()
         run([0, 12], [9, 1, 1, 10], dtype=dtype, max_write=10, atol=2e-3)
-        assert calls == ([T for T in (9, 1, 1, 10) for _ in range(2)] if available else [])
+        assert calls == expected([0, 12], [9, 1, 1, 10])
+    # a flat pool that grows by doubling under the op's writes
+    calls.clear()
+    run([0], [3, 1, 1, 8, 1, 2], initial=2, capacity=20)
+    assert calls == expected([0], [3, 1, 1, 8, 1, 2])
+
+
+MX_DTYPES = {"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}
+
+
+def data_address(a: mx.array) -> int:
+    view = np.asarray(a)
+    return view.__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("Hq, Hkv, T, D, position", [
+    (9, 3, 1, 64, 37),  # a SmolLM-shaped decode step
+    (4, 2, 3, 16, 20),  # a chat turn's few queries: causal, row by row
+    (6, 2, 13, 32, 5),  # from 8 queries: the tiled path, causal
+    (2, 2, 1, 8, 0),  # the first token: attends to itself alone
+    (4, 1, 2, 12, 9),  # D not a multiple of 8: the plain loops
+])
+def test_update_and_attend_writes_the_step_and_attends_the_history(kernel, dtype, Hq, Hkv, T, D, position):
+    rng = np.random.default_rng(T * 100 + D)
+    slots = position + T + 6
+    history = rng.standard_normal((2, 1, Hkv, slots, D)).astype(np.float32)
+    K, V = (mx.array(h).astype(MX_DTYPES[dtype]) for h in history)
+    q = mx.array(rng.standard_normal((1, Hq, T, D)).astype(np.float32))
+    # keys and values as a projection hands them over: a transposed view
+    k, v = (mx.array(rng.standard_normal((1, T, Hkv, D)).astype(np.float32)).transpose(0, 2, 1, 3) for _ in range(2))
+    out, K2, V2 = kernel.update_and_attend(q, k, v, K, V, position, D**-0.5)
+    # the pools: the history, with the step written at its positions in the
+    # storage dtype as MLX's astype rounds it
+    want_K = np.array(K.astype(mx.float32)).copy()
+    want_V = np.array(V.astype(mx.float32)).copy()
+    want_K[:, :, position : position + T] = np.array(k.astype(MX_DTYPES[dtype]).astype(mx.float32))
+    want_V[:, :, position : position + T] = np.array(v.astype(MX_DTYPES[dtype]).astype(mx.float32))
+    assert K2.dtype == V2.dtype == MX_DTYPES[dtype]
+    np.testing.assert_array_equal(np.array(K2.astype(mx.float32)), want_K)
+    np.testing.assert_array_equal(np.array(V2.astype(mx.float32)), want_V)
+    # the attention: over the first position + T slots, causal for several queries
+    end = position + T
+    reference = torch_attention(q, want_K[:, :, :end], want_V[:, :, :end], D**-0.5, T > 1)
+    np.testing.assert_allclose(np.array(out), reference, atol=2e-6, rtol=1e-5)
+
+
+def test_update_and_attend_writes_in_place_unless_the_pool_is_held(kernel):
+    rng = np.random.default_rng(7)
+    K, V = (mx.array(rng.standard_normal((1, 2, 16, 8)).astype(np.float32)) for _ in range(2))
+    mx.eval(K, V)
+    address = data_address(K)
+    for position in range(3):  # a decode loop: each step's pools are the next step's
+        q = mx.array(rng.standard_normal((1, 4, 1, 8)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((1, 2, 1, 8)).astype(np.float32)) for _ in range(2))
+        out, K, V = kernel.update_and_attend(q, k, v, K, V, position, 0.5)
+        mx.eval(out, K, V)
+        assert data_address(K) == address  # no copy of the pool per step
+    # a pool something else still holds (a saved state's slice) is copied:
+    # the holder keeps what it saw
+    held = K[:, :, :3]
+    before = np.array(held).copy()
+    k = mx.ones((1, 2, 1, 8))
+    out, K2, _ = kernel.update_and_attend(mx.ones((1, 4, 1, 8)), k, k, K, V, 2, 0.5)
+    mx.eval(out, K2)
+    np.testing.assert_array_equal(np.array(held), before)
+    np.testing.assert_array_equal(np.array(K2)[:, :, 2], np.ones((1, 2, 8)))
+    np.testing.assert_array_equal(np.array(K2)[:, :, :2], before[:, :, :2])
+
+
+def test_update_and_attend_refuses_what_it_cannot_write_with_the_reason(kernel):
+    q, k = mx.zeros((1, 4, 1, 8)), mx.zeros((1, 2, 1, 8))
+    pool = mx.zeros((1, 2, 4, 8))
+    with pytest.raises(ValueError, match="overruns a pool of 4"):
+        kernel.update_and_attend(q, k, k, pool, pool, 4, 1.0)
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        kernel.update_and_attend(mx.zeros((1, 3, 1, 8)), k, k, pool, pool, 0, 1.0)
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        kernel.update_and_attend(q, k, k, mx.zeros((1, 2, 4, 16)), mx.zeros((1, 2, 4, 16)), 0, 1.0)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.update_and_attend(q, k.astype(mx.bfloat16), k, pool, pool, 0, 1.0)
+    with pytest.raises(ValueError, match="both float32, bfloat16 or float16"):
+        kernel.update_and_attend(q, k, k, pool, pool.astype(mx.float16), 0, 1.0)

@@ -291,6 +291,41 @@ class SequenceCache:
             layer's window over causal queries: the CPU kernel route
             (``ops/attention.py``) takes the window instead of reading it.
         """
+        g = self._check_step(layer, position, k)
+        T = k.shape[2]
+        end = position + T
+        if g.is_ring:
+            K, V, S = self._ring_step(layer, g, position, T, k, v)
+        else:
+            K, V, S = self._flat_step(layer, position, end, k, v)
+        self._advance(end)
+
+        if T == 1:
+            return K, V, None
+        if g.is_ring and g.window < S:
+            return K, V, self._band_mask(T, S, g.window)
+        return K, V, "causal"
+
+    def update_in_op(self, layer: int, position: int, k: mx.array, op):
+        """A flat layer's step whose op writes the keys and values itself.
+
+        ``op(K, V)`` gets the layer's pools (grown to hold ``position`` plus
+        this step's ``T`` tokens, in the storage dtype), writes the step at
+        ``position`` and returns ``(y, K', V')``: its result and the pools
+        written, which the layer keeps. Returns ``y``. ``k`` is only checked,
+        as ``update_and_fetch`` checks it. Ring layers take ``update_and_fetch``.
+        """
+        g = self._check_step(layer, position, k)
+        if g.is_ring:
+            raise PteError(f"cache layer {layer} is a ring: its steps go through update_and_fetch")
+        end = position + k.shape[2]
+        self._grow(layer, end)
+        y, self._k[layer], self._v[layer] = op(self._k[layer], self._v[layer])
+        self._advance(end)
+        return y
+
+    def _check_step(self, layer: int, position: int, k: mx.array) -> LayerGeometry:
+        """The layer's geometry, once a step of ``k`` at ``position`` is known to fit."""
         if not 0 <= layer < len(self.layers):
             raise PteError(
                 f"cache layer {layer} out of range: this cache has {len(self.layers)} layers"
@@ -318,18 +353,11 @@ class SequenceCache:
                 f"layer {layer} k has shape {tuple(k.shape)}, cache expects "
                 f"[1, {g.n_kv_heads}, T, {g.head_dim}]"
             )
-        if g.is_ring:
-            K, V, S = self._ring_step(layer, g, position, T, k, v)
-        else:
-            K, V, S = self._flat_step(layer, position, end, k, v)
+        return g
+
+    def _advance(self, end: int) -> None:
         self.length = max(self.length, end)
         self._written_end = max(self._written_end, end)
-
-        if T == 1:
-            return K, V, None
-        if g.is_ring and g.window < S:
-            return K, V, self._band_mask(T, S, g.window)
-        return K, V, "causal"
 
     def _flat_step(self, layer, position, end, k, v):
         self._grow(layer, end)

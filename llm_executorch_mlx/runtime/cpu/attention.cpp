@@ -440,6 +440,39 @@ void attend_tiled(const float* q, const KV* k, const KV* v, float* out, const Ge
   }
 }
 
+// The attention itself, run as the op's task on the stream thread: a
+// prefill chunk's tiles on this thread, a decode step's parts shared.
+template <typename KV>
+void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
+  if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1) {
+    attend_tiled<KV>(q, k, v, out, g);
+    return;
+  }
+  const int parts = (g.S + kKeysPerPart - 1) / kKeysPerPart;
+  std::vector<float> partial(int64_t(g.B) * g.Hq * g.T * parts * (g.D + 2));
+  PartsTask task{q, k, v, g, parts, partial.data()};
+  SharedJob job(attend_parts<KV>, &task, int64_t(g.B) * g.Hkv * parts, 1);
+  run_shared(job);
+  merge_parts(task, out);
+}
+
+// f(KV*) with the pointer type of `a`'s dtype: fp32, bf16 (as its bits) or fp16.
+template <typename F>
+void with_kv_type(const mx::array& a, F f) {
+  if (a.dtype() == mx::bfloat16) {
+    f(static_cast<uint16_t*>(nullptr));
+  } else if (a.dtype() == mx::float16) {
+    f(static_cast<Half*>(nullptr));
+  } else {
+    f(static_cast<float*>(nullptr));
+  }
+}
+
+template <typename KV>
+const KV* kv_data(const mx::array& a) {
+  return static_cast<const KV*>(a.data<void>());
+}
+
 class FusedAttention : public SharedPrimitive {
  public:
   FusedAttention(mx::Stream stream, float scale, bool causal, int window, bool few_queries)
@@ -461,31 +494,13 @@ class FusedAttention : public SharedPrimitive {
     auto started = read_ahead_later(k, nullptr, 0);  // nothing to read ahead: a step still has it to help with
     Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
                causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
-    if (k.dtype() == mx::bfloat16) {
-      dispatch(encoder, q.data<float>(), k.data<uint16_t>(), v.data<uint16_t>(), out.data<float>(), g, started);
-    } else if (k.dtype() == mx::float16) {
-      dispatch(encoder, q.data<float>(), reinterpret_cast<const Half*>(k.data<mx::float16_t>()),
-               reinterpret_cast<const Half*>(v.data<mx::float16_t>()), out.data<float>(), g, started);
-    } else {
-      dispatch(encoder, q.data<float>(), k.data<float>(), v.data<float>(), out.data<float>(), g, started);
-    }
-  }
-
-  template <typename KV>
-  static void dispatch(mx::cpu::CommandEncoder& encoder, const float* q, const KV* k, const KV* v,
-                       float* out, const Geometry& g, std::shared_ptr<std::atomic<bool>> started) {
-    encoder.dispatch([=]() {
-      started->store(true, std::memory_order_relaxed);
-      if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1) {
-        attend_tiled<KV>(q, k, v, out, g);
-        return;
-      }
-      const int parts = (g.S + kKeysPerPart - 1) / kKeysPerPart;
-      std::vector<float> partial(int64_t(g.B) * g.Hq * g.T * parts * (g.D + 2));
-      PartsTask task{q, k, v, g, parts, partial.data()};
-      SharedJob job(attend_parts<KV>, &task, int64_t(g.B) * g.Hkv * parts, 1);
-      run_shared(job);
-      merge_parts(task, out);
+    with_kv_type(k, [&](auto* type) {
+      using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+      encoder.dispatch([q = q.data<float>(), k = kv_data<KV>(k), v = kv_data<KV>(v), o = out.data<float>(), g,
+                        started]() {
+        started->store(true, std::memory_order_relaxed);
+        attend<KV>(q, k, v, o, g);
+      });
     });
   }
 
@@ -508,6 +523,114 @@ class FusedAttention : public SharedPrimitive {
   float scale_;
   bool causal_;
   int window_;
+  bool few_queries_;
+};
+
+// fp32 key or value rows in a pool's storage dtype, rounded as MLX's astype
+// rounds them (to nearest, ties to even).
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {
+  const mx::bfloat16_t b(x);
+  std::memcpy(dst, &b, sizeof *dst);
+}
+inline void store(Half* dst, float x) {
+  const mx::float16_t h(x);
+  std::memcpy(dst, &h, sizeof *dst);
+}
+
+// The pool an UpdateAndAttend writes into: the input's own buffer where
+// nothing else holds it (as MLX's slice_update takes it), else a row-major
+// copy made by the task. Returns whether the task must copy.
+bool take_pool(const mx::array& pool, mx::array& out) {
+  if (pool.is_donatable() && pool.flags().row_contiguous) {
+    out.copy_shared_buffer(pool);
+    return false;
+  }
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  return true;
+}
+
+// out = pool, element by element, for a pool some other array still holds
+// (a saved state's lazy slice) or one with strides of its own.
+void copy_pool(const char* src, const mx::Strides& strides, const mx::Shape& shape, size_t size, char* dst) {
+  for (int a = 0; a < shape[0]; ++a)
+    for (int h = 0; h < shape[1]; ++h)
+      for (int s = 0; s < shape[2]; ++s)
+        for (int d = 0; d < shape[3]; ++d)
+          std::memcpy(dst + (((int64_t(a) * shape[1] + h) * shape[2] + s) * shape[3] + d) * size,
+                      src + (a * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]) * size, size);
+}
+
+// A flat cache layer's step as one op: the step's keys and values written
+// into the layer's pools at `position` (outputs 1 and 2, the input pools'
+// buffers where nothing else holds them), then the queries attend to the
+// pools' first position + T slots, causally when T > 1. The cache hands on
+// the output pools as the layer's, so the next step's op reads them: the
+// dependency MLX schedules by, as with slice_update.
+class UpdateAndAttend : public SharedPrimitive {
+ public:
+  UpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries)
+      : SharedPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries) {}
+
+  bool shares_work() const override { return few_queries_; }  // as FusedAttention's
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &kp = inputs[3], &vp = inputs[4];
+    auto &out = outputs[0], &kout = outputs[1], &vout = outputs[2];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // Each output holds its own copy of the inputs (array::make_arrays), so
+    // a pool would never be donatable; MLX detaches them all once this
+    // returns, and a tracer (mx.compile, a transform) keeps its graph.
+    if (!out.is_tracer()) {
+      for (auto& o : outputs)
+        if (&o.inputs() != &inputs) o.inputs().clear();
+    }
+    const bool copy_k = take_pool(kp, kout), copy_v = take_pool(vp, vout);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (const auto& a : inputs) encoder.set_input_array(a);
+    for (auto& a : outputs) encoder.set_output_array(a);
+    auto started = read_ahead_later(out, nullptr, 0);  // out: holding a pool would keep it from donation
+    const int T = q.shape(2);
+    const Geometry g{q.shape(0), q.shape(1), kp.shape(1), T,      position_ + T, q.shape(3),
+                     T > 1,      0,          scale_,      q.strides(), kout.strides(), vout.strides()};
+    with_kv_type(kp, [&](auto* type) {
+      using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+      const char *kp_src = copy_k ? kp.data<char>() : nullptr, *vp_src = copy_v ? vp.data<char>() : nullptr;
+      encoder.dispatch([=, q = q.data<float>(), k = k.data<float>(), v = v.data<float>(), ks = k.strides(),
+                        vs = v.strides(), kp_strides = kp.strides(), vp_strides = vp.strides(), shape = kp.shape(),
+                        kd = kout.data<KV>(), vd = vout.data<KV>(), o = out.data<float>(), position = position_]() {
+        started->store(true, std::memory_order_relaxed);
+        if (kp_src) copy_pool(kp_src, kp_strides, shape, sizeof(KV), reinterpret_cast<char*>(kd));
+        if (vp_src) copy_pool(vp_src, vp_strides, shape, sizeof(KV), reinterpret_cast<char*>(vd));
+        for (int h = 0; h < g.Hkv; ++h)
+          for (int t = 0; t < g.T; ++t)
+            for (int d = 0; d < g.D; ++d) {
+              store(kd + h * g.k[1] + (position + t) * g.k[2] + d, k[h * ks[1] + t * ks[2] + d * ks[3]]);
+              store(vd + h * g.v[1] + (position + t) * g.v[2] + d, v[h * vs[1] + t * vs[2] + d * vs[3]]);
+            }
+        attend<KV>(q, kd, vd, o, g);
+      });
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("UpdateAndAttend runs on the CPU only");
+  }
+
+  const char* name() const override { return "UpdateAndAttend"; }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape(), inputs[3].shape(), inputs[4].shape()};
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto& o = static_cast<const UpdateAndAttend&>(other);
+    return scale_ == o.scale_ && position_ == o.position_ && few_queries_ == o.few_queries_;
+  }
+
+ private:
+  float scale_;
+  int position_;
   bool few_queries_;
 };
 
@@ -537,6 +660,34 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<FusedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries),
                    {q, k, v});
+}
+
+std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
+                                         const mx::array& k_pool, const mx::array& v_pool, int position, float scale,
+                                         mx::StreamOrDevice s) {
+  std::string err;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k_pool.ndim() != 4 || v_pool.ndim() != 4) {
+    err = "q, k, v and the pools must be 4-D";
+  } else if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
+             k_pool.dtype() != v_pool.dtype() ||
+             (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::bfloat16 && k_pool.dtype() != mx::float16)) {
+    err = "q, k and v must be float32, the pools both float32, bfloat16 or float16";
+  } else if (q.shape(0) != 1 || k.shape() != v.shape() || k_pool.shape() != v_pool.shape() ||
+             k.shape(0) != 1 || k_pool.shape(0) != 1 || k.shape(1) != k_pool.shape(1) ||
+             k.shape(3) != k_pool.shape(3) || q.shape(3) != k.shape(3) || q.shape(2) != k.shape(2) ||
+             k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0 || q.shape(2) == 0) {
+    err = "incompatible shapes q " + text(q.shape()) + ", k " + text(k.shape()) + ", v " + text(v.shape()) +
+          ", pools " + text(k_pool.shape()) + ", " + text(v_pool.shape());
+  } else if (position < 0 || int64_t(position) + q.shape(2) > k_pool.shape(2)) {
+    err = "writing " + std::to_string(q.shape(2)) + " positions at " + std::to_string(position) + " overruns a pool of " +
+          std::to_string(k_pool.shape(2));
+  }
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("update_and_attend: " + err);
+  return mx::array::make_arrays({q.shape(), k_pool.shape(), v_pool.shape()},
+                                {mx::float32, k_pool.dtype(), v_pool.dtype()},
+                                std::make_shared<UpdateAndAttend>(stream, scale, position, q.shape(2) < kTiledMinQueries), {q, k, v, k_pool, v_pool});
 }
 
 }  // namespace llm_pte

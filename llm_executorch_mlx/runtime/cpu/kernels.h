@@ -33,6 +33,15 @@ inline std::string text(const mx::Shape& shape) {
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                     bool causal, int window, mx::StreamOrDevice s);
 
+// A flat cache layer's step as one op: k and v [1, Hkv, T, D] (fp32) written
+// into the pools [1, Hkv, slots, D] (fp32, bf16 or fp16) at `position`, then
+// attention(q, the pools' first position + T slots, causal when T > 1).
+// Returns [out, the pools written]: their input buffers where nothing else
+// holds them.
+std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
+                                         const mx::array& k_pool, const mx::array& v_pool, int position, float scale,
+                                         mx::StreamOrDevice s);
+
 // x @ w for x [..., M, K] fp32 with M <= 128 rows (a decode step's one, a
 // short chunk's, a prefill chunk's) and w [K, N] fp32 or bf16, read as stored; unless not
 // `helped`, the host thread helps run it while it is in submit_helping or

@@ -18,6 +18,11 @@ NB_MODULE(cpu_kernels, m) {
         "fp16), on the CPU.\n"
         "causal: the T queries are the last T of the S positions; window > 0: each query sees\n"
         "only the last `window` keys up to its own.");
+  m.def("update_and_attend", &llm_pte::update_and_attend, "q"_a, "k"_a, "v"_a, "k_pool"_a, "v_pool"_a,
+        "position"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "A flat cache layer's step as one op on the CPU: k and v [1, Hkv, T, D] (fp32) written into\n"
+        "the pools [1, Hkv, slots, D] (fp32, bf16 or fp16) at position, then attention of q [1, Hq, T, D]\n"
+        "over the pools' first position + T slots, causal when T > 1. Returns [out, k_pool', v_pool'].");
   m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
         "x @ w for x [..., M, K] fp32 (M <= 128) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
         "helped, the host thread helps while it is in submit_helping or wait_helping.");

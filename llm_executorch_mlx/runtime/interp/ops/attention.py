@@ -29,14 +29,21 @@ def build_update_and_attend(n, ctx):
     layer, scale, cache = n.layerId, float(n.scale), ctx.cache
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
     window = cache.layers[layer].window
+    in_op = None
     if on_cpu():
         sdpa = cpu_attention(window, ctx.kernels)
+        if window == 0:
+            in_op = cpu_update_and_attend(scale, ctx.kernels)
     else:
         sdpa = in_query_dtype(mx.fast.scaled_dot_product_attention)
 
     def run(f):
-        K, V, mask = cache.update_and_fetch(layer, position(f), f[k], f[v])
-        y = sdpa(f[q], K, V, scale=scale, mask=mask)
+        at, Q, Kn, Vn = position(f), f[q], f[k], f[v]
+        if in_op is not None and in_op_takes(Q, Kn, Vn):
+            y = cache.update_in_op(layer, at, Kn, lambda K, V: in_op(Q, Kn, Vn, K, V, at))
+        else:
+            K, V, mask = cache.update_and_fetch(layer, at, Kn, Vn)
+            y = sdpa(Q, K, V, scale=scale, mask=mask)
         f[out] = y if out_dtype is None else y.astype(out_dtype)
 
     return run
@@ -82,6 +89,30 @@ def cpu_attention(window: int = 0, kernels=None):
         return mlx_ops(Q, K, V, scale=scale, mask=mask)
 
     return sdpa
+
+
+def cpu_update_and_attend(scale: float, kernels=None):
+    """A flat layer's step as the extension's one op (the cache write and the
+    attention: ``update_and_attend``), where ``kernels`` has the attention
+    kernel on; else None. Five MLX nodes a layer fewer than writing the pools
+    with ``__setitem__``, slicing them and attending."""
+    if kernels is None or not kernels.attention.on:
+        return None
+    update_and_attend = kernels.extension.update_and_attend
+
+    def in_op(Q, Kn, Vn, K, V, position):
+        return update_and_attend(Q, Kn, Vn, K, V, position, scale, stream=mx.cpu)
+
+    return in_op
+
+
+def in_op_takes(Q, Kn, Vn) -> bool:
+    """Whether ``update_and_attend`` takes this step's queries, keys and values
+    (fp32, one batch, as many queries as keys; the cache checks the heads and
+    head size against its pools): anything else takes the MLX route."""
+    return (Q.dtype == Kn.dtype == Vn.dtype == mx.float32 and Q.ndim == Kn.ndim == 4 and Kn.shape == Vn.shape
+            and Q.shape[0] == Kn.shape[0] == 1 and Q.shape[2:] == Kn.shape[2:]
+            and 0 < Kn.shape[1] and Q.shape[1] % Kn.shape[1] == 0)
 
 
 def kernel_takes(Q, K, V, causal: bool) -> bool:
