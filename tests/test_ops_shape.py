@@ -431,6 +431,26 @@ def test_transpose_of_a_weight_is_made_once_and_shared_by_every_call():
     first, second = (ex.execute([])[0] for _ in range(2))
     assert first is second  # the same evaluated view, no op per call
     close(first, w.T)
+    assert "TransposeNode" not in ex.node_names  # in the frame every call starts from
+
+
+def test_transpose_of_a_weight_into_a_slot_another_node_writes_is_set_by_each_call():
+    # a slot shared with a later node (slot reuse): the frame may not start
+    # with the view, or a reader before the later writer would miss it
+    w, x = rand(3, 5), rand(5, 3)
+    g = OpGraph()
+    xin, wt, summed = g.input(x), g.temp(), g.temp()
+    g.node(md.TransposeNodeT, x=g.constant(w), out=wt, perm=[1, 0])
+    g.node(md.AddNodeT, a=xin, b=wt, out=summed)
+    g.node(md.AddNodeT, a=summed, b=summed, out=wt)  # wt's slot reused
+    g.output(summed)
+    g.output(wt)
+    ex = g.executor()
+    assert ex.node_names.count("TransposeNode") == 1
+    for _ in range(2):
+        s, doubled = ex.execute([x])
+        close(s, x + w.T)
+        close(doubled, 2 * (x + w.T))
 
 
 def test_transpose_of_a_constant_an_init_chain_writes_sees_the_written_value():

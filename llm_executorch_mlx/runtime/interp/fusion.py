@@ -106,13 +106,18 @@ def _fuse(ctx, instructions: list, i: int):
         tables.slot = ctx.shared_scratch_slot(("rope",) + key)
         tables.rotation_slot = ctx.shared_scratch_slot(("rope rotation",) + key)
 
+        checked = set()  # (shape, dtype) pairs seen: check once, and whether one position
+
         def run(f):
             X = f[x]
-            check(X)
-            if X.shape[-2] == 1 and X.dtype == mx.float32:  # a decode step
-                f[out] = X @ tables.rotation(f, position(f), X.shape)
+            seen = (X.shape, X.dtype)
+            if seen not in checked:
+                check(X)
+                checked.add(seen)
+            if seen[0][-2] == 1 and seen[1] == mx.float32:  # a decode step
+                f[out] = X @ tables.rotation(f, position(f), seen[0])
                 return
-            cos_t, sin_t = tables.get(f, position(f), X.shape[-2])
+            cos_t, sin_t = tables.get(f, position(f), seen[0][-2])
             f[out] = _rotate_half(X, cos_t, sin_t)
 
         return "RopeFused", run
@@ -171,10 +176,10 @@ class _RopeTables:
         entry is inf or NaN: then its head's outputs are all NaN, where the
         five nodes spoil two of them; attention's scores are lost either
         way)."""
-        made = f[self.rotation_slot]
+        made = f[self.rotation_slot]  # this call's matrices (one position), by shape
         if made is None:
             made = f[self.rotation_slot] = {}
-        key = (start, tuple(shape[:-2]))
+        key = shape[:-2]
         if key not in made:
             (cos,), (sin,) = self._cos_sin(start, 1)
             h = cos.size

@@ -66,6 +66,8 @@ class BuildContext:
         self._constants_written: set[int] | None = None  # see fixed_constant
         self._shared_slots: dict = {}
         self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
+        self.presets: dict[int, object] = {}  # slot -> a value every call's frame starts with
+        self._write_counts: dict[int, int] | None = None  # see preset
 
     # -- slots ------------------------------------------------------------
 
@@ -126,6 +128,22 @@ class BuildContext:
                 if slot < self.num_constants
             }
         return None if i in self._constants_written else self.constants[i]
+
+    def preset(self, slot: int, value) -> bool:
+        """Make ``value`` (a node's result, the same in every call) part of the
+        frame every call starts from, when no other node of any chain writes
+        ``slot``: the node then costs a call nothing and the builder returns
+        no run. False where another node writes it (the run must set it)."""
+        if self._write_counts is None:
+            self._write_counts = {}
+            for chain in self.graph.instructionChains or []:
+                for instr in chain.instructions or []:
+                    for written in tensor_fields(instr.op)[1]:
+                        self._write_counts[written] = self._write_counts.get(written, 0) + 1
+        if self._write_counts.get(slot, 0) != 1 or slot in self.input_tids:
+            return False
+        self.presets[slot] = value
+        return True
 
     def shared_scratch_slot(self, key) -> int:
         """One scratch slot per ``key``: ops that build the same per-call
@@ -307,7 +325,9 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
             raise PteError(f"{name} is not supported by this runtime")
         outer, ctx.current_node = ctx.current_node, name
         try:
-            ops.append((name, builder(instr.op, ctx)))
+            run = builder(instr.op, ctx)
+            if run is not None:  # None: its result is preset (BuildContext.preset)
+                ops.append((name, run))
             ctx.record_write(name, instr.op)
         except (PteError, MemoryError):
             raise
@@ -413,6 +433,8 @@ class GraphExecutor:
                 raise PteError(f"mutable buffer {tid} has a dynamic shape")
             template[tid] = mx.zeros(shape, dtype=ctx.dtype(meta.scalarType))
         template[ctx.num_tensors + ctx.num_values :] = ctx.extra
+        for slot, value in ctx.presets.items():
+            template[slot] = value
         self._template = template
         self._host_slots = [(i, ctx.host_slots.get(i)) for i in self.input_slots]
         if init is not None:

@@ -101,13 +101,16 @@ def build_transpose(n, ctx):
     if weight is None:
         return _unary(n, ctx, mx.transpose, perm)
     # A weight's transpose (every linear layer has one) is a view made once
-    # here, not an op in every call's graph.
+    # here, not an op in every call's graph: in the frame every call starts
+    # from, or set by a run where another node shares its slot.
     try:
         view = mx.transpose(weight, perm)
     except ValueError as e:
         raise PteError(f"{ctx.current_node}: {e}") from None
     mx.eval(view)
     out = ctx.out(n.out)
+    if ctx.preset(out, view):
+        return None
 
     def run(f):
         f[out] = view
