@@ -55,13 +55,14 @@ def fixture_root(request) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def exported(fixture_root):
-    """``exported(arch, trained=False, dtype="fp32", qlinear=None)`` -> (hf dir, .pte)."""
+    """``exported(arch, trained=False, dtype="fp32", qlinear=None, qembedding=None, tied=False)``
+    -> (hf dir, .pte)."""
     made = {}
 
-    def get(arch, trained=False, dtype="fp32", qlinear=None):
-        key = (arch, trained, dtype, qlinear)
+    def get(arch, trained=False, dtype="fp32", qlinear=None, qembedding=None, tied=False):
+        key = (arch, trained, dtype, qlinear, qembedding, tied)
         if key not in made:
-            made[key] = make_fixture(fixture_root, arch, trained, dtype, qlinear)
+            made[key] = make_fixture(fixture_root, arch, trained, dtype, qlinear, qembedding=qembedding, tied=tied)
         return made[key]
 
     return get

@@ -44,7 +44,7 @@ ARCHITECTURES = {
 }
 
 
-def build_config(arch: str):
+def build_config(arch: str, tied: bool = False):
     import transformers
 
     config_name, _, extra = ARCHITECTURES[arch]
@@ -53,7 +53,7 @@ def build_config(arch: str):
         hidden_size=64,
         intermediate_size=128,
         max_position_embeddings=512,
-        **dict(dict(tie_word_embeddings=False), **extra),
+        **dict(dict(tie_word_embeddings=tied), **extra),
     )
 
 
@@ -68,13 +68,13 @@ def synthetic_batch(generator, batch: int, length: int):
     return torch.cat(seq, dim=1)
 
 
-def build_model(arch: str, trained: bool, seed: int = 0):
+def build_model(arch: str, trained: bool, seed: int = 0, tied: bool = False):
     import torch
     import transformers
 
     torch.manual_seed(seed)
     _, model_name, _ = ARCHITECTURES[arch]
-    model = getattr(transformers, model_name)(build_config(arch))
+    model = getattr(transformers, model_name)(build_config(arch, tied))
     if trained:
         generator = torch.Generator().manual_seed(seed)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -138,26 +138,30 @@ def spec_key(**spec) -> str:
 
 
 def make_fixture(root: pathlib.Path, arch: str, trained: bool, dtype: str, qlinear: str | None,
-                 max_ctx_len: int = 128, prefill_chunk: int = 32) -> tuple[pathlib.Path, pathlib.Path]:
+                 max_ctx_len: int = 128, prefill_chunk: int = 32, qembedding: str | None = None,
+                 tied: bool = False) -> tuple[pathlib.Path, pathlib.Path]:
     """Save the HF model and export it; return (model dir, .pte path).
+    ``qembedding``: the embedding quantized too; ``tied``: the LM head is the
+    embedding's table (as SmolLM2's is).
 
     Results are kept under ``root`` by spec, so repeated runs reuse them.
     """
     from llm_executorch_mlx.export import export_hf_model
 
-    key = spec_key(arch=arch, trained=trained, dtype=dtype, qlinear=qlinear,
+    key = spec_key(arch=arch, trained=trained, dtype=dtype, qlinear=qlinear, qembedding=qembedding, tied=tied,
                    max_ctx_len=max_ctx_len, prefill_chunk=prefill_chunk)
-    out = root / f"{arch}-{'trained' if trained else 'random'}-{dtype}-{qlinear or 'dense'}-{key}"
+    extra = (f"-e{qembedding}" if qembedding else "") + ("-tied" if tied else "")
+    out = root / f"{arch}-{'trained' if trained else 'random'}-{dtype}-{qlinear or 'dense'}{extra}-{key}"
     pte = out / "model.pte"
     model_dir = out / "hf"
     if pte.exists() and (model_dir / "config.json").exists():
         return model_dir, pte
     out.mkdir(parents=True, exist_ok=True)
-    build_model(arch, trained).save_pretrained(model_dir)
+    build_model(arch, trained, tied=tied).save_pretrained(model_dir)
     window = getattr(build_config(arch), "sliding_window", None) if arch == "gemma3" else None
     chunk = min(prefill_chunk, window) if window else prefill_chunk
-    export_hf_model(model_dir, pte.with_suffix(".tmp"), dtype=dtype, qlinear=qlinear,
-                    group_size=32 if qlinear else None, max_ctx_len=max_ctx_len,
+    export_hf_model(model_dir, pte.with_suffix(".tmp"), dtype=dtype, qlinear=qlinear, qembedding=qembedding,
+                    group_size=32 if qlinear or qembedding else None, max_ctx_len=max_ctx_len,
                     prefill_chunk=chunk)
     pte.with_suffix(".tmp").rename(pte)
     return model_dir, pte
@@ -199,10 +203,11 @@ def make_tokenizer(directory: pathlib.Path, vocab_size: int = 200, extra_tokens:
 
 
 def reference_model(model_dir, dtype: str = "fp32", qlinear: str | None = None, qembedding: str | None = None,
-                    group_size: int = 32):
+                    group_size: int = 32, tied: bool = False):
     """transformers eager on the weights an export of ``model_dir`` holds:
     rounded to ``dtype`` and quantized as the exporter does (ExecuTorch's
-    ``quantize_model_``), computing in fp32 as our CPU route does."""
+    ``quantize_model_``, the head sharing the embedding's quantized table
+    where ``tied``), computing in fp32 as our CPU route does."""
     import torch
     import transformers
 
@@ -213,7 +218,7 @@ def reference_model(model_dir, dtype: str = "fp32", qlinear: str | None = None, 
 
         quantize_model_(model, qlinear_config=qlinear, qlinear_group_size=group_size if qlinear else None,
                         qembedding_config=qembedding, qembedding_group_size=group_size if qembedding else None,
-                        tie_word_embeddings=False)
+                        tie_word_embeddings=tied)
     return model.eval()
 
 

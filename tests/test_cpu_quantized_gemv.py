@@ -346,3 +346,75 @@ def test_every_quantized_linear_of_an_export_is_interleaved(exported):
     assert set(found) == matmul_weights and len(found) > 0
     sides = [slot for s, b, _, _ in found.values() for slot in (s, b)]
     assert len(sides) == len(set(sides))
+
+
+# -- a tied quantized embedding: the table interleaved, its rows looked up there --
+
+
+@pytest.mark.parametrize("bits, group, N, K", INTERLEAVED_CASES)
+@pytest.mark.parametrize("index_dtype", [mx.int32, mx.int64, mx.uint32])
+def test_rows_of_an_interleaved_table_are_mlx_s_dequantized_rows(kernel, lanes, bits, group, N, K, index_dtype):
+    rng = np.random.default_rng(bits + group + N + K)
+    stored = quantized(rng, N, K, bits, group)
+    table = kernel.interleave_quantized(*stored, group, bits)
+    ids = rng.integers(0, N, (2, 5))
+    ids[0, :2] = (0, N - 1)  # the first and last rows, and a repeat
+    ids[1, 4] = ids[1, 0]
+    indices = mx.array(ids).astype(index_dtype)
+    rows = kernel.take_interleaved(*table, indices, group, bits)
+    assert rows.shape == (2, 5, K) and rows.dtype == mx.float32
+    np.testing.assert_array_equal(np.array(rows), np.array(mx.dequantize(*stored, group, bits)[indices]))
+    np.testing.assert_allclose(np.array(rows), by_hand(*stored, bits, group)[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_a_lookup_past_the_table_reads_a_row_of_it(kernel, lanes):
+    """MLX counts a negative index from the end; an index past either end (a
+    corrupt input's) reads the nearest row, never memory outside the table."""
+    rng = np.random.default_rng(5)
+    stored = quantized(rng, 2 * lanes, 64, 4, 32)
+    table = kernel.interleave_quantized(*stored, 32, 4)
+    rows = np.array(kernel.take_interleaved(*table, mx.array([-1, -2 * lanes, 2 * lanes, -5 * lanes]), 32, 4))
+    w = np.array(mx.dequantize(*stored, 32, 4))
+    np.testing.assert_array_equal(rows, w[[2 * lanes - 1, 0, 2 * lanes - 1, 0]])
+
+
+def test_a_lookup_refuses_what_it_cannot_read_with_the_reason(kernel, lanes):
+    rng = np.random.default_rng(6)
+    table = kernel.interleave_quantized(*quantized(rng, lanes, 64, 4, 32), 32, 4)
+    with pytest.raises(ValueError, match="indices must be int32, int64 or uint32"):
+        kernel.take_interleaved(*table, mx.array([0.0]), 32, 4)
+    odd = quantized(rng, lanes + 1, 64, 4, 32)
+    with pytest.raises(ValueError, match=f"multiple of {lanes} rows"):
+        kernel.take_interleaved(*odd, mx.array([0]), 32, 4)
+
+
+@pytest.mark.parametrize("bits", ["4w", "8w"])
+def test_a_tied_quantized_embedding_is_interleaved_and_matches_torchao(exported, bits):
+    """The LM head multiplies with the embedding's quantized table, which the
+    embedding also looks rows up in (SmolLM2's shape): the table is stored
+    interleaved for the head's products and the lookup reads that layout;
+    the logits are transformers' on torchao's quantization as the exporter
+    does it, at every prompt and decode position."""
+    import test_parity as parity
+    import torch
+
+    import models
+    from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.runtime.pte.graph import node_name
+
+    model_dir, pte = exported("llama", trained=True, qlinear=bits, qembedding=bits, tied=True)
+    program = load_program(pte)
+    graph = program._graph("forward")
+    found = interleavable_quantized(graph, quant.QUANTIZED_GEMV_BITS, quant.QUANTIZED_GEMV_GROUPS)
+    main = graph.instructionChains[graph.mainChainIdx].instructions
+    head = main[-1].op.w.idx
+    assert node_name(main[-1]) == "QuantizedMatmulNode" and head in found
+    assert any(node_name(i) == "TakeNode" and i.op.x.idx == head for i in main)  # the embedding reads it too
+    program.prepare_cpu_kernels()
+    forward = program.load_method("forward", cache=program.new_cache(capacity=16))
+    assert forward.op_names.count("QuantizedGather") == 1 and "DequantizeNode" not in forward.op_names
+    tokens, ours = parity.greedy(pte, parity.prompt_for(5), parity.NEW_TOKENS, kv_dtype="fp32")
+    reference = models.reference_model(model_dir, qlinear=bits, qembedding=bits, group_size=32, tied=True)
+    with torch.no_grad():
+        ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()
+    parity.assert_close_where_decisive(tokens, ours[:-1], ref, parity.Q4_REL_TOL)

@@ -558,6 +558,83 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
                    std::make_shared<Dequantize>(stream, bits, group_size, interleaved), {w, scales, biases});
 }
 
+namespace {
+
+// Rows of an interleaved quantized table, dequantized: a quantized
+// embedding's lookup when the table is also the (interleaved) LM head.
+class TakeInterleaved : public mx::UnaryPrimitive {
+ public:
+  TakeInterleaved(mx::Stream stream, int bits, int group) : mx::UnaryPrimitive(stream), bits_(bits), group_(group) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+    const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2], &ids = inputs[3];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    encoder.set_output_array(out);
+    const int64_t K = out.shape(-1), N = w.shape(0), count = ids.size();
+    QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
+                    nullptr, K, N, group_, true};
+    const int bits = bits_;
+    const mx::Dtype type = ids.dtype();
+    const void* raw = ids.data<void>();
+    const auto strides = ids.strides();
+    const auto shape = ids.shape();
+    float* o = out.data<float>();
+    encoder.dispatch([=]() {
+      // MLX's take counts a negative index from the end; one past either
+      // end (a corrupt input) reads the nearest row, never outside the table
+      std::vector<int64_t> rows(count);
+      for (int64_t n = 0; n < count; ++n) {
+        int64_t at = 0, rest = n;
+        for (int d = int(shape.size()) - 1; d >= 0; --d) at += (rest % shape[d]) * strides[d], rest /= shape[d];
+        int64_t id = type == mx::int64    ? static_cast<const int64_t*>(raw)[at]
+                     : type == mx::uint32 ? int64_t(static_cast<const uint32_t*>(raw)[at])
+                                          : int64_t(static_cast<const int32_t*>(raw)[at]);
+        if (id < 0) id += N;
+        rows[n] = std::clamp<int64_t>(id, 0, N - 1);
+      }
+#if LLM_PTE_INTEGER_DOT
+      if (bits == 4) take_interleaved<4>(r, rows.data(), count, o);
+      else take_interleaved<8>(r, rows.data(), count, o);
+#endif
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
+    throw std::runtime_error("TakeInterleaved runs on the CPU only");
+  }
+
+  const char* name() const override { return "TakeInterleaved"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const TakeInterleaved&>(other);
+    return bits_ == o.bits_ && group_ == o.group_;
+  }
+
+ private:
+  int bits_, group_;
+};
+
+}  // namespace
+
+mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           const mx::array& indices, int group_size, int bits, mx::StreamOrDevice s) {
+  std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
+                                    group_size, bits);
+  if (err.empty()) err = check_interleaved(w);
+  if (err.empty() && indices.dtype() != mx::int32 && indices.dtype() != mx::int64 && indices.dtype() != mx::uint32)
+    err = "indices must be int32, int64 or uint32";
+  if (err.empty() && w.shape(0) == 0) err = "an empty table";
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
+  if (!err.empty()) throw std::invalid_argument("take_interleaved: " + err);
+  auto shape = indices.shape();
+  shape.push_back(int(w.shape(1) * 32 / bits));
+  return mx::array(shape, mx::float32, std::make_shared<TakeInterleaved>(stream, bits, group_size),
+                   {w, scales, biases, indices});
+}
+
 std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
                                             int group_size, int bits, bool weight) {
   const int64_t K = w.ndim() == 2 ? w.shape(1) * 32 / bits : 0;

@@ -71,6 +71,11 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
 mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                      int bits, bool interleaved, mx::StreamOrDevice s);
 
+// mx.dequantize(w, scales, biases)[indices] for a weight in interleave_quantized's
+// layout: a quantized embedding's rows when its table is the LM head's too.
+mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx::array& biases,
+                           const mx::array& indices, int group_size, int bits, mx::StreamOrDevice s);
+
 // (w, scales, biases) of MLX's affine layout in the interleaved one that
 // quantized_gemv and dequantize take with interleaved (quantized_interleaved.h):
 // the same shapes and sizes, computed now; weight false: w is interleaved

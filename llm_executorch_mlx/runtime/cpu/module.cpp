@@ -43,6 +43,10 @@ NB_MODULE(cpu_kernels, m) {
         "mx.dequantize(w, scales, biases, group_size, bits) for 4- or 8-bit affine weights with\n"
         "fp32 scales and biases, on the CPU, vectorised; interleaved: of interleave_quantized's\n"
         "layout, returned transposed ([K, N]).");
+  m.def("take_interleaved", &llm_pte::take_interleaved, "w"_a, "scales"_a, "biases"_a, "indices"_a, "group_size"_a,
+        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mx.dequantize(w, scales, biases, group_size, bits)[indices] for w, scales and biases in\n"
+        "interleave_quantized's layout, on the CPU: fp32 rows [*indices.shape, K].");
   m.def("interleave_quantized", &llm_pte::interleave_quantized, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "weight"_a = true,
         "(w, scales, biases) with interleaved_rows() weight rows interleaved, the layout the short\n"

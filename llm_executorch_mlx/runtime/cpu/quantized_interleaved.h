@@ -129,6 +129,34 @@ void interleaved_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
   }
 }
 
+// Rows `ids` (each in [0, N)) of the interleaved weight, dequantized into
+// out [count, K]: what a quantized embedding looks up when its table is also
+// the LM head's weight, stored interleaved for the head's products. Multiply,
+// then add, as MLX rounds.
+template <int BITS>
+void take_interleaved(const QuantizedRows& r, const int64_t* ids, int64_t count, float* out) {
+  constexpr int L = kInterleavedRows, per_chunk = BITS == 8 ? 2 : 4;
+  const int group = r.group;
+  const int64_t groups = r.K / group, block_bytes = r.K * BITS / 8 * L;
+  const uint8_t* base = reinterpret_cast<const uint8_t*>(r.w);
+  for (int64_t row = 0; row < count; ++row) {
+    const int64_t block = ids[row] / L, i = ids[row] % L;
+    const uint8_t* w = base + block * block_bytes + 2 * i;  // row i's pair in its block's first chunk
+    float* o = out + row * r.K;
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = r.scales[(block * groups + g) * L + i];
+      const float b = r.biases[(block * groups + g) * L + i];
+      for (int64_t k = 0; k < group; ++k) {
+        const uint8_t byte = w[(g * group + k) / per_chunk * 2 * L + (k % per_chunk) % 2];
+        const int q = BITS == 8 ? byte : (k % per_chunk < 2 ? byte & 0x0F : byte >> 4);
+        float v = s * static_cast<float>(q);
+        asm("" : "+v"(v));  // no FMA contraction: MLX rounds the product first
+        o[g * group + k] = v + b;
+      }
+    }
+  }
+}
+
 // The interleaved weight dequantized into w_t [K, N] (W^T, fp32, row n of W
 // in column n): a block's kLanes32 rows are one vector of a row of W^T, so
 // a chunk is two (8 bits) or four (4 bits) vector stores. Rows of W^T are

@@ -42,6 +42,7 @@ from ..dtypes import on_cpu
 from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..pte.graph import node_name, tensor_fields
+from .layout import read_before_written
 
 GROUP = ("MultiplyNode", "SliceNode", "SliceNode", "NegNode", "ConcatenateNode", "MultiplyNode", "AddNode")
 _VIEWS = ("ExpandDimsNode", "AsTypeNode", "ReshapeNode")  # keep values, change layout or dtype
@@ -262,21 +263,6 @@ def kept_slots(ctx) -> set[int]:
     """Tensor slots read after a call: the outputs and the mutable buffers."""
     maps = (ctx.graph.outputMap or []) + (ctx.graph.mutableBufferMap or [])
     return {s.idx for s in maps if s.slotType == md.SlotType.TensorSlot}
-
-
-def read_before_written(rest: list, slots: set[int]) -> bool:
-    """Whether a later node reads one of ``slots`` before overwriting it."""
-    pending = set(slots)
-    for instr in rest:
-        if not pending:
-            return False
-        if node_name(instr) in ("IfNode", "ScanNode"):
-            return True  # sub-chains may read anything: stay unfused
-        reads, writes = tensor_fields(instr.op)
-        if pending & reads:
-            return True
-        pending -= writes
-    return False
 
 
 def _swiglu_kernel(gate, up):

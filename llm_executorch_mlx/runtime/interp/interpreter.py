@@ -27,7 +27,8 @@ from .grouping import plan_group
 from .int32 import clamp_int32
 from .ops import BUILDERS
 from .ops.nn import build_addmm_last_row
-from .ops.quant import build_quantized_matmul_last_row
+from .layout import GATHER
+from .ops.quant import build_quantized_matmul_last_row, plan_quantized_gather
 from .pairs import try_fuse_pair
 
 Run = Callable[[list], None]
@@ -280,6 +281,13 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     fusing = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
     i = 0
     while i < len(instructions):
+        gather = plan_quantized_gather(ctx, instructions, i) if fusing else None
+        if gather is not None:
+            ops.append(gather)
+            for instr in instructions[i : i + len(GATHER)]:
+                ctx.record_write(node_name(instr), instr.op)
+            i += len(GATHER)
+            continue
         fused = try_fuse(ctx, instructions, i) if fusing else None
         if fused is not None:
             ops.append(fused)

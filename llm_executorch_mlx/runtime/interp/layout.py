@@ -30,12 +30,16 @@ Quantized linear weights are the exception: where the extension has integer
 dot products, a weight that only quantized matmuls read is stored with its
 rows interleaved (``cpu/quantized_interleaved.h``), a different logical
 tensor of the same size, which those matmuls' builders know to read
-(``interleavable_quantized`` finds them; ``program.py`` converts them).
+(``interleavable_quantized`` finds them; ``program.py`` converts them). So
+is a tied quantized embedding's table, which the LM head multiplies with
+and the embedding looks rows up in (``quantized_gather_at``): the lookup
+then reads the interleaved rows itself.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -83,23 +87,95 @@ def weights_read_only_by_matmuls_and_gathers(graph: md.MLXGraphT) -> set[int]:
     return linear - other_reads
 
 
+GATHER = ("TakeNode", "TakeNode", "TakeNode", "DequantizeNode")
+
+
+@dataclass(frozen=True)
+class QuantizedGather:
+    """Rows of a quantized table looked up by one index and dequantized (an
+    embedding): ``GATHER``, the takes' outputs read by nothing else."""
+
+    w: int
+    scales: int
+    biases: int
+    index: int
+    group: int
+    bits: int
+    out: int
+
+
+def quantized_gather_at(graph: md.MLXGraphT, instructions: list, i: int) -> QuantizedGather | None:
+    """The lookup starting at ``instructions[i]`` (of the main chain), or None:
+    three ``TakeNode`` s on axis 0 by one index tensor, of the weight, scales
+    and biases of one affine dequantization that follows them, their rows read
+    by that ``DequantizeNode`` alone."""
+    if tuple(node_name(instr) for instr in instructions[i : i + len(GATHER)]) != GATHER:
+        return None
+    try:
+        takes, dq = [instr.op for instr in instructions[i : i + 3]], instructions[i + 3].op
+        if any(t.axis != 0 or t.index is None or t.index.kind != 2 for t in takes):
+            return None
+        index = takes[0].index.tid.idx
+        source = {t.out.idx: t.x.idx for t in takes}
+        if (any(t.index.tid.idx != index for t in takes) or len(source) != 3 or index in source
+                or dq.biases is None or dq.globalScale is not None or _text(dq.mode) != "affine"):
+            return None
+        w, scales, biases = (source.get(t.idx) for t in (dq.w, dq.scales, dq.biases))
+    except (AttributeError, TypeError):
+        return None  # malformed: each node's own builder reports it
+    if None in (w, scales, biases):
+        return None
+    maps = (graph.outputMap or []) + (graph.mutableBufferMap or [])
+    internal = set(source) - {dq.out.idx}
+    if internal & {s.idx for s in maps if s.slotType == md.SlotType.TensorSlot}:
+        return None
+    if read_before_written(instructions[i + len(GATHER) :], internal):
+        return None
+    return QuantizedGather(w, scales, biases, index, dq.groupSize, dq.bits, dq.out.idx)
+
+
+def read_before_written(rest: list, slots: set[int]) -> bool:
+    """Whether a later node reads one of ``slots`` before overwriting it."""
+    pending = set(slots)
+    for instr in rest:
+        if not pending:
+            return False
+        if node_name(instr) in ("IfNode", "ScanNode"):
+            return True  # sub-chains may read anything
+        reads, writes = tensor_fields(instr.op)
+        if pending & reads:
+            return True
+        pending -= writes
+    return False
+
+
 def interleavable_quantized(graph: md.MLXGraphT, bits_taken, groups_taken) -> dict[int, tuple[int, int, int, int]]:
     """``{w: (scales, biases, group_size, bits)}`` for the constant quantized
     weights that only ``QuantizedMatmulNode`` s the extension's products run
     read (transposed, affine, with biases, ``bits_taken``, ``groups_taken``),
     always with the same scales, biases and parameters, which nothing else
     reads or writes but the init chain (which may compute the biases from
-    the scales, as torchao's exports do, before they are interleaved): they
-    may be stored interleaved."""
+    the scales, as torchao's exports do, before they are interleaved), and
+    lookups of the main chain (``quantized_gather_at``) with those same
+    parameters: they may be stored interleaved."""
     readers: dict[int, set] = {}
     plain_reads, written, init_touched = set(), set(), set()
+    gathered: dict[int, set] = {}  # w -> the parameters its lookups dequantize with
     for c, chain in enumerate(graph.instructionChains or []):
-        for instr in chain.instructions or []:
+        lookups = set()  # the takes of this chain's lookups
+        instructions = chain.instructions or []
+        for i, instr in enumerate(instructions):
             reads, writes = tensor_fields(instr.op)
             if c == graph.initChainIdx:
                 init_touched |= reads | writes
                 continue
             written |= writes
+            gather = quantized_gather_at(graph, instructions, i) if c == graph.mainChainIdx else None
+            if gather is not None:
+                gathered.setdefault(gather.w, set()).add((gather.scales, gather.biases, gather.group, gather.bits))
+                lookups |= {i, i + 1, i + 2}
+            if i in lookups:
+                continue  # a take of a lookup: its table's reads are the lookup's
             op = instr.op
             if node_name(instr) != "QuantizedMatmulNode" or not (
                 op.transpose and op.biases is not None and _text(op.mode) == "affine"
@@ -118,7 +194,8 @@ def interleavable_quantized(graph: md.MLXGraphT, bits_taken, groups_taken) -> di
         (t,) = triples
         slots = {w, t[0], t[1]}
         if (len(slots) == 3 and max(slots) < graph.numConstantTensors and not slots & (plain_reads | written)
-                and w not in owners and w not in init_touched and owners[t[0]] == owners[t[1]] == 1):
+                and w not in owners and w not in init_touched and owners[t[0]] == owners[t[1]] == 1
+                and gathered.get(w, {t}) == {t}):
             found[w] = t
     return found
 

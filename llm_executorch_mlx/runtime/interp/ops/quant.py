@@ -6,6 +6,7 @@ import mlx.core as mx
 
 from ...dtypes import on_cpu
 from ...errors import PteError
+from ..layout import quantized_gather_at
 from .shape import text
 from .table import op
 
@@ -264,3 +265,28 @@ def build_gather_qmm(n, ctx):
         )
 
     return run
+
+
+def plan_quantized_gather(ctx, instructions: list, i: int):
+    """``("QuantizedGather", run)`` for an embedding's lookup at ``i``
+    (``layout.quantized_gather_at``) in a table stored interleaved because the
+    LM head multiplies with it (``program.py``): the extension reads the rows
+    from that layout (``take_interleaved``) in place of the three takes and
+    the dequantize, which would read it as MLX's. Else None."""
+    if not ctx.interleaved:
+        return None
+    gather = quantized_gather_at(ctx.graph, instructions, i)
+    if gather is None or gather.w not in ctx.interleaved:
+        return None
+    take = ctx.kernels.extension.take_interleaved
+    w, scales, biases, group, bits = gather.w, gather.scales, gather.biases, gather.group, gather.bits
+    index, dq = ctx.t(instructions[i].op.index.tid), instructions[i + 3].op
+    out = ctx.out(dq.out)
+    dtype = None if dq.dtype is None else ctx.dtype(dq.dtype)
+    cast = dtype is not None and dtype != mx.float32
+
+    def run(f):
+        y = take(f[w], f[scales], f[biases], f[index], group, bits, stream=mx.cpu)
+        f[out] = y.astype(dtype) if cast else y
+
+    return "QuantizedGather", run
