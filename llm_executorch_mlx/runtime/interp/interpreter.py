@@ -281,19 +281,17 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     fusing = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
     i = 0
     while i < len(instructions):
-        gather = plan_quantized_gather(ctx, instructions, i) if fusing else None
-        if gather is not None:
-            ops.append(gather)
-            for instr in instructions[i : i + len(GATHER)]:
-                ctx.record_write(node_name(instr), instr.op)
-            i += len(GATHER)
-            continue
-        fused = try_fuse(ctx, instructions, i) if fusing else None
+        # a run of nodes rewritten as one: an embedding's lookup, RoPE
+        fused = None
+        for plan, size in ((plan_quantized_gather, len(GATHER)), (try_fuse, len(GROUP))) if fusing else ():
+            fused = plan(ctx, instructions, i)
+            if fused is not None:
+                break
         if fused is not None:
             ops.append(fused)
-            for instr in instructions[i : i + len(GROUP)]:
+            for instr in instructions[i : i + size]:
                 ctx.record_write(node_name(instr), instr.op)
-            i += len(GROUP)
+            i += size
             continue
         pair = None
         if fusing and not {i, i + 1} & deferred.keys():
