@@ -68,12 +68,17 @@ for bits in (4, 8) if lanes else ():
 x, w = rng.standard_normal((1, 1, 576)).astype(np.float32), rng.standard_normal((576, 200)).astype(np.float32)
 y = np.array(ext.gemv(mx.array(x), mx.array(w)))
 worst["gemv fp32"] = float(np.abs(y - x @ w).max() / (1e-5 * np.sqrt(576) * np.abs(x).max() * np.abs(w).max()))
-x5 = rng.standard_normal((1, 5, 576)).astype(np.float32)  # a short chunk's rows
 w16 = mx.array(w).astype(mx.bfloat16)
-for name, weight in (("fp32", mx.array(w)), ("bf16", w16)):
-    wide = np.array(weight.astype(mx.float32))
-    y = np.array(ext.gemv(mx.array(x5), weight))
-    worst[f"gemv {name} M5"] = float(np.abs(y - x5 @ wide).max() / (1e-5 * np.sqrt(576) * np.abs(x5).max() * np.abs(wide).max()))
+# a short chunk's rows and a prefill chunk's (passes of 4 rows of x over 3 or 4
+# weight rows at a time, 200 weight rows leaving a tail), and an odd K and N
+for K, N, M in ((576, 200, 3), (576, 200, 5), (576, 200, 128), (13, 7, 6)):
+    xm = rng.standard_normal((1, M, K)).astype(np.float32)
+    wm = w if (K, N) == (576, 200) else rng.standard_normal((K, N)).astype(np.float32)
+    for name, weight in (("fp32", mx.array(wm)), ("bf16", mx.array(wm).astype(mx.bfloat16))):
+        wide = np.array(weight.astype(mx.float32))
+        y = np.array(ext.gemv(mx.array(xm), weight))
+        worst[f"gemv {name} {K}x{N} M{M}"] = float(
+            np.abs(y - xm @ wide).max() / (1e-5 * np.sqrt(K) * np.abs(xm).max() * np.abs(wide).max()))
 worst["widen_bf16"] = float(np.abs(np.array(ext.widen_bf16(w16.T)) - np.array(w16.T.astype(mx.float32))).max())
 for bits in (4, 8):
     q, s, b = mx.quantize(mx.array(rng.standard_normal((33, 256)).astype(np.float32)), group_size=32, bits=bits)

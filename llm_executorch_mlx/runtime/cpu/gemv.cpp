@@ -57,83 +57,98 @@ constexpr int kInterleavedQuantizedRows = 128;
 // still matches it (benchmarks/bench_rows.py measures the crossing).
 constexpr int kDenseRows = 128;
 
-// s[r * 4 + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
-// four weight rows, for the returned k (the rest is the caller's): sixteen
-// lanes where the build has AVX-512, eight otherwise. A bf16 weight widens as
-// it is loaded, once for all R rows: with one row that halved the
-// instructions per weight that made a bf16 decode compute-bound. `next`
-// (the next four rows, at the same stride) is prefetched on the first pass
-// over a chunk: its rows are too short for the hardware prefetcher to ramp up.
-template <int R, typename T>
-int64_t dot_rows(const float* x, const T* w0, const T* w1, const T* w2, const T* w3, int64_t K, float* s,
-                 const T* next = nullptr, int64_t w_row = 0) {
+// Weight rows a pass over R rows of x takes: R * C accumulators, C weight
+// vectors and one of x must fit the vector registers, or the loop spills
+// accumulators to the stack on every step. AVX-512 has 32 (4 x 4 + 4 + 1);
+// AVX2 and NEON's 8-lane path here 16, so 3 and 4 rows of x take 3 weight
+// rows (12 + 3 + 1), fewer rows of x take 4.
+template <int R>
+constexpr int kWeightRows =
+#if defined(__AVX512F__)
+    4;
+#else
+    R >= 3 ? 3 : 4;
+#endif
+
+// s[r * C + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
+// C weight rows w_i = w + i * w_row, for the returned k (the rest is the
+// caller's): sixteen lanes where the build has AVX-512, eight otherwise. A
+// bf16 weight widens as it is loaded, once for all R rows: with one row that
+// halved the instructions per weight that made a bf16 decode compute-bound.
+// `next` (weight rows ahead, at the same stride) is prefetched on the first
+// pass over a chunk: its rows are too short for the hardware prefetcher to
+// ramp up.
+template <int R, int C, typename T>
+int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s, const T* next = nullptr) {
 #if defined(__AVX512F__)
   const int64_t K16 = K / 16 * 16;
-  __m512 a[R][4];
-  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < C; ++i) a[r][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K16; k += 16) {
     if (next) {
-      for (int i = 0; i < 4; ++i) __builtin_prefetch(next + i * w_row + k);
+      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k);
     }
-    const __m512 v0 = load16(w0 + k), v1 = load16(w1 + k), v2 = load16(w2 + k), v3 = load16(w3 + k);
+    __m512 v[C];
+    for (int i = 0; i < C; ++i) v[i] = load16(w + i * w_row + k);
     for (int r = 0; r < R; ++r) {
-      const __m512 v = _mm512_loadu_ps(x + r * K + k);
-      a[r][0] = _mm512_fmadd_ps(v, v0, a[r][0]);
-      a[r][1] = _mm512_fmadd_ps(v, v1, a[r][1]);
-      a[r][2] = _mm512_fmadd_ps(v, v2, a[r][2]);
-      a[r][3] = _mm512_fmadd_ps(v, v3, a[r][3]);
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_fmadd_ps(xv, v[i], a[r][i]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) s[r * 4 + i] = _mm512_reduce_add_ps(a[r][i]);
+    for (int i = 0; i < C; ++i) s[r * C + i] = _mm512_reduce_add_ps(a[r][i]);
   return K16;
 #else
   const int64_t K8 = K / 8 * 8;
-  f8 a[R][4] = {};
+  f8 a[R][C] = {};
   for (int64_t k = 0; k < K8; k += 8) {
     if (next) {
-      for (int i = 0; i < 4; ++i) __builtin_prefetch(next + i * w_row + k);
+      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k);
     }
-    const f8 v0 = load8(w0 + k), v1 = load8(w1 + k), v2 = load8(w2 + k), v3 = load8(w3 + k);
+    f8 v[C];
+    for (int i = 0; i < C; ++i) v[i] = load8(w + i * w_row + k);
     for (int r = 0; r < R; ++r) {
-      const f8 v = load8(x + r * K + k);
-      a[r][0] += v * v0, a[r][1] += v * v1, a[r][2] += v * v2, a[r][3] += v * v3;
+      const f8 xv = load8(x + r * K + k);
+      for (int i = 0; i < C; ++i) a[r][i] += xv * v[i];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) s[r * 4 + i] = sum8(a[r][i]);
+    for (int i = 0; i < C; ++i) s[r * C + i] = sum8(a[r][i]);
   return K8;
 #endif
 }
 
-// How far ahead the first pass over a chunk prefetches weight rows: four
-// fp32 rows, or the same bytes of bf16 rows. A decode step's one-row pass
-// prefetches too: with products of one x grouped (interp/grouping.py) that
-// gained 4-5% fp32 and ~20% bf16 decode on the 135M model (a bf16 row's
-// stream is too short for the hardware prefetcher alone).
-template <typename T>
-constexpr int64_t kPrefetchRows = 4 * sizeof(float) / sizeof(T);
+// How far ahead the first pass over a chunk prefetches weight rows: about
+// four fp32 rows, or the same bytes of bf16 rows, in whole steps of C rows.
+// A decode step's one-row pass prefetches too: with products of one x
+// grouped (interp/grouping.py) that gained 4-5% fp32 and ~20% bf16 decode on
+// the 135M model (a bf16 row's stream is too short for the hardware
+// prefetcher alone).
+template <typename T, int C>
+constexpr int64_t kPrefetchRows = std::max<int64_t>(C, 4 * sizeof(float) / sizeof(T) / C * C);
 
-// y[r, n] = W[n, :] . x[r, :] for rows n in [lo, hi) and R rows of x, four
+// y[r, n] = W[n, :] . x[r, :] for rows n in [lo, hi) and R rows of x, C
 // weight rows at a time (rows contiguous), then the last few one by one.
 template <int R, typename T>
 void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t hi, bool first_pass) {
+  constexpr int C = kWeightRows<R>;
+  constexpr int64_t ahead = kPrefetchRows<T, C>;
   const int64_t K = j.K;
   const T* W = static_cast<const T*>(j.w);
   int64_t n = lo;
-  for (; n + 4 <= hi; n += 4) {
-    const T *w0 = W + n * j.w_row, *w1 = w0 + j.w_row, *w2 = w1 + j.w_row, *w3 = w2 + j.w_row;
-    float s[R * 4];
-    const bool fetch = first_pass && n + kPrefetchRows<T> + 4 <= j.N;
-    const int64_t done =
-        dot_rows<R>(x, w0, w1, w2, w3, K, s, fetch ? w0 + kPrefetchRows<T> * j.w_row : nullptr, j.w_row);
+  for (; n + C <= hi; n += C) {
+    const T* w = W + n * j.w_row;
+    float s[R * C];
+    const bool fetch = first_pass && n + ahead + C <= j.N;
+    const int64_t done = dot_rows<R, C>(x, w, j.w_row, K, s, fetch ? w + ahead * j.w_row : nullptr);
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * K;
-      for (int64_t k = done; k < K; ++k) {
-        s[r * 4] += widen(w0[k]) * xr[k], s[r * 4 + 1] += widen(w1[k]) * xr[k];
-        s[r * 4 + 2] += widen(w2[k]) * xr[k], s[r * 4 + 3] += widen(w3[k]) * xr[k];
+      for (int i = 0; i < C; ++i) {
+        const T* wi = w + i * j.w_row;
+        for (int64_t k = done; k < K; ++k) s[r * C + i] += widen(wi[k]) * xr[k];
       }
-      std::memcpy(y + r * j.N + n, s + r * 4, 4 * sizeof(float));
+      std::memcpy(y + r * j.N + n, s + r * C, C * sizeof(float));
     }
   }
   const int64_t K8 = K / 8 * 8;
@@ -150,6 +165,10 @@ void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t
     }
   }
 }
+
+// Weight rows a chunk of a many-row product holds: whole steps of every
+// pass's C.
+constexpr int64_t kDenseChunkRows = kWeightRows<4> == 4 ? 16 : 24;
 
 // y = x W^T for W's rows [lo, hi): up to 4 rows of x per pass over those
 // weight rows (the accumulators then fit the registers); more rows take more
@@ -291,11 +310,11 @@ class SharedGemv : public SharedPrimitive {
       Products task{each, {}, {}};
       // one row of x: ~8k weights (32 KB) a chunk, whole groups of four
       // rows, small enough to share a 576-row product, large enough to
-      // stream. More rows: 16 weight rows a chunk, which each pass over x's
-      // rows finds in cache and whose next rows the first pass prefetches
-      // (4 or 8 rows a chunk measured ~15% slower at 16 rows of x,
-      // benchmarks/bench_rows.py).
-      const int64_t rows = M > 1 ? 16 : std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
+      // stream. More rows: 16 weight rows a chunk (24 where passes take 3
+      // or 4), which each pass over x's rows finds in cache and whose next
+      // rows the first pass prefetches (4 or 8 rows a chunk measured ~15%
+      // slower at 16 rows of x, benchmarks/bench_rows.py).
+      const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
         task.chunk_rows.push_back(rows);
