@@ -38,6 +38,7 @@ def weight(rng, N, K):
         (576, 192),  # k and v
         (1536, 576),  # down: a chunk of four rows
         (576, 49152),  # the LM head: thousands of chunks
+        (576, 200),  # chunks of 24 rows, the last one 8: a pass's group of 6 or 3 and a tail
         (13, 7),  # K not a multiple of 8, N not of 4
         (5, 1),
     ],
@@ -64,6 +65,13 @@ def test_products_of_one_x_are_each_gemv(kernel, dtype, M):
     for y, W in zip(ys, Ws):
         np.testing.assert_array_equal(np.array(y), np.array(kernel.gemv(x, W.T)))
         np.testing.assert_allclose(np.array(y), np.array(x) @ np.array(W.astype(mx.float32)).T, rtol=1e-5, atol=1e-4)
+
+
+def test_dense_lanes_are_the_build_s_vector_width(kernel):
+    from llm_executorch_mlx.runtime.cpu import extension
+
+    command = extension._plan()[0]
+    assert kernel.dense_lanes() == (16 if "-mavx512f" in command else 8)
 
 
 def test_other_layouts_and_a_strided_row_are_read_as_they_are(kernel):
@@ -200,15 +208,25 @@ def test_results_do_not_depend_on_which_thread_ran_a_chunk(kernel):
         np.testing.assert_array_equal(np.array(helped), np.array(alone))
 
 
-@pytest.mark.parametrize("few", [128, 4])  # the default; one that sends the first chunk to BLAS
-def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas(kernel, exported, monkeypatch,
-                                                                                 few):
+@pytest.mark.parametrize("few, lanes", [
+    (128, None),  # the default, this build's own lanes
+    (4, None),  # a limit that sends the first chunk to BLAS
+    (128, 8),  # AVX2's lanes: fp32 chunks of up to DENSE_GEMV_ROWS stay ours
+    (128, 16),  # AVX-512's, with the wide limit set to 4: BLAS takes the chunk where an optimized one is bound
+])
+def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas(kernels, kernel, exported,
+                                                                                 monkeypatch, few, lanes):
     from llm_executorch_mlx.runtime import load_program
     from llm_executorch_mlx.runtime.interp.ops import nn
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
     assert nn.DENSE_GEMV_ROWS == 128  # cpu/gemv.cpp's kDenseRows
     monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few)
+    if lanes is not None:
+        monkeypatch.setattr(kernel, "dense_lanes", lambda: lanes)
+        monkeypatch.setattr(nn, "WIDE_FP32_GEMV_ROWS", 4)
+        if lanes == 16 and kernels.blas.library:
+            few = 4
     rows = []
     real = kernel.gemv
     monkeypatch.setattr(kernel, "gemv", lambda x, w, **kw: rows.append(x.shape[:-1]) or real(x, w, **kw))

@@ -59,13 +59,15 @@ constexpr int kDenseRows = 128;
 
 // Weight rows a pass over R rows of x takes: R * C accumulators, C weight
 // vectors and one of x must fit the vector registers, or the loop spills
-// accumulators to the stack on every step. AVX-512 has 32 (4 x 4 + 4 + 1);
-// AVX2 and NEON's 8-lane path here 16, so 3 and 4 rows of x take 3 weight
-// rows (12 + 3 + 1), fewer rows of x take 4.
+// accumulators to the stack on every step. With AVX-512's 32, 3 and 4 rows
+// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4, 5-10%
+// faster at 16 and 128 rows, benchmarks/bench_rows.py); with the 16 of AVX2
+// and NEON, 3 (12 + 3 + 1, where 4 x 4 spilled: 1.4x at 128 rows). Fewer
+// rows of x take 4.
 template <int R>
 constexpr int kWeightRows =
 #if defined(__AVX512F__)
-    4;
+    R >= 3 ? 6 : 4;
 #else
     R >= 3 ? 3 : 4;
 #endif
@@ -167,8 +169,8 @@ void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t
 }
 
 // Weight rows a chunk of a many-row product holds: whole steps of every
-// pass's C.
-constexpr int64_t kDenseChunkRows = kWeightRows<4> == 4 ? 16 : 24;
+// pass's C (3, 4 or 6).
+constexpr int64_t kDenseChunkRows = 24;
 
 // y = x W^T for W's rows [lo, hi): up to 4 rows of x per pass over those
 // weight rows (the accumulators then fit the registers); more rows take more
@@ -310,10 +312,10 @@ class SharedGemv : public SharedPrimitive {
       Products task{each, {}, {}};
       // one row of x: ~8k weights (32 KB) a chunk, whole groups of four
       // rows, small enough to share a 576-row product, large enough to
-      // stream. More rows: 16 weight rows a chunk (24 where passes take 3
-      // or 4), which each pass over x's rows finds in cache and whose next
-      // rows the first pass prefetches (4 or 8 rows a chunk measured ~15%
-      // slower at 16 rows of x, benchmarks/bench_rows.py).
+      // stream. More rows: 24 weight rows a chunk, which each pass over x's
+      // rows finds in cache and whose next rows the first pass prefetches
+      // (4 or 8 rows a chunk measured ~15% slower than 16 at 16 rows of x,
+      // benchmarks/bench_rows.py).
       const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
@@ -673,6 +675,14 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
 }
 
 int interleaved_rows() { return kInterleavedRows; }
+
+int dense_lanes() {
+#if defined(__AVX512F__)
+  return 16;
+#else
+  return 8;
+#endif
+}
 
 namespace {
 

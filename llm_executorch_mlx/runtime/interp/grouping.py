@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from ..dtypes import on_cpu
 from ..pte.graph import node_name, tensor_fields
-from .ops.nn import build_addmm, few_rows
+from .ops.nn import build_addmm, few_rows, fp32_gemv_rows
 from .ops.quant import (
     INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, GemvOperands,
     build_quantized_matmul,
@@ -211,11 +211,12 @@ def _dense_weight(ctx, instructions, j, op) -> mx.array | None:
 
 def _dense_runs(ctx, members, ops, weights):
     gemvs = ctx.kernels.extension.gemvs
+    fp32_rows = fp32_gemv_rows(ctx.kernels)
     x = ops[0].mat1.idx
     own = [build_addmm(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
 
     def products(f):
         xs = f[x]
-        return gemvs(xs, weights) if few_rows(xs, weights[0]) else None
+        return gemvs(xs, weights) if few_rows(xs, weights[0], fp32_rows) else None
 
     return _group_runs(ctx, members, ops, own, products, [ctx.t_opt(op.bias) for op in ops])

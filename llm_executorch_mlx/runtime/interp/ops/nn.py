@@ -19,6 +19,20 @@ from .table import op
 # shared with the host thread (benchmarks/bench_rows.py: BLAS / ours 1.1-1.2
 # at 128 rows for fp32, 1.2-2 for bf16).
 DENSE_GEMV_ROWS = 128
+# Most rows of x against an fp32 weight where the extension's loops are
+# AVX-512's and an optimized BLAS is bound: there BLAS's register-tiled sgemm
+# passes ours from ~48 rows (bench_rows.py: BLAS / ours 1.0-1.08 at 32-48
+# rows, 0.80 at 64, 0.65 at 128; a 512-token fp32 prefill in chunks of 128
+# ~430 -> ~555 tok/s). With AVX2's 8 lanes ours still matches it at 128, and
+# a bf16 weight would need widening for BLAS: both keep DENSE_GEMV_ROWS.
+WIDE_FP32_GEMV_ROWS = 32
+
+
+def fp32_gemv_rows(kernels) -> int:
+    """Most rows of x the dense GEMV takes against an fp32 weight in a program
+    run with ``kernels`` (a ``CpuKernels`` whose GEMV is on)."""
+    wide = kernels.extension.dense_lanes() >= 16
+    return min(WIDE_FP32_GEMV_ROWS, DENSE_GEMV_ROWS) if wide and kernels.blas.library else DENSE_GEMV_ROWS
 
 
 @op("AddmmNode")
@@ -41,6 +55,7 @@ def _addmm(n, ctx, rows):
     kernels = ctx.kernels
     extension = kernels.extension if kernels is not None and kernels.gemv.on else None
     gemv = extension.gemv if extension else None
+    fp32_rows = fp32_gemv_rows(kernels) if extension else DENSE_GEMV_ROWS
     alpha, beta = float(n.alpha), float(n.beta)
 
     def as_x(w, x):
@@ -54,7 +69,7 @@ def _addmm(n, ctx, rows):
 
     def product(x_in, x, w):
         """The GEMV's product, or None where BLAS's is better."""
-        if few_rows(x_in, w):
+        if few_rows(x_in, w, fp32_rows):
             return gemv(x, w)
         if w.dtype == mx.bfloat16 and few_rows(x, w) and x.size == x.shape[-1]:
             # a long chunk's bf16 LM head row: read as stored (widening would
@@ -81,15 +96,17 @@ def _addmm(n, ctx, rows):
     return run
 
 
-def few_rows(x, w) -> bool:
-    """At most ``DENSE_GEMV_ROWS`` fp32 rows against a 2-D fp32 weight of as
+def few_rows(x, w, fp32_rows: int | None = None) -> bool:
+    """At most ``DENSE_GEMV_ROWS`` fp32 rows (``fp32_rows`` against an fp32
+    weight, where given) against a 2-D fp32 weight of as
     many rows as ``x`` has columns, or a bf16 one kept as stored (program.py);
     anything else (a corrupt program's shapes) is left to MLX's checks.
     ``x`` is taken before any last-row slice, so a long prefill chunk's LM
     head stays a BLAS product: no host thread helps a long chunk. A bf16 weight meets more rows only when this
     GEMV is in use, and is then widened per call for BLAS."""
+    rows = DENSE_GEMV_ROWS if fp32_rows is None or w.dtype != mx.float32 else min(fp32_rows, DENSE_GEMV_ROWS)
     return (x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2 and 0 < x.shape[-1] == w.shape[0]
-            and x.size <= DENSE_GEMV_ROWS * x.shape[-1] and x.size == x.shape[-1] * (x.shape[-2] if x.ndim > 1 else 1))
+            and x.size <= rows * x.shape[-1] and x.size == x.shape[-1] * (x.shape[-2] if x.ndim > 1 else 1))
 
 
 _GEMV_WEIGHTS = (mx.float32, mx.bfloat16)
