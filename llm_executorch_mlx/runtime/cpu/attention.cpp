@@ -126,19 +126,6 @@ struct Geometry {
   int first_key(int t) const { return window > 0 ? std::max(0, end_key(t) - window) : 0; }
 };
 
-// The four sums of a[0..3]'s lanes, as one vector's first four lanes:
-// pairwise adds of shuffled halves, ~5 instructions for four sums where
-// four sum8 take ~28.
-inline f8 pair_sums(f8 a, f8 b) {  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
-  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
-}
-
-inline void sums4(const f8* a, float* out) {
-  const f8 t = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3]));
-  const f8 s = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
-  out[0] = s[0], out[1] = s[1], out[2] = s[2], out[3] = s[3];
-}
-
 // s[r * s_row + j] = q_r . k_j for R query rows (D apart) over keys j < n,
 // keys of D (a multiple of 8) contiguous values `stride` apart: four keys
 // at a time, each widened once for all R rows (the query heads sharing a

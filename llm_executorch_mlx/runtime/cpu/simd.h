@@ -72,6 +72,26 @@ inline float sum8(f8 x) {
   return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
+// The four sums of a[0..3]'s lanes, as one vector's first four lanes:
+// pairwise adds of shuffled halves, ~5 instructions for four sums where
+// four sum8 take ~28.
+inline f8 pair_sums(f8 a, f8 b) {  // [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7]
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) + __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+
+inline void sums4(const f8* a, float* out) {
+  const f8 t = pair_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3]));
+  const f8 s = t + __builtin_shufflevector(t, t, 4, 5, 6, 7, 0, 1, 2, 3);
+  out[0] = s[0], out[1] = s[1], out[2] = s[2], out[3] = s[3];
+}
+
+// out[j] = the sum of a[j]'s lanes for j < n: four at a time as sums4.
+inline void sums(const f8* a, int n, float* out) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) sums4(a + j, out + j);
+  for (; j < n; ++j) out[j] = sum8(a[j]);
+}
+
 // mask ? a : b lane by lane, mask from a vector comparison (all ones or
 // zeros). Spelled with bit operations: Clang has no vector ?: in C++.
 inline f8 select8(i8 mask, f8 a, f8 b) {
