@@ -51,6 +51,9 @@ def _runtime_facts() -> dict:
             facts["attention"] = f"MLX ops ({k.attention.why})"
         if k.gemv.on or k.gemv.needs_build:
             facts["decode_products"] = "the compiled kernel's gemv, the host thread helping"
+            facts["fp32_chunk_products"] = (
+                f"the compiled kernel's gemv up to {k.fp32_gemv_rows} rows, BLAS's sgemm above"
+                if k.fp32_gemv_rows else "the compiled kernel's gemv or BLAS's sgemm, as measured on the first prompt")
             facts["quantized_products"] = ("4/8-bit weights read as stored by the compiled kernel's gemv "
                                            "(up to 16 rows), dequantized by it for BLAS (more)")
         else:
@@ -250,6 +253,8 @@ def register_commands(cli):
             click.echo(f"        BLAS: {blas['library'] or 'MLX reference BLAS (slow)'} ({blas['reason']})")
             click.echo(f"        attention: {runtime['attention']}")
             click.echo(f"        decode products: {runtime['decode_products']}")
+            if "fp32_chunk_products" in runtime:
+                click.echo(f"        fp32 chunk products: {runtime['fp32_chunk_products']}")
             click.echo(f"        quantized products: {runtime['quantized_products']}")
     add_export_commands(pte)  # llm pte export, llm pte demo
     add_cache_commands(pte)  # llm pte cache, llm pte cache clear

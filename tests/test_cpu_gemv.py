@@ -6,6 +6,7 @@ which a method's ``submit``/``wait`` call for every decode step on the CPU,
 runtime/steps.py)."""
 
 import dataclasses
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -65,13 +66,6 @@ def test_products_of_one_x_are_each_gemv(kernel, dtype, M):
     for y, W in zip(ys, Ws):
         np.testing.assert_array_equal(np.array(y), np.array(kernel.gemv(x, W.T)))
         np.testing.assert_allclose(np.array(y), np.array(x) @ np.array(W.astype(mx.float32)).T, rtol=1e-5, atol=1e-4)
-
-
-def test_dense_lanes_are_the_build_s_vector_width(kernel):
-    from llm_executorch_mlx.runtime.cpu import extension
-
-    command = extension._plan()[0]
-    assert kernel.dense_lanes() == (16 if "-mavx512f" in command else 8)
 
 
 def test_other_layouts_and_a_strided_row_are_read_as_they_are(kernel):
@@ -208,25 +202,22 @@ def test_results_do_not_depend_on_which_thread_ran_a_chunk(kernel):
         np.testing.assert_array_equal(np.array(helped), np.array(alone))
 
 
-@pytest.mark.parametrize("few, lanes", [
-    (128, None),  # the default, this build's own lanes
-    (4, None),  # a limit that sends the first chunk to BLAS
-    (128, 8),  # AVX2's lanes: fp32 chunks of up to DENSE_GEMV_ROWS stay ours
-    (128, 16),  # AVX-512's, with the wide limit set to 4: BLAS takes the chunk where an optimized one is bound
+@pytest.mark.parametrize("few, fp32_rows", [
+    (128, 128),  # the default where the extension is as fast as BLAS at 128 rows
+    (4, 128),  # a limit that sends the first chunk to BLAS
+    (128, 4),  # a machine where BLAS's sgemm measured faster from 4 rows of an fp32 weight
 ])
-def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas(kernels, kernel, exported,
-                                                                                 monkeypatch, few, lanes):
+def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas(kernel, exported, monkeypatch,
+                                                                                 few, fp32_rows):
     from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.runtime.cpu import crossover
     from llm_executorch_mlx.runtime.interp.ops import nn
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
     assert nn.DENSE_GEMV_ROWS == 128  # cpu/gemv.cpp's kDenseRows
     monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few)
-    if lanes is not None:
-        monkeypatch.setattr(kernel, "dense_lanes", lambda: lanes)
-        monkeypatch.setattr(nn, "WIDE_FP32_GEMV_ROWS", 4)
-        if lanes == 16 and kernels.blas.library:
-            few = 4
+    monkeypatch.setattr(crossover, "fp32_rows", lambda *args, **kw: fp32_rows)
+    few = min(few, fp32_rows)
     rows = []
     real = kernel.gemv
     monkeypatch.setattr(kernel, "gemv", lambda x, w, **kw: rows.append(x.shape[:-1]) or real(x, w, **kw))
@@ -396,3 +387,27 @@ def test_the_norm_node_runs_as_one_op_where_the_extension_is(kernels, tmp_path):
     np.testing.assert_allclose(np.array(with_extension), np.array(nn._cpu_rms_norm(1e-5)(x, w, 1e-5)), rtol=1e-5)
     bf16 = nn._extension_rms_norm(kernels.extension, 1e-5)(x.astype(mx.bfloat16), w, 1e-5)
     assert bf16.dtype == mx.float32  # MLX's own op and promotion for other dtypes
+
+
+def test_the_fp32_crossover_is_measured_once_and_kept(kernels, monkeypatch, tmp_path):
+    """The first explicit use times the extension against BLAS and keeps the
+    most rows it should take; later processes read that back, and without an
+    optimized BLAS (or before any measurement) it takes every chunk it can."""
+    from llm_executorch_mlx.runtime.cpu import crossover
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(crossover, "_measured", {})
+    args = ("ext.so", kernels.extension, "libblas.so")
+    assert crossover.fp32_rows(*args, measure=False) is None  # not measured yet: nothing written
+    assert not list(tmp_path.rglob("dense-rows-*"))
+    rows = crossover.fp32_rows(*args, measure=True)
+    assert rows in (32, 64, 128)
+    (kept,) = tmp_path.rglob("dense-rows-*.json")
+    record = json.loads(kept.read_text())
+    assert record["rows"] == rows and set(record["ms"]) <= {"128", "64"}
+    ours, blas = record["ms"]["128"]["ours"], record["ms"]["128"]["blas"]
+    assert (rows == 128) == (ours <= blas)
+    kept.write_text(json.dumps(dict(record, rows=64)))  # as another process finds it
+    monkeypatch.setattr(crossover, "_measured", {})
+    assert crossover.fp32_rows(*args, measure=True) == 64
+    assert crossover.fp32_rows("ext.so", kernels.extension, None, measure=True) == crossover.MOST_ROWS

@@ -20,6 +20,7 @@ import models
 from models import make_tokenizer
 
 from llm_executorch_mlx.registry import registry_path
+from llm_executorch_mlx.runtime import cpu
 from llm_executorch_mlx.runtime.cpu import blas
 from llm_executorch_mlx.text import store
 
@@ -83,10 +84,15 @@ def test_register_list_info_remove(tiny, compiler):
         assert "attention: compiled kernel" in info and info_json["runtime"]["attention"].startswith("compiled kernel")
         assert "decode products: the compiled kernel's gemv" in info
         assert "quantized products: 4/8-bit weights read as stored by the compiled kernel's gemv" in info
+        # how many rows of an fp32 chunk it takes before BLAS's sgemm, as measured here (crossover.py)
+        rows = cpu.kernels().fp32_gemv_rows
+        assert (f"fp32 chunk products: the compiled kernel's gemv up to {rows} rows, BLAS's sgemm above" if rows else
+                "fp32 chunk products: the compiled kernel's gemv or BLAS's sgemm, as measured on the first prompt") in info
     else:
         assert "attention: MLX ops (no C++ compiler)" in info
         assert "decode products: BLAS (no C++ compiler)" in info
         assert "quantized products: MLX's quantized_matmul (up to 4 rows)" in info
+        assert "fp32 chunk products" not in info
     assert invoke("pte", "remove", "tiny").exit_code == 0
     assert json.loads(invoke("pte", "models", "--json").output) == []
 

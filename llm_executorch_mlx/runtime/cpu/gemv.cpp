@@ -684,14 +684,6 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
 
 int interleaved_rows() { return kInterleavedRows; }
 
-int dense_lanes() {
-#if defined(__AVX512F__)
-  return 16;
-#else
-  return 8;
-#endif
-}
-
 namespace {
 
 // bf16 values widened to fp32 (exactly: a bf16 is the top half of an fp32),

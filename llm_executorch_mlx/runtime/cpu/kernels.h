@@ -86,9 +86,6 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
 // Rows an interleaved block holds; 0 where this build has no such layout.
 int interleaved_rows();
 
-// Float lanes of gemv's dense loops: 16 where the build has AVX-512, else 8.
-int dense_lanes();
-
 // silu(gate) * up for fp32 gate and up of one shape (swiglu.cpp).
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s);
 

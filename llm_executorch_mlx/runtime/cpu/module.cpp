@@ -54,8 +54,6 @@ NB_MODULE(cpu_kernels, m) {
         "interleaved already and comes back as it is.");
   m.def("interleaved_rows", &llm_pte::interleaved_rows,
         "Rows an interleaved block holds; 0 where this build has no interleaved layout.");
-  m.def("dense_lanes", &llm_pte::dense_lanes,
-        "Float lanes of this build's dense products: 16 where it has AVX-512, else 8.");
   m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up for float32 gate and up of one shape, on the CPU, vectorised.");
   m.def("rms_norm", &llm_pte::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),

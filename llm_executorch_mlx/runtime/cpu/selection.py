@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from ..dtypes import on_cpu
-from . import extension
+from . import crossover, extension
 from .blas import BlasStatus, load_fast_blas
 
 ATTENTION_FLAG = "LLM_PTE_CPU_ATTENTION"
@@ -40,6 +40,10 @@ class CpuKernels:
     gemv: Use  # the extension's shared few-row product (decode steps, short chunks), else BLAS
     blas: BlasStatus  # the BLAS behind MLX's matmuls
     extension: ModuleType | None = field(default=None, repr=False, compare=False)  # when a part is on
+    # most rows of x the GEMV takes against an fp32 weight, BLAS's sgemm taking
+    # more (crossover.py: measured once per machine on the first build=True);
+    # None until measured
+    fp32_gemv_rows: int | None = None
 
 
 def kernels(build: bool = False) -> CpuKernels:
@@ -63,4 +67,5 @@ def kernels(build: bool = False) -> CpuKernels:
 
     parts = use(ATTENTION_FLAG), use(GEMV_FLAG)
     module = found.module if any(p.on for p in parts) else None
-    return CpuKernels(*parts, blas, module)
+    rows = crossover.fp32_rows(found.why, module, blas.library, measure=build) if parts[1].on else None
+    return CpuKernels(*parts, blas, module, rows)

@@ -16,23 +16,18 @@ from .table import op
 # exports' default size. BLAS's sgemm repacks the whole weight for every
 # call, which costs a few-row product as much as a 128-row one, and needs a
 # bf16 weight widened first; the GEMV reads it once as stored (fp32 or bf16),
-# shared with the host thread (benchmarks/bench_rows.py: BLAS / ours 1.1-1.2
-# at 128 rows for fp32, 1.2-2 for bf16).
+# shared with the host thread (benchmarks/bench_rows.py: bf16 BLAS / ours
+# 1.2-2 at 128 rows). Against an fp32 weight it depends on the machine:
+# fp32_gemv_rows.
 DENSE_GEMV_ROWS = 128
-# Most rows of x against an fp32 weight where the extension's loops are
-# AVX-512's and an optimized BLAS is bound: there BLAS's register-tiled sgemm
-# passes ours from ~48 rows (bench_rows.py: BLAS / ours 1.0-1.08 at 32-48
-# rows, 0.80 at 64, 0.65 at 128; a 512-token fp32 prefill in chunks of 128
-# ~430 -> ~555 tok/s). With AVX2's 8 lanes ours still matches it at 128, and
-# a bf16 weight would need widening for BLAS: both keep DENSE_GEMV_ROWS.
-WIDE_FP32_GEMV_ROWS = 32
 
 
 def fp32_gemv_rows(kernels) -> int:
     """Most rows of x the dense GEMV takes against an fp32 weight in a program
-    run with ``kernels`` (a ``CpuKernels`` whose GEMV is on)."""
-    wide = kernels.extension.dense_lanes() >= 16
-    return min(WIDE_FP32_GEMV_ROWS, DENSE_GEMV_ROWS) if wide and kernels.blas.library else DENSE_GEMV_ROWS
+    run with ``kernels`` (whose GEMV is on): up to where BLAS's sgemm is
+    faster on this machine (``cpu/crossover.py``), all it can take until
+    that is measured."""
+    return min(kernels.fp32_gemv_rows or DENSE_GEMV_ROWS, DENSE_GEMV_ROWS)
 
 
 @op("AddmmNode")
