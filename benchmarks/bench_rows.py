@@ -8,8 +8,11 @@ product costs it about what a 64-row one does; the extension's GEMV
 long chunk). This times both on the SmolLM2-135M MLP's shapes (a few hundred
 MB of weights, more than the caches hold), the GEMV submitted with the host
 helping as a step is, and reports ``blas / ours`` per repetition as
-``median [min–max]``: above 1, ours is faster. The row count where it falls
-below 1 is where ``DENSE_GEMV_ROWS`` (``runtime/interp/ops/nn.py``) belongs.
+``median [min–max]``: above 1, ours is faster. For bf16 weights the row
+count where it falls below 1 is where ``DENSE_GEMV_ROWS``
+(``runtime/interp/ops/nn.py``) belongs; for fp32 it depends on the CPU and
+the BLAS, and the runtime measures it once per machine
+(``runtime/cpu/crossover.py``, shown by ``llm pte info``).
 
 ``--dtype q4`` / ``q8`` times the quantized products (group 32) instead: BLAS
 against the extension's dequantized weight (what a long chunk runs), the
