@@ -62,12 +62,13 @@ def pools(rng, B, H, S, D, slots):
         (2, 6, 6, 4, 9, 24, True),  # batch, no grouping, a D that is not 64 wide
         (1, 2, 1, 1, 5, 12, False),  # D not a multiple of 8: the plain loops
         (1, 4, 4, 2, 2, 16, True),  # as many queries as keys
-        # from 8 queries a head: the tiled path (blocks of 6 rows, 16-key panels)
-        (1, 9, 3, 128, 512, 64, True),  # a SmolLM-shaped prefill chunk
+        (1, 9, 3, 16, 316, 64, True),  # a SmolLM-shaped chat turn's chunk, still row by row
         (1, 4, 2, 8, 8, 16, True),  # a first chunk: as many queries as keys
-        (1, 6, 2, 13, 37, 80, True),  # rows and keys that fill no block
-        (2, 4, 4, 9, 21, 32, False),  # batch, no grouping, not causal
-        (1, 2, 1, 10, 30, 24, True),  # D not a multiple of 16: the row loops
+        # from 64 queries a head: the tiled path (blocks of 6 rows, 16-key panels)
+        (1, 9, 3, 128, 512, 64, True),  # a SmolLM-shaped prefill chunk
+        (1, 6, 2, 67, 97, 80, True),  # rows and keys that fill no block
+        (2, 4, 4, 64, 71, 32, False),  # batch, no grouping, not causal
+        (1, 2, 1, 64, 80, 24, True),  # D not a multiple of 16: the row loops
     ],
 )
 def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
@@ -84,9 +85,11 @@ def test_matches_torch(kernel, B, Hq, Hkv, T, S, D, causal):
         (4, 2, 1, 40, 16, False, 16),  # a ring's decode step: the last 16 keys
         (4, 2, 3, 40, 16, True, 7),  # a few queries
         (9, 3, 128, 639, 64, True, 512),  # a prefill chunk of a 512-window layer
-        (6, 2, 20, 50, 32, True, 16),  # blocks whose rows start in different panels
-        (2, 1, 12, 30, 24, True, 5),  # D not a multiple of 16: the row loops
+        (6, 2, 20, 50, 32, True, 16),  # a chunk's rows, row by row
+        (6, 2, 70, 100, 32, True, 16),  # tiled: blocks whose rows start in different panels
+        (2, 1, 64, 80, 24, True, 5),  # D not a multiple of 16: the row loops
         (4, 4, 9, 20, 16, True, 40),  # a window wider than the keys: plain causal
+        (4, 4, 64, 70, 16, True, 100),  # the same, tiled
     ],
 )
 def test_sliding_window_matches_torch(kernel, Hq, Hkv, T, S, D, causal, window):
@@ -101,7 +104,8 @@ def test_sliding_window_matches_torch(kernel, Hq, Hkv, T, S, D, causal, window):
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
 @pytest.mark.parametrize(
     "T, D, causal, window",
-    [(1, 32, False, 0), (3, 32, True, 0), (40, 32, True, 0), (40, 32, True, 24), (2, 12, True, 0), (9, 20, True, 0)],
+    [(1, 32, False, 0), (3, 32, True, 0), (40, 32, True, 0), (40, 32, True, 24), (2, 12, True, 0), (9, 20, True, 0),
+     (64, 32, True, 0), (64, 32, True, 24)],  # the last two tiled
 )
 def test_half_precision_keys_and_values_are_read_as_stored(kernel, dtype, T, D, causal, window):
     # a bf16 or fp16 cache under fp32 compute: the kernel widens K and V as it
@@ -116,7 +120,7 @@ def test_half_precision_keys_and_values_are_read_as_stored(kernel, dtype, T, D, 
     np.testing.assert_allclose(np.array(out), expected, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T, strided", [(1, False), (8, False), (1, True)])
+@pytest.mark.parametrize("T, strided", [(1, False), (64, False), (1, True)])
 def test_every_fp16_value_is_widened_exactly(kernel, T, strided):
     # One key: its softmax weight is exactly 1, so each output is the value
     # as the kernel widened it. Every one of the 65,536 fp16 bit patterns
@@ -312,7 +316,7 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
     run([0], [5, 1, 1, 3, 8])
     assert calls == expected([0], [5, 1, 1, 3, 8])
     # a flat layer and a ring of window 6 past its window (band masks, wraps),
-    # then a ring of window 12 taking chunks of 8-10 (the tiled path) as it wraps
+    # then a ring of window 12 taking chunks of 8-10 (row by row) as it wraps
     for windows, steps, max_write in (([0, 6], [5, 1, 1, 3, 6, 1, 6, 2], 6), ([12, 0], [9, 1, 10, 8, 1, 9], 10)):
         calls.clear()
         run(windows, steps, max_write=max_write)
@@ -340,7 +344,8 @@ def data_address(a: mx.array) -> int:
 @pytest.mark.parametrize("Hq, Hkv, T, D, position", [
     (9, 3, 1, 64, 37),  # a SmolLM-shaped decode step
     (4, 2, 3, 16, 20),  # a chat turn's few queries: causal, row by row
-    (6, 2, 13, 32, 5),  # from 8 queries: the tiled path, causal
+    (6, 2, 13, 32, 5),  # a short chunk: row by row, causal
+    (6, 2, 64, 32, 5),  # from 64 queries: the tiled path, causal
     (2, 2, 1, 8, 0),  # the first token: attends to itself alone
     (4, 1, 2, 12, 9),  # D not a multiple of 8: the plain loops
 ])

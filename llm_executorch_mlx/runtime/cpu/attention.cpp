@@ -6,12 +6,13 @@
 // for a decode step costs ~0.5 ms a layer on a 2-core x86 machine, ten times
 // the work, and for a 128-query prefill chunk 2-11 ms. This primitive does the
 // whole thing as one op, with a polynomial exp eight lanes wide:
-// - a few queries (a decode step): the query heads of a kv head score its
-//   keys together, four keys at a time, each key widened once for them all,
-//   and accumulate the values in registers, in parts of 128 keys that the
-//   host thread helps with (shared_work.cpp), merged as flash-decoding does;
-// - from 8 queries a head (a prefill chunk): GEMM-style register tiles over K
-//   packed into panels, then over V (below).
+// - up to 63 queries a head (a decode step, a chat turn's short chunk): the
+//   query heads of a kv head score its keys together, four keys at a time,
+//   each key widened once for them all, and accumulate the values in
+//   registers, in parts of 128 keys that the host thread helps with
+//   (shared_work.cpp), merged as flash-decoding does;
+// - from 64 queries a head (a prefill chunk): GEMM-style register tiles over
+//   K packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
 // over slices of its pools). extension.py builds it into the CPU kernel
 // extension (nanobind, in MLX's type domain) once per machine and checks it
@@ -320,9 +321,11 @@ inline void merge_parts(const PartsTask& task, float* out) {
 
 constexpr int kRows = 6;
 constexpr int kPanel = 16;
-// From this many queries a head the tiled path is the faster (a decode
-// step's one query reads K once; packing it would read it twice).
-constexpr int kTiledMinQueries = 8;
+// From this many queries a head the tiled path is the faster: packing K
+// costs what the rows of up to ~48 queries do, and the row path is shared
+// with the host (one thread, fp16 keys, 316 of them: 101 against 220 us at
+// 8 queries, 205 against 305 at 16, 566 against 634 at 48).
+constexpr int kTiledMinQueries = 64;
 
 // s[r][c] = q[r] . k_c for the R rows and the panel's 16 keys.
 template <int R>
