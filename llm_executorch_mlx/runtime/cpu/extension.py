@@ -187,19 +187,19 @@ def _import(path: pathlib.Path) -> ModuleType:
 
 def _agrees_with_mlx(module: ModuleType) -> bool:
     """Both parts against MLX's own ops. Attention: grouped-query cases with
-    strided keys, two queries (the kernel's row loops), thirteen (its tiled
-    path, a partial block), and thirteen with a window of five. GEMV: one row
+    strided keys, two queries (the kernel's row loops), 67 (its tiled path,
+    a partial block), and 67 with a window of five. GEMV: one row
     against a row-major weight; two rows against 4- and 8-bit weights.
     RMSNorm: three rows of a width that is not a whole vector."""
-    pool = mx.random.normal((2, 1, 2, 24, 16), key=mx.random.key(1))
-    k, v = pool[0][:, :, :20], pool[1][:, :, :20]
-    for T, window in ((2, 0), (13, 0), (13, 5)):
+    pool = mx.random.normal((2, 1, 2, 80, 16), key=mx.random.key(1))
+    k, v = pool[0][:, :, :72], pool[1][:, :, :72]
+    for T, window in ((2, 0), (67, 0), (67, 5)):
         q = mx.random.normal((1, 4, T, 16), key=mx.random.key(T))
         ours = module.attention(q, k, v, 0.25, True, window=window, stream=mx.cpu)
-        last = mx.arange(20 - T, 20)[:, None]
-        mask = mx.arange(20)[None] <= last
+        last = mx.arange(72 - T, 72)[:, None]
+        mask = mx.arange(72)[None] <= last
         if window:
-            mask = mask & (mx.arange(20)[None] > last - window)
+            mask = mask & (mx.arange(72)[None] > last - window)
         with mx.stream(mx.cpu):
             scores = mx.where(mask, (q * 0.25) @ mx.repeat(k, 2, axis=1).swapaxes(-1, -2), -mx.inf)
             reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)
