@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
+import os
 import time
 
 from . import native
@@ -44,7 +44,7 @@ def fp32_rows(extension_file: str, module, blas_library: str | None, measure: bo
             return None
         rows, times = _measure(module)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{id(times)}.tmp")
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may be measuring too
         tmp.write_text(json.dumps({"rows": rows, "ms": times, "extension": extension_file, "blas": blas_library}))
         tmp.replace(path)
     _measured[key] = rows = min(max(rows, FEWEST_ROWS), MOST_ROWS)

@@ -53,17 +53,18 @@ constexpr int kInterleavedQuantizedRows = 128;
 // Most rows of x a dense product takes: a prefill chunk of the exports'
 // default size. BLAS's sgemm repacks every weight for each call, so a few-row
 // product costs it about what a whole chunk's does, and it reads a bf16
-// weight only once widened; at 128 rows this loop, shared with the host,
-// still matches it (benchmarks/bench_rows.py measures the crossing).
+// weight only once widened. Against an fp32 weight, where on the way to 128
+// rows sgemm gets ahead depends on the CPU: the runtime measures it
+// (crossover.py).
 constexpr int kDenseRows = 128;
 
 // Weight rows a pass over R rows of x takes: R * C accumulators, C weight
 // vectors and one of x must fit the vector registers, or the loop spills
 // accumulators to the stack on every step. With AVX-512's 32, 3 and 4 rows
-// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4, 5-10%
-// faster at 16 and 128 rows, benchmarks/bench_rows.py); with the 16 of AVX2
-// and NEON, 3 (12 + 3 + 1, where 4 x 4 spilled: 1.4x at 128 rows). Fewer
-// rows of x take 4.
+// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4; one
+// thread, weights in cache, 4-13% faster at 16 and 128 rows); with the 16 of
+// AVX2 and NEON, 3 (12 + 3 + 1, where 4 x 4 spilled: 1.3-1.5x). Fewer rows
+// of x take 4.
 template <int R>
 constexpr int kWeightRows =
 #if defined(__AVX512F__)
