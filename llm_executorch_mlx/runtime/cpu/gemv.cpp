@@ -319,13 +319,16 @@ class SharedGemv : public SharedPrimitive {
         xs = packed.data();
       }
       Products task{each, {}, {}};
-      // one row of x: ~8k weights (32 KB) a chunk, whole groups of four
-      // rows, small enough to share a 576-row product, large enough to
-      // stream. More rows: 24 weight rows a chunk, which each pass over x's
+      // one row of x: ~64k weights (256 KB of fp32) a chunk, whole groups of
+      // four rows: each chunk is a stream the hardware prefetcher must pick
+      // up anew, and with 8k a decode step ran at ~19 GB/s against ~23 now
+      // (SmolLM2-135M, step_profile.py: fp32 33.4-33.9 -> 42.7 tok/s, bf16
+      // 50-51 -> 61-63); still a few chunks for each thread in a 576-row
+      // product. More rows: 24 weight rows a chunk, which each pass over x's
       // rows finds in cache and whose next rows the first pass prefetches
       // (4 or 8 rows a chunk measured ~15% slower than 16 at 16 rows of x,
       // benchmarks/bench_rows.py).
-      const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 8192 / std::max<int64_t>(K, 1) / 4 * 4);
+      const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 65536 / std::max<int64_t>(K, 1) / 4 * 4);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
         task.chunk_rows.push_back(rows);
