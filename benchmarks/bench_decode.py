@@ -265,12 +265,15 @@ def build_random_model(shape: str, seed: int, out: pathlib.Path) -> None:
     os.replace(tmp, out)
 
 
-def export_pte(model_dir: pathlib.Path, out: pathlib.Path, dtype: str, max_ctx_len: int, chunk: int) -> None:
-    """Export ``model_dir`` to ``out`` with our ``export_hf_model``."""
+def export_pte(model_dir: pathlib.Path, out: pathlib.Path, dtype: str, max_ctx_len: int, chunk: int,
+               quantize: str | None = None, group_size: int | None = None) -> None:
+    """Export ``model_dir`` to ``out`` with our ``export_hf_model``; ``quantize``
+    ("4w", "8w") quantizes the linears and the embedding."""
     from llm_executorch_mlx.export import export_hf_model
 
     tmp = out.with_name(out.stem + ".tmp.pte")
-    export_hf_model(model_dir, tmp, dtype=dtype, max_ctx_len=max_ctx_len, prefill_chunk=chunk)
+    export_hf_model(model_dir, tmp, dtype=dtype, qlinear=quantize, qembedding=quantize, group_size=group_size,
+                    max_ctx_len=max_ctx_len, prefill_chunk=chunk)
     os.replace(tmp, out)
 
 
@@ -464,7 +467,9 @@ class Ours:
 
 
 class MlxLm:
-    """mlx-lm's ``generate_step`` on the Hugging Face weights, cast to ``dtype``."""
+    """mlx-lm's ``generate_step`` on the Hugging Face weights, cast to ``dtype``
+    (an mlx-lm quantized checkpoint, as ``gpu_model.py`` writes, keeps its
+    packed weights; its scales and biases are cast)."""
 
     name = "mlx-lm"
 
@@ -476,7 +481,8 @@ class MlxLm:
         self.model.set_dtype({"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}[dtype])
         mx.eval(self.model.parameters())
         self.prefill_chunk = prefill_chunk
-        self.compute = dtype
+        quant = json.loads((model_dir / "config.json").read_text()).get("quantization")  # a quantized checkpoint
+        self.compute = dtype if quant is None else f"{dtype}, {quant['bits']}-bit weights (group {quant['group_size']})"
         self.kv_dtype = dtype  # its KVCache stores keys/values as the model computes them
         self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
         shape = llama_shape(model_dir)
