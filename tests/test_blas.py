@@ -19,6 +19,9 @@ import pytest
 # (Accelerate on macOS).
 OPENBLAS_WHEEL = sys.platform.startswith("linux")
 MKL_WHEEL = OPENBLAS_WHEEL and platform.machine() == "x86_64"
+# An Intel CPU gets MKL behind the route, any other OpenBLAS (blas.py says why).
+INTEL = pathlib.Path("/proc/cpuinfo").exists() and "GenuineIntel" in pathlib.Path("/proc/cpuinfo").read_text()
+DEFAULT_LIBRARY = "libmkl_rt" if INTEL and MKL_WHEEL else "openblas"
 CPU_PACKAGE = pathlib.Path(__file__).parents[1] / "llm_executorch_mlx" / "runtime" / "cpu"
 # sgemm_route.py and the native.py it uses, loaded without the package (whose
 # import binds a BLAS): the folder (argv[1]) as a bare package named cpu.
@@ -42,6 +45,7 @@ status = blas.load_fast_blas()
 import os
 print("PROBE " + json.dumps({
     "thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+    "blocktime": os.environ.get("KMP_BLOCKTIME"),
     "library": status.library,
     "reason": status.reason,
     "advice": status.advice,
@@ -61,27 +65,45 @@ def probe(**env):
     return json.loads(line[len("PROBE "):]), result.stdout
 
 
-def test_openblas_behind_the_one_row_route_is_the_default(tmp_path):
+def test_the_cpu_makers_library_behind_the_one_row_route_is_the_default(tmp_path):
     facts, stdout = probe(MKL_VERBOSE="1", XDG_CACHE_HOME=str(tmp_path))  # built afresh
     if not OPENBLAS_WHEEL:
         pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
-    assert "openblas" in facts["library"]  # the system's or scipy-openblas32's
+    assert DEFAULT_LIBRARY in facts["library"]  # MKL's wheel, or the system's or scipy-openblas32's OpenBLAS
     assert facts["reason"] == "found; one-row products through its sgemv (built route)"
     assert pathlib.Path(facts["global_sgemm"]).parent == tmp_path / "llm-executorch-mlx"  # what libmlx binds
-    assert "SGEMM(" not in stdout and "SGEMV(" not in stdout  # MKL is not used
+    calls = [line.split()[1].split("(")[0] for line in stdout.splitlines() if "GEMM(" in line or "GEMV(" in line]
+    if DEFAULT_LIBRARY == "libmkl_rt":  # MKL's own log: the 64-row product, then the one-row one
+        assert calls == ["SGEMM", "SGEMV"]
+    else:
+        assert calls == []  # MKL is not used
     assert facts["max_err"] < 1e-4
     assert facts["advice"] is None
 
 
-def test_openblas_threads_stop_spinning_soon_unless_told_otherwise():
-    """OpenBLAS reads its threads' spin time as it loads: ours, 2^22 cycles,
-    unless the user set one (benchmarks/bench_formats.py's short case shows
-    why: spinning threads took a core from the next chat turn)."""
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+def test_an_intel_cpu_tries_mkl_first_and_others_openblas_only():
+    from llm_executorch_mlx.runtime.cpu import blas
+
+    openblas = blas._openblas_libraries()
+    mkl = [(path, "") for path in blas._mkl_from_pip()]
+    if not (openblas and mkl):
+        pytest.fail("this check needs scipy-openblas32's and mkl's wheels (x86-64 Linux)")
+    assert blas.routed_libraries("GenuineIntel") == mkl + openblas
+    assert blas.routed_libraries("AuthenticAMD") == openblas
+    assert blas.routed_libraries("") == openblas  # Arm: /proc/cpuinfo names no vendor
+
+
+def test_blas_threads_stop_spinning_soon_unless_told_otherwise():
+    """OpenBLAS and MKL's OpenMP read their threads' spin time as they load:
+    ours (2^22 cycles, 1 ms) unless the user set one
+    (benchmarks/bench_formats.py's short case shows why: spinning threads
+    took a core from the next chat turn)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "KMP_BLOCKTIME")}
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
-    assert json.loads(done.stdout.split("PROBE ", 1)[1])["thread_timeout"] == "22"
-    facts, _ = probe(OPENBLAS_THREAD_TIMEOUT="10")
-    assert facts["thread_timeout"] == "10"
+    facts = json.loads(done.stdout.split("PROBE ", 1)[1])
+    assert (facts["thread_timeout"], facts["blocktime"]) == ("22", "1")
+    facts, _ = probe(OPENBLAS_THREAD_TIMEOUT="10", KMP_BLOCKTIME="50")
+    assert (facts["thread_timeout"], facts["blocktime"]) == ("10", "50")
 
 
 def test_without_a_c_compiler_mkl_serves_mlx_matmuls():
@@ -287,7 +309,7 @@ def test_importing_mlx_first_still_gets_the_route():
     if not OPENBLAS_WHEEL:
         pytest.fail("this check needs scipy-openblas32's wheel (Linux)")
     facts, _, stderr = late_probe()
-    assert "openblas" in facts["library"]
+    assert DEFAULT_LIBRARY in facts["library"]
     assert facts["reason"].endswith("rebound in libmlx, which mlx.core had loaded first")
     assert facts["libmlx_calls_global_sgemm"] and "RuntimeWarning" not in stderr
     assert facts["max_err"] < 1e-4

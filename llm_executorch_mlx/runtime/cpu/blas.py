@@ -8,11 +8,16 @@ library opened with ``RTLD_GLOBAL`` before that joins the global lookup scope,
 which is searched before libmlx's own dependencies, so its ``cblas_sgemm``
 wins: the effect of ``LD_PRELOAD`` without restarting the process.
 
-OpenBLAS is preferred where a C compiler can build ``sgemm_route.c``: MLX
-sends one-row products (every matmul of a decode step) through sgemm, and
-OpenBLAS's sgemm is slow at them, so the route hands those to its sgemv. On
-the project's 2-core EPYC that made prefill 1.16-1.21x and decode 1.04-1.13x
-faster than MKL, whose sgemm and sgemv both read 6-12 GB/s there.
+Where a C compiler can build ``sgemm_route.c``, the library goes behind it:
+MLX sends one-row products through sgemm, and OpenBLAS's sgemm is slow at
+them, so the route hands those to the library's sgemv. Which library depends
+on the CPU's maker: MKL's kernels are Intel's own and take slower paths on
+other CPUs. On a 2-core AMD EPYC OpenBLAS made fp32 prefill 1.16-1.21x and
+decode 1.04-1.13x faster than MKL (whose sgemm and sgemv read 6-12 GB/s
+there); on a 2-core Intel Xeon (AVX-512) MKL's sgemm made a 512-token fp32
+prefill 1.15-1.2x faster than OpenBLAS's (``benchmarks/bench_formats.py
+--formats fp32``). So an Intel CPU gets MKL (the `cpu` extra's wheel) first,
+any other OpenBLAS.
 
 This runs at import (``runtime/cpu/__init__.py`` calls it before anything
 imports mlx.core), so that on every path into the package's MLX code libmlx
@@ -48,6 +53,10 @@ ENV_VAR = "LLM_PTE_BLAS"
 # (~1.5 ms) still spans the gap between a prefill's products (prefill within
 # ~3%, at 20 ~10% slower) and ends the stall; a value already set is kept.
 THREAD_TIMEOUT_VAR, THREAD_TIMEOUT = "OPENBLAS_THREAD_TIMEOUT", "22"
+# MKL's OpenMP threads do the same for KMP_BLOCKTIME ms (200 by default): the
+# 16-token turn after a 300-token fp32 prefill took 157 ms against 52 at 1 ms,
+# which keeps the prefill's speed (3 and 10 ms: no faster).
+BLOCKTIME_VAR, BLOCKTIME = "KMP_BLOCKTIME", "1"
 REBOUND = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # what MLX's CPU backend calls
 KEEP_REFERENCE = "reference"
 
@@ -120,6 +129,7 @@ def _decide() -> BlasStatus:
         return BlasStatus(bound, "already loaded (LD_PRELOAD or the host program)")
     late = "mlx.core" in sys.modules  # libmlx is bound to its reference BLAS already
     os.environ.setdefault(THREAD_TIMEOUT_VAR, THREAD_TIMEOUT)  # read as OpenBLAS loads, below
+    os.environ.setdefault(BLOCKTIME_VAR, BLOCKTIME)  # read as MKL's OpenMP starts its threads
     status = _select(choice)
     if late and status.library is not None:
         status = _rebind_loaded_mlx(status)
@@ -131,7 +141,7 @@ def _select(choice: str) -> BlasStatus:
     one-row route where it can be built)."""
     if choice:
         return _bind_chosen(choice)
-    routed, route_note = _route(_openblas_libraries(), "found")
+    routed, route_note = _route(routed_libraries(cpu_vendor()), "found")
     if routed is not None:
         return routed
     for path in _candidates():
@@ -220,6 +230,28 @@ def _route(libraries: list[tuple[str, str]], how_found: str) -> tuple[BlasStatus
             continue
         return BlasStatus(path, f"{how_found}; one-row products through its sgemv ({how} route)"), ""
     return None, " (no library could be opened for the one-row route)"
+
+
+def cpu_vendor() -> str:
+    """The CPU's maker as /proc/cpuinfo names it (``GenuineIntel``,
+    ``AuthenticAMD``), or "" where it says none (Arm, not Linux)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def routed_libraries(vendor: str) -> list[tuple[str, str]]:
+    """The libraries to try behind the one-row route, best first for this
+    CPU maker (the module's docstring says why), with their symbol prefixes."""
+    mkl = [(path, "") for path in _mkl_from_pip()]
+    openblas = _openblas_libraries()
+    return mkl + openblas if vendor == "GenuineIntel" else openblas
 
 
 def _openblas_libraries() -> list[tuple[str, str]]:
