@@ -14,9 +14,9 @@ them, so the route hands those to the library's sgemv. Which library depends
 on the CPU's maker: MKL's kernels are Intel's own and take slower paths on
 other CPUs. On a 2-core AMD EPYC OpenBLAS made fp32 prefill 1.16-1.21x and
 decode 1.04-1.13x faster than MKL (whose sgemm and sgemv read 6-12 GB/s
-there); on a 2-core Intel Xeon (AVX-512) MKL's sgemm made a 512-token fp32
-prefill 1.15-1.2x faster than OpenBLAS's (``benchmarks/bench_formats.py
---formats fp32``). So an Intel CPU gets MKL (the `cpu` extra's wheel) first,
+there); on a 2-core Intel Xeon (AVX-512) a 512-token fp32 prefill took
+698-720 ms with MKL, 843-950 with OpenBLAS (``benchmarks/bench_formats.py
+--formats fp32``: 1.12-1.16x llama.cpp against 0.99). So an Intel CPU gets MKL (the `cpu` extra's wheel) first,
 any other OpenBLAS.
 
 This runs at import (``runtime/cpu/__init__.py`` calls it before anything
@@ -249,9 +249,8 @@ def cpu_vendor() -> str:
 def routed_libraries(vendor: str) -> list[tuple[str, str]]:
     """The libraries to try behind the one-row route, best first for this
     CPU maker (the module's docstring says why), with their symbol prefixes."""
-    mkl = [(path, "") for path in _mkl_from_pip()]
-    openblas = _openblas_libraries()
-    return mkl + openblas if vendor == "GenuineIntel" else openblas
+    mkl = [(path, "") for path in _mkl_from_pip()] if vendor == "GenuineIntel" else []
+    return mkl + _openblas_libraries()
 
 
 def _openblas_libraries() -> list[tuple[str, str]]:
