@@ -249,7 +249,7 @@ INTERLEAVED_CASES = [
 
 
 @pytest.mark.parametrize("bits, group, N, K", INTERLEAVED_CASES)
-@pytest.mark.parametrize("M", [1, 3, 16, 33, 128])
+@pytest.mark.parametrize("M", [1, 2, 3, 16, 33, 128])
 def test_interleaved_products_match_numpy_and_mlx(kernel, lanes, bits, group, N, K, M):
     """The same products from the interleaved weights, up to 128 rows; the
     same tolerance (x rounded to int16 per group as in the stored layout)."""

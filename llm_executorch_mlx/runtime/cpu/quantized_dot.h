@@ -54,6 +54,7 @@ inline vi dot_pairs(vi acc, vi a, vi b) { return _mm512_dpwssd_epi32(acc, a, b);
 inline vi dot_pairs(vi acc, vi a, vi b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 #endif
 inline vi zero_i() { return _mm512_setzero_si512(); }
+inline vi add_i(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline vf zero_f() { return _mm512_setzero_ps(); }
 inline vf to_float(vi a) { return _mm512_cvtepi32_ps(a); }
 inline vf load_f(const float* p) { return _mm512_loadu_ps(p); }
@@ -78,6 +79,7 @@ inline vi dot_pairs(vi acc, vi a, vi b) { return _mm256_dpwssd_avx_epi32(acc, a,
 inline vi dot_pairs(vi acc, vi a, vi b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 #endif
 inline vi zero_i() { return _mm256_setzero_si256(); }
+inline vi add_i(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline vf zero_f() { return _mm256_setzero_ps(); }
 inline vf to_float(vi a) { return _mm256_cvtepi32_ps(a); }
 inline vf load_f(const float* p) { return _mm256_loadu_ps(p); }
