@@ -23,6 +23,13 @@ decode = (new tokens - 1) / time from the first token to the last. The short
 case feeds a few tokens to a cache already holding a history and times them to
 the first token.
 
+Each decode is also set against its memory bound: the bytes one step reads
+(the weights once, as stored: a tied embedding counts as the LM head it is
+read as; plus the KV cache at the mean context) over the best rate this
+machine reads that many bytes at (``read_rate``, measured after each run, so
+the bound drifts with the machine as the runs do). "decode ÷ bound" of 1 would
+be a step that does nothing but stream its bytes.
+
     python benchmarks/bench_formats.py --reps 3
     python benchmarks/bench_formats.py --formats fp32 --reps 1   # smoke run
 """
@@ -42,6 +49,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -73,6 +81,7 @@ FORMATS = {
 MODEL = "SmolLM2-135M-Instruct"
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 ENGINES = ("llama.cpp", "mlx-lm")  # the peers, each optional
+READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
 # per --kv: ggml_type values, for llama.cpp's Llama(type_k=, type_v=), and our cache dtype
 KV_TYPES = {"f32": (0, "fp32"), "f16": (1, "fp16")}
 
@@ -294,6 +303,9 @@ class Ours(bd.Ours):
         self._session = None  # (cache, forward) of the short case's conversation
         super().__init__(pte, "auto")
         self.label = f".pte {label}, computes in {self.compute_dtype}; KV {kv}"
+        # A quantized file's scales are held twice (as stored, and interleaved
+        # for the CPU's products) but a step reads one copy: the stored size.
+        self.step_weight_bytes = self.program.weight_bytes(as_stored=True)
 
     def new_cache(self, capacity: int):
         return self.program.new_cache(capacity=capacity, dtype=self.kv_dtype)
@@ -331,6 +343,7 @@ class MlxLm(bd.MlxLm):
             bd.mx.eval(self.model.parameters())
             self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
             self.label = f"fp32, quantize_model {fmt.mlx_bits} bit, group {GROUP_SIZE}"
+        self.step_weight_bytes = self.weight_bytes
 
     def short(self, history: list[int], chunk: list[int]) -> bd.Run:
         from mlx_lm.generate import generate_step, generation_stream
@@ -350,7 +363,7 @@ class LlamaCpp:
     ``n_batch``), greedy: argmax of the last logits row."""
 
     def __init__(self, gguf: pathlib.Path, ftype: str, ctx: int, chunk: int, threads: int, kv: str,
-                 extra_bufts: bool):
+                 extra_bufts: bool, model_dir: pathlib.Path):
         import llama_cpp
         from llm_executorch_mlx.gguf_source import read_summary
 
@@ -363,6 +376,9 @@ class LlamaCpp:
             )
         self.n_vocab = self.llm.n_vocab()
         self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)
+        self.step_weight_bytes = self.weight_bytes  # a GGUF holds a tied embedding once
+        shape = bd.llama_shape(model_dir)
+        self.kv_bytes_per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * bd.DTYPE_BYTES[KV_TYPES[kv][1]]
         self.label = f"GGUF {read_summary(gguf).storage}; KV {kv}"
 
     def tokens(self, ids: list[int], new_tokens: int):
@@ -391,13 +407,33 @@ def make_engines(name: str, art: Artifacts, args) -> list:
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():
             engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads,
-                                    args.kv, art.llama_extra_bufts))
+                                    args.kv, art.llama_extra_bufts, art.hf))
     if "mlx-lm" in args.engines:
         engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
     return engines
 
 
 # -- timing -------------------------------------------------------------------
+
+
+def read_rate(nbytes: int, threads: int) -> float:
+    """The fastest this machine reads ``nbytes`` of fp32, in bytes per second:
+    the best pass of two readers that are not ours, numpy's BLAS ``sgemv``
+    (its own threads) and ``np.sum`` over one slice per thread. The size
+    matters: a working set that fits the last-level cache reads faster than
+    one that streams from DRAM, so each engine is bounded at its own size."""
+    cols = 4096
+    weights = np.ones((max(1, nbytes // 4 // cols), cols), np.float32)
+    vector = np.ones(cols, np.float32)
+    slices = np.array_split(weights.reshape(-1), threads)
+    best = 0.0
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:  # np.sum lets go of the GIL
+        for read in (lambda: weights @ vector, lambda: list(pool.map(np.sum, slices))):
+            for _ in range(READ_TRIALS):
+                t0 = time.perf_counter()
+                read()
+                best = max(best, weights.nbytes / (time.perf_counter() - t0))
+    return best
 
 
 def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
@@ -415,24 +451,37 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
     for engine in engines:
         run = one(engine)
         bd.log(f"{name} warmup {engine.name}: prefill {run.prefill_tps:.1f} tok/s, decode {run.decode_tps:.2f} tok/s")
-    reps, shorts = [], []
+    mean_context = args.prompt_len + args.new_tokens / 2
+    step_bytes = {e.name: e.step_weight_bytes + e.kv_bytes_per_token * mean_context for e in engines}
+    reps, shorts, rates = [], [], []
     for rep in range(args.reps):
-        runs = {e.name: one(e) for e in engines}
+        runs, rate = {}, {}
+        for e in engines:
+            runs[e.name] = one(e)
+            rate[e.name] = read_rate(int(step_bytes[e.name]), args.threads)
         short = {e.name: 1000 * args.short_len / one(e, short=True).prefill_tps for e in engines}
         for e in engines:
             bd.log(f"{name} rep {rep + 1}/{args.reps} {e.name}: prefill {runs[e.name].prefill_tps:.1f} tok/s, "
-                   f"decode {runs[e.name].decode_tps:.2f} tok/s, short {short[e.name]:.1f} ms")
+                   f"decode {runs[e.name].decode_tps:.2f} tok/s, short {short[e.name]:.1f} ms, "
+                   f"reads {step_bytes[e.name] / 1e6:.0f} MB at {rate[e.name] / 1e9:.1f} GB/s")
         reps.append(bd.rep_entry(runs))
         shorts.append(short)
+        rates.append(rate)
     summary = bd.summarize_runs(reps, names)
     summary["short_ms"] = {n: bd.spread([s[n] for s in shorts]) for n in names}
     summary["short_ms"]["ratio"] = {  # a speed ratio, as the others: above 1, ours is faster
         n: bd.spread([s[n] / s["ours"] for s in shorts]) for n in names if n != "ours"
     }
-    engine_info = {e.name: {"weights": e.label, "weight_bytes": e.weight_bytes} for e in engines}
+    summary["read_rate"] = {n: bd.spread([r[n] for r in rates]) for n in names}
+    summary["decode_of_bound"] = {
+        n: bd.spread([r[n]["decode_tps"] * step_bytes[n] / rate[n] for r, rate in zip(reps, rates)]) for n in names
+    }
+    engine_info = {e.name: {"weights": e.label, "weight_bytes": e.weight_bytes, "step_bytes": step_bytes[e.name]}
+                   for e in engines}
     del engines
     gc.collect()  # this format's engines go before the next one's load
-    return {"format": name, "engines": engine_info, "reps": reps, "short_ms": shorts, "summary": summary}
+    return {"format": name, "engines": engine_info, "reps": reps, "short_ms": shorts, "read_rates": rates,
+            "summary": summary}
 
 
 # -- reporting ----------------------------------------------------------------
@@ -449,8 +498,9 @@ def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
         f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "
         f"(above 1: ours faster); MLX BLAS: {blas}",
         "",
-        "| format | engine | weights | MB | prefill tok/s | decode tok/s | short ms |",
-        "|---|---|---|---|---|---|---|",
+        "| format | engine | weights | MB | prefill tok/s | decode tok/s | short ms | MB a step reads "
+        "| read GB/s | decode ÷ bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         s, fmt_name = r["summary"], r["format"]
@@ -458,12 +508,15 @@ def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
             lines.append(
                 f"| {fmt_name} | {n} | {info['weights']} | {info['weight_bytes'] / 1e6:.0f} | "
                 f"{bd.fmt(s['prefill_tps'][n])} | {bd.fmt(s['decode_tps'][n], '{:.2f}')} | "
-                f"{bd.fmt(s['short_ms'][n])} |"
+                f"{bd.fmt(s['short_ms'][n])} | {info['step_bytes'] / 1e6:.0f} | "
+                f"{bd.fmt({k: v / 1e9 for k, v in s['read_rate'][n].items()})} | "
+                f"{bd.fmt(s['decode_of_bound'][n], '{:.2f}')} |"
             )
         for n in s["prefill_tps"]["ratio"]:
             lines.append(
                 f"| {fmt_name} | ours ÷ {n} | | | {bd.fmt(s['prefill_tps']['ratio'][n], '{:.2f}')} | "
-                f"{bd.fmt(s['decode_tps']['ratio'][n], '{:.2f}')} | {bd.fmt(s['short_ms']['ratio'][n], '{:.2f}')} |"
+                f"{bd.fmt(s['decode_tps']['ratio'][n], '{:.2f}')} | {bd.fmt(s['short_ms']['ratio'][n], '{:.2f}')} "
+                "| | | |"
             )
     lines += ["", f"Leading greedy tokens equal to ours (of {args.new_tokens}):", "",
               "| format | " + " | ".join(("llama.cpp", "mlx-lm")) + " |", "|---|---|---|"]
