@@ -411,3 +411,53 @@ def test_the_fp32_crossover_is_measured_once_and_kept(kernels, monkeypatch, tmp_
     monkeypatch.setattr(crossover, "_measured", {})
     assert crossover.fp32_rows(*args, measure=True) == 64
     assert crossover.fp32_rows("ext.so", kernels.extension, None, measure=True) == crossover.MOST_ROWS
+
+
+def products(kernel, rng, x, K, N):
+    """A product of each route add_to_product folds into: fp32 and bf16
+    weights [K, N], and 4-bit weights as stored and interleaved."""
+    w = mx.array(rng.standard_normal((K, N)).astype(np.float32))
+    q = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=32, bits=4)
+    return {
+        "fp32": lambda: kernel.gemv(x, w),
+        "bf16": lambda: kernel.gemv(x, w.astype(mx.bfloat16)),
+        "4-bit": lambda: kernel.quantized_gemv(x, *q, 32, 4, interleaved=False),
+        "4-bit interleaved": lambda: kernel.quantized_gemv(
+            x, *kernel.interleave_quantized(*q, 32, 4), 32, 4, interleaved=True),
+    }
+
+
+@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("route", ["fp32", "bf16", "4-bit", "4-bit interleaved"])
+def test_a_residual_the_product_adds_is_the_separate_add_exactly(kernel, M, route):
+    """The product's op adds the residual after its dot products, rounding
+    the sum once as mx.add does: bit-identical, contiguous or not."""
+    rng = np.random.default_rng(M)
+    K, N = 512, 192
+    x = mx.array(rng.standard_normal((1, M, K)).astype(np.float32))
+    product = products(kernel, rng, x, K, N)[route]
+    residual = mx.array(100 * rng.standard_normal((1, M, N)).astype(np.float32))
+    strided = mx.swapaxes(mx.array(np.array(residual).transpose(0, 2, 1).copy()), 1, 2)
+    for h in (residual, strided):
+        fused = kernel.add_to_product(product(), h)
+        assert fused is not None
+        np.testing.assert_array_equal(np.array(fused), np.array(mx.add(product(), h)))
+
+
+def test_add_to_product_declines_what_its_op_cannot_add(kernel):
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.standard_normal((1, 1, 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal((64, 32)).astype(np.float32))
+    h = mx.array(rng.standard_normal((1, 1, 32)).astype(np.float32))
+    computed = kernel.gemv(x, w)
+    mx.eval(computed)
+    declined = {
+        "computed already": (computed, h),
+        "not a product": (x[..., :32] * 2, h),
+        "an addend to broadcast": (kernel.gemv(x, w), h[0, 0]),
+        "an fp16 addend": (kernel.gemv(x, w), h.astype(mx.float16)),
+        "one of several products": (kernel.gemvs(x, [w, w])[0], h),
+        "adding already": (kernel.add_to_product(kernel.gemv(x, w), h), h),
+    }
+    for why, (product, addend) in declined.items():
+        assert kernel.add_to_product(product, addend) is None, why

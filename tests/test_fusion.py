@@ -1,4 +1,5 @@
-"""The load-time rewrite of Hugging Face's rotate-half RoPE into mx.fast.rope.
+"""The load-time rewrites: Hugging Face's rotate-half RoPE into mx.fast.rope,
+silu times up into one SwiGLU, a residual add into the product before it.
 
 A hand-built program spells RoPE the way transformers' exports do; fused or
 not, it must compute the rotate-half formula (numpy reference), and it is
@@ -6,9 +7,11 @@ fused only when nothing else reads the group's intermediates. The exported
 models' parity tests (test_parity.py) cover the same rewrite end to end.
 """
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
+from llm_executorch_mlx.runtime import cpu
 from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from opgraph import OpGraph
 
@@ -111,3 +114,35 @@ def test_silu_times_up_runs_as_one_swiglu_only_when_nothing_else_reads_the_silu(
     np.testing.assert_array_equal(outs[1], -up)
     if silu_read_later:
         np.testing.assert_allclose(outs[2], silu(gate), rtol=1e-5, atol=1e-6)
+
+
+def residual_program(x, w, h, product_read_later=False):
+    """``h + x @ W.T``: a layer's output projection and its residual add."""
+    g = OpGraph()
+    xs, hs = g.input(x), g.input(h)
+    wt, p, y = g.temp(), g.temp(), g.temp()
+    g.node(md.TransposeNodeT, x=g.constant(w), out=wt, perm=[1, 0])
+    g.node(md.AddmmNodeT, mat1=xs, mat2=wt, out=p, alpha=1.0, beta=1.0)
+    g.node(md.AddNodeT, a=hs, b=p, out=y)
+    g.output(y)
+    if product_read_later:
+        g.output(p)
+    return g
+
+
+@pytest.mark.parametrize("product_read_later", [False, True])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_residual_add_is_done_by_the_product_only_when_nothing_else_reads_it(product_read_later, rows):
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((1, rows, 96)).astype(np.float32)
+    w = rng.standard_normal((64, 96)).astype(np.float32)
+    h = (50 * rng.standard_normal((1, rows, 64))).astype(np.float32)
+    ex = residual_program(x, w, h, product_read_later).executor()
+    assert ("ResidualAddFused" in ex.node_names) is not product_read_later
+    outs = [np.array(o) for o in ex.execute([x, h])]
+    np.testing.assert_allclose(outs[0], h + x @ w.T, rtol=1e-5, atol=1e-4)
+    # rounded once, as the separate add: the same bits as adding the product the graph computes
+    product = cpu.kernels(build=True).extension.gemv(mx.array(x), mx.array(w).T)
+    np.testing.assert_array_equal(outs[0], np.array(mx.add(mx.array(h), product)))
+    if product_read_later:
+        np.testing.assert_array_equal(outs[1], np.array(product))

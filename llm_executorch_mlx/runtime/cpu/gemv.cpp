@@ -18,6 +18,7 @@
 #include "quantized_dot.h"
 #include "quantized_interleaved.h"
 #include "quantized_rows.h"
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -273,13 +274,32 @@ void quantized_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
   }
 }
 
+// y += a for a of y's shape (y contiguous, a any strides): a residual that
+// the product's own op adds, rounded as the separate add rounds.
+void add_into(float* y, const mx::array& a) {
+  const float* p = a.data<float>();
+  const int64_t n = int64_t(a.size());
+  if (a.flags().row_contiguous) {
+    for (int64_t e = 0; e < n; ++e) y[e] += p[e];
+  } else {
+    for (int64_t e = 0; e < n; ++e) y[e] += p[mx::elem_to_loc(e, a)];
+  }
+}
+
 // x @ W^T run in chunks shared with the host thread: W fp32 ([K, N] as the
 // op's operand), or affine-quantized as MLX stores it (bits > 0: W [N, K]
-// packed, with scales and biases).
+// packed, with scales and biases). adds: one product, plus its last input
+// (of the product's shape) added once the product is done.
 class SharedGemv : public SharedPrimitive {
  public:
-  SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false)
-      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved) {}
+  SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false,
+             bool adds = false)
+      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), adds_(adds) {}
+
+  bool adds() const { return adds_; }
+  std::shared_ptr<SharedGemv> adding() {
+    return std::make_shared<SharedGemv>(stream(), bits_, group_, helped_, interleaved_, true);
+  }
 
   // not helped: a long prefill chunk's LM head row, whose graph is better
   // queued whole, the host sleeping, than taking a core from BLAS's threads
@@ -308,6 +328,7 @@ class SharedGemv : public SharedPrimitive {
     const bool bf16 = inputs[1].dtype() == mx::bfloat16;
     const float* xp = x.data<float>();
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
+    const std::optional<mx::array> addend = adds_ ? std::optional(inputs.back()) : std::nullopt;
     encoder.dispatch([=]() mutable {
       for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> packed;  // x's rows, contiguous
@@ -336,6 +357,7 @@ class SharedGemv : public SharedPrimitive {
       }
       SharedJob j(bf16 ? dense_chunks<uint16_t> : dense_chunks<float>, &task, int64_t(task.chunks.size()), 1);
       run_shared(j);
+      if (addend) add_into(each[0].y, *addend);
     });
   }
 
@@ -347,7 +369,7 @@ class SharedGemv : public SharedPrimitive {
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes;
-    for (size_t i = 1; i < inputs.size(); i += bits_ ? 3 : 1) {
+    for (size_t i = 1; i < inputs.size() - (adds_ ? 1 : 0); i += bits_ ? 3 : 1) {
       auto shape = inputs[0].shape();
       shape.back() = bits_ ? inputs[i].shape(0) : inputs[i].shape(1);
       shapes.push_back(shape);
@@ -357,12 +379,13 @@ class SharedGemv : public SharedPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SharedGemv&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_ && interleaved_ == o.interleaved_;
+    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_ && interleaved_ == o.interleaved_ &&
+           adds_ == o.adds_;
   }
 
  private:
   int bits_, group_;
-  bool helped_, interleaved_;
+  bool helped_, interleaved_, adds_;
 
   // x [..., M, K] (M <= kQuantizedRows) against each W [N, K] stored as MLX's
   // affine quantization (inputs: x, then w, scales, biases per product), read
@@ -389,6 +412,7 @@ class SharedGemv : public SharedPrimitive {
     const float* xp = x.data<float>();
     const int bits = bits_, group = group_;
     const bool interleaved = interleaved_;
+    const std::optional<mx::array> addend = adds_ ? std::optional(inputs.back()) : std::nullopt;
     encoder.dispatch([=]() mutable {
       for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> sums(M * (K / group));
@@ -417,6 +441,7 @@ class SharedGemv : public SharedPrimitive {
       }
       SharedJob j(bits == 4 ? quantized_chunks<4> : quantized_chunks<8>, &task, int64_t(task.chunks.size()), 1);
       run_shared(j);
+      if (addend) add_into(each[0].q.y, *addend);
     });
   }
 };
@@ -460,6 +485,18 @@ std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& w
 
 mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s) {
   return gemvs(x, {w}, helped, s)[0];
+}
+
+std::optional<mx::array> add_to_product(const mx::array& product, const mx::array& addend) {
+  if (!product.has_primitive() || product.is_available() || !product.siblings().empty() ||
+      product.dtype() != mx::float32 || addend.dtype() != mx::float32 || addend.shape() != product.shape()) {
+    return std::nullopt;
+  }
+  auto* gemv = dynamic_cast<SharedGemv*>(&product.primitive());
+  if (gemv == nullptr || gemv->adds()) return std::nullopt;
+  auto inputs = product.inputs();
+  inputs.push_back(addend);
+  return mx::array(product.shape(), mx::float32, gemv->adding(), std::move(inputs));
 }
 
 // The checks quantized_gemv and dequantize share: "" when w, scales, biases

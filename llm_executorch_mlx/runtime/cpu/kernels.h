@@ -53,6 +53,13 @@ mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOr
 std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped,
                              mx::StreamOrDevice s);
 
+// product + addend as one op, where `product` is a not yet computed output of
+// gemv or quantized_gemv (one product, not gemvs') and addend fp32 of its
+// shape: the product's op adds it when done, rounded as mx.add rounds. None
+// otherwise (the caller adds). Only for a product nothing else reads: that
+// reader would compute the product a second time.
+std::optional<mx::array> add_to_product(const mx::array& product, const mx::array& addend);
+
 // x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w
 // MLX's affine quantization (4 or 8 bits, groups of 32, 64 or 128, fp32
 // scales and biases), read as stored; shared with the host thread as gemv.

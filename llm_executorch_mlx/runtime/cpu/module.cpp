@@ -29,6 +29,8 @@ NB_MODULE(cpu_kernels, m) {
   m.def("gemvs", &llm_pte::gemvs, "x"_a, "ws"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
         "[gemv(x, w) for w in ws] as one op (weights all fp32 or all bf16): one job shared with\n"
         "the host.");
+  m.def("add_to_product", &llm_pte::add_to_product, "product"_a, "addend"_a,
+        "product + addend as the product's own op, or None (kernels.h)");
   m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"

@@ -30,6 +30,14 @@ the silu node (whose own lazy output is then never evaluated), as mlx-lm
 does; on the CPU, the extension's ``silu_mul`` where it is loaded (one
 vectorised kernel), else ``fastmath.swiglu`` (its exp, or for a decode
 step's few elements one kernel with MLX's sigmoid).
+
+**Residual adds.** A layer's attention output and MLP output each go
+through a linear layer and are added to the residual stream: on the CPU,
+where the extension runs that product (a decode step's, a short chunk's),
+the product's own op adds the residual once its dot products are done
+(``add_to_product``), one MLX node fewer per add (two a layer). The sum is
+rounded once, as the add rounds it. Only when the add is the product's one
+reader: another would run the product a second time.
 """
 
 from __future__ import annotations
@@ -318,3 +326,48 @@ def plan_swiglu(ctx, instructions: list, i: int):
         f[out] = swiglu(f[stash], f[up])
 
     return silu_run, j, multiply_run
+
+
+def plan_residual_add(ctx, instructions: list, i: int):
+    """For an ``AddNode`` at ``i`` with an operand that only this add reads,
+    on the CPU with the extension: the add's run, which has that operand's op
+    add the other operand when the operand is a product the extension runs
+    (``add_to_product``), else adds as the node would. None otherwise."""
+    extension = ctx.kernels.extension if ctx.kernels is not None else None
+    if extension is None or not on_cpu() or node_name(instructions[i]) != "AddNode":
+        return None
+    add = instructions[i].op
+    try:
+        a, b, out = add.a.idx, add.b.idx, add.out.idx
+    except AttributeError:
+        return None  # malformed: the builder reports it
+    product = next((slot for slot in (a, b) if _only_reader(ctx, instructions, i, slot, out)), None)
+    if product is None or a == b:
+        return None
+    other = b if product == a else a
+    add_to_product = extension.add_to_product
+
+    def run(f):
+        fused = add_to_product(f[product], f[other])
+        f[out] = mx.add(f[a], f[b]) if fused is None else fused
+
+    return run
+
+
+def _only_reader(ctx, instructions: list, i: int, slot: int, out: int) -> bool:
+    """Whether the node at ``i`` is the only reader of ``slot``'s value: no
+    node between its writer (in this chain) and ``i`` reads it, and none after
+    ``i`` before it is written again, nor the caller."""
+    for j in range(i - 1, -1, -1):
+        if node_name(instructions[j]) in ("IfNode", "ScanNode"):
+            return False
+        reads, writes = tensor_fields(instructions[j].op)
+        if slot in writes:
+            break
+        if slot in reads:
+            return False
+    else:
+        return False  # an input or a constant: not a product of this step
+    if out == slot:
+        return True
+    return slot not in kept_slots(ctx) and not read_before_written(instructions[i + 1 :], {slot})

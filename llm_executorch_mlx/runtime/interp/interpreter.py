@@ -22,7 +22,7 @@ from ..dtypes import mlx_dtype, scalar_type_name
 from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..pte.graph import node_name, tensor_fields
-from .fusion import GROUP, plan_swiglu, try_fuse
+from .fusion import GROUP, plan_residual_add, plan_swiglu, try_fuse
 from .grouping import plan_group
 from .int32 import clamp_int32
 from .ops import BUILDERS
@@ -314,6 +314,12 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
         if i in deferred:
             ops.append(deferred.pop(i))
             ctx.record_write(node_name(instr), instr.op)
+            i += 1
+            continue
+        residual = plan_residual_add(ctx, instructions, i) if fusing else None
+        if residual is not None:
+            ops.append(("ResidualAddFused", residual))
+            ctx.record_write("AddNode", instr.op)
             i += 1
             continue
         group = plan_group(ctx, instructions, i, deferred.keys()) if fusing else None
