@@ -409,3 +409,29 @@ def test_update_and_attend_refuses_what_it_cannot_write_with_the_reason(kernel):
         kernel.update_and_attend(q, k.astype(mx.bfloat16), k, pool, pool, 0, 1.0)
     with pytest.raises(ValueError, match="both float32, bfloat16 or float16"):
         kernel.update_and_attend(q, k, k, pool, pool.astype(mx.float16), 0, 1.0)
+
+
+def test_a_prefill_chunk_shared_with_the_host_is_the_same_bits(kernel):
+    """Where a chunk's products are the extension's, the host helps with the
+    graph and takes some of the tiled attention's units too; each row stays
+    one thread's work in a fixed order, so the result is bit-identical to the
+    stream thread alone, and to torch's within the kernel's tolerance."""
+    rng = np.random.default_rng(12)
+    q = mx.array(rng.standard_normal((1, 9, 128, 64)).astype(np.float32))
+    k, v = pools(rng, 1, 3, 512, 64, 520)
+    w = mx.array(rng.standard_normal((576, 64)).astype(np.float32))
+
+    def merged(o):  # heads merged, as a layer's output projection reads them
+        return o.transpose(0, 2, 1, 3).reshape(1, 128, 576)
+
+    def chunk():  # attention, then a product the host helps with (a shared op)
+        return kernel.gemv(merged(kernel.attention(q, k, v, 0.125, True)), w)
+
+    alone = chunk()
+    mx.eval(alone)
+    helped = chunk()
+    kernel.submit_helping([helped])
+    kernel.wait_helping(helped)
+    np.testing.assert_array_equal(np.array(helped), np.array(alone))
+    reference = np.array(merged(mx.array(torch_attention(q, k, v, 0.125, True)))) @ np.array(w)
+    np.testing.assert_allclose(np.array(helped), reference, atol=1e-4, rtol=1e-4)

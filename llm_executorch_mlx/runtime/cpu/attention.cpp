@@ -315,9 +315,10 @@ inline void merge_parts(const PartsTask& task, float* out) {
 // panel loads, a broadcast per row, 2*kRows FMAs, as a GEMM micro-kernel
 // does), normalised exactly (max, exp, sum over the whole row), then
 // multiplied into V 16 columns at a time. A block works on the keys from
-// its first row's first (a window) to its last row's last (causal). One
-// thread: a second one, measured in a 135M model's prefill, lost 10-20% to
-// the BLAS threads sharing the two cores.
+// its first row's first (a window) to its last row's last (causal). Shared
+// with the host only where it helps with the chunk anyway: beside BLAS's
+// products a second thread lost 10-20% of a 135M model's prefill to BLAS's
+// threads sharing the two cores (attend_tiles).
 
 constexpr int kRows = 6;
 constexpr int kPanel = 16;
@@ -387,45 +388,68 @@ void attend_block(const float* q, const float* panels, const KV* v, int64_t v_st
     for (int d = 0; d < D; d += 8) store8(o + r * D + d, load8(o + r * D + d) * inv[r]);
 }
 
+// A prefill chunk's attention as a shared job: a unit is one query head's
+// share of its row blocks (kTiledSplit shares a head), so the host thread,
+// when it is helping with the chunk's products (ours, not BLAS's: a
+// quantized or bf16 chunk), takes units too. A unit packs its kv head's K
+// into panels unless the same thread's last unit did. Each output row is
+// one thread's, computed in a fixed order: the same bits whoever ran it.
+constexpr int kTiledSplit = 2;
+
+struct TiledTask {
+  const float* q;
+  const void *k, *v;
+  float* out;
+  Geometry g;
+};
+
 template <typename KV>
-void attend_tiled(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
+void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
+  const TiledTask& task = *static_cast<const TiledTask*>(job.task);
+  const Geometry& g = task.g;
+  const float* q = task.q;
+  const KV *k = static_cast<const KV*>(task.k), *v = static_cast<const KV*>(task.v);
   const int rep = g.Hq / g.Hkv, D = g.D, S = g.S;
   const int S_pad = (S + kPanel - 1) / kPanel * kPanel;
   // a row's exp writes up to 7 keys past its last (softmax_numerators)
   const int s_stride = S_pad + 8;
-  std::vector<float> panels(static_cast<size_t>(S_pad) * D), qs(kRows * D), o(kRows * D),
-      scores(kRows * static_cast<size_t>(s_stride));
-  int lo[kRows], hi[kRows];
-  for (int b = 0; b < g.B; ++b) {
-    for (int h = 0; h < g.Hkv; ++h) {
+  thread_local std::vector<float> panels, qs, o, scores;  // this thread's, reused
+  panels.resize(static_cast<size_t>(S_pad) * D), qs.resize(kRows * D), o.resize(kRows * D);
+  scores.resize(kRows * static_cast<size_t>(s_stride));
+  int lo_key[kRows], hi_key[kRows];
+  const int blocks = (g.T + kRows - 1) / kRows;
+  int64_t packed = -1;  // the (batch, kv head) whose K the panels hold
+  for (int64_t unit = lo; unit < hi; ++unit) {
+    const int share = int(unit % kTiledSplit), b = int(unit / kTiledSplit / g.Hq);
+    const int head = int(unit / kTiledSplit % g.Hq), h = head / rep;
+    if (b * int64_t(g.Hkv) + h != packed) {
       // this kv head's K as panels [S_pad / 16][D][16], zero past S
       const KV* kh = k + b * g.k[0] + h * g.k[1];
       for (int j = 0; j < S_pad; ++j)
         for (int d = 0; d < D; ++d)
           panels[(static_cast<size_t>(j) / kPanel * D + d) * kPanel + j % kPanel] =
               j < S ? widen(kh[j * g.k[2] + d]) : 0.0f;
-      const KV* vh = v + b * g.v[0] + h * g.v[1];
-      for (int head = h * rep; head < (h + 1) * rep; ++head) {
-        for (int t0 = 0; t0 < g.T; t0 += kRows) {
-          const int R = std::min(kRows, g.T - t0);
-          for (int r = 0; r < R; ++r) {
-            const float* src = q + b * g.q[0] + head * g.q[1] + (t0 + r) * g.q[2];
-            for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
-            lo[r] = g.first_key(t0 + r), hi[r] = g.end_key(t0 + r);
-          }
-          auto block = attend_block<1, KV>;
-          switch (R) {
-            case 6: block = attend_block<6, KV>; break;
-            case 5: block = attend_block<5, KV>; break;
-            case 4: block = attend_block<4, KV>; break;
-            case 3: block = attend_block<3, KV>; break;
-            case 2: block = attend_block<2, KV>; break;
-          }
-          block(qs.data(), panels.data(), vh, g.v[2], lo, hi, D, scores.data(), s_stride, o.data());
-          float* dst = out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t0) * D;
-          std::memcpy(dst, o.data(), static_cast<size_t>(R) * D * sizeof(float));
-        }
+      packed = b * int64_t(g.Hkv) + h;
+    }
+    const KV* vh = v + b * g.v[0] + h * g.v[1];
+    for (int block = share * blocks / kTiledSplit; block < (share + 1) * blocks / kTiledSplit; ++block) {
+      const int t0 = block * kRows, R = std::min(kRows, g.T - t0);
+      for (int r = 0; r < R; ++r) {
+        const float* src = q + b * g.q[0] + head * g.q[1] + (t0 + r) * g.q[2];
+        for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
+        lo_key[r] = g.first_key(t0 + r), hi_key[r] = g.end_key(t0 + r);
       }
+      auto run_block = attend_block<1, KV>;
+      switch (R) {
+        case 6: run_block = attend_block<6, KV>; break;
+        case 5: run_block = attend_block<5, KV>; break;
+        case 4: run_block = attend_block<4, KV>; break;
+        case 3: run_block = attend_block<3, KV>; break;
+        case 2: run_block = attend_block<2, KV>; break;
+      }
+      run_block(qs.data(), panels.data(), vh, g.v[2], lo_key, hi_key, D, scores.data(), s_stride, o.data());
+      float* dst = task.out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t0) * D;
+      std::memcpy(dst, o.data(), static_cast<size_t>(R) * D * sizeof(float));
     }
   }
 }
@@ -435,7 +459,13 @@ void attend_tiled(const float* q, const KV* k, const KV* v, float* out, const Ge
 template <typename KV>
 void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
   if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1) {
-    attend_tiled<KV>(q, k, v, out, g);
+    TiledTask task{q, k, v, out, g};
+    SharedJob job(attend_tiles<KV>, &task, int64_t(g.B) * g.Hq * kTiledSplit, 1);
+    if (host_helps()) {
+      run_shared(job);
+    } else {
+      attend_tiles<KV>(job, 0, job.items);  // BLAS's threads may still hold the other core
+    }
     return;
   }
   const int parts = (g.S + kKeysPerPart - 1) / kKeysPerPart;
@@ -469,7 +499,8 @@ class FusedAttention : public SharedPrimitive {
       : SharedPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries) {}
 
   // A few queries (a decode step) go row by row, shared with the host; a
-  // prefill chunk's tiles stay on this thread (see attend_tiled).
+  // prefill chunk's tiles are shared only where the host helps anyway
+  // (attend_tiles), so they do not make a graph worth helping with.
   bool shares_work() const override { return few_queries_; }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {

@@ -32,6 +32,7 @@ namespace {
 
 std::atomic<SharedJob*> posted_job{nullptr};
 std::atomic<int> helpers_inside{0};  // host threads that may be reading posted_job
+std::atomic<bool> helping{false};  // host_helps()
 
 inline void relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -147,6 +148,8 @@ constexpr size_t kNodesPerSlice = 20;  // a few hundred microseconds of small op
 
 }  // namespace
 
+bool host_helps() { return helping.load(std::memory_order_relaxed); }
+
 void run_shared(SharedJob& j) {
   SharedJob* none = nullptr;
   const bool posted = posted_job.compare_exchange_strong(none, &j);
@@ -184,6 +187,7 @@ void wait_helping(const mx::array& a) {
 // threads.
 void submit_helping(const std::vector<mx::array>& outputs) {
   const auto [slices, shared] = checkpoints(outputs, kNodesPerSlice);
+  helping.store(shared, std::memory_order_relaxed);
   nb::gil_scoped_release release;
   if (shared) {
     for (size_t i = 0; i < slices.size(); ++i) {

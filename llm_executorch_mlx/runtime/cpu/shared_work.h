@@ -33,6 +33,12 @@ struct SharedJob {
 // still be reading `j`.
 void run_shared(SharedJob& j);
 
+// Whether the host helps with the graph last submitted (submit_helping found
+// an op in it that shares its work): an op whose work is worth sharing only
+// then (a prefill chunk's attention, which beside BLAS's products would take
+// a core from BLAS's threads) posts it only then.
+bool host_helps();
+
 // An op that posts SharedJobs: a graph with one that shares its work is worth
 // submitting a slice at a time (submit_helping).
 class SharedPrimitive : public mx::Primitive {
