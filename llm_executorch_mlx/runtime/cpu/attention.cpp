@@ -391,9 +391,10 @@ void attend_block(const float* q, const float* panels, const KV* v, int64_t v_st
 // A prefill chunk's attention as a shared job: a unit is one query head's
 // share of its row blocks (kTiledSplit shares a head), so the host thread,
 // when it is helping with the chunk's products (ours, not BLAS's: a
-// quantized or bf16 chunk), takes units too. A unit packs its kv head's K
-// into panels unless the same thread's last unit did. Each output row is
-// one thread's, computed in a fixed order: the same bits whoever ran it.
+// quantized or bf16 chunk), takes units too. Units go kv head by kv head,
+// a chunk of the job being one share of each of a kv head's query heads,
+// so a chunk packs its kv head's K into panels once. Each output row is one
+// thread's, computed in a fixed order: the same bits whoever ran it.
 constexpr int kTiledSplit = 2;
 
 struct TiledTask {
@@ -420,8 +421,10 @@ void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
   const int blocks = (g.T + kRows - 1) / kRows;
   int64_t packed = -1;  // the (batch, kv head) whose K the panels hold
   for (int64_t unit = lo; unit < hi; ++unit) {
-    const int share = int(unit % kTiledSplit), b = int(unit / kTiledSplit / g.Hq);
-    const int head = int(unit / kTiledSplit % g.Hq), h = head / rep;
+    // unit = ((b * Hkv + h) * kTiledSplit + share) * rep + r, query head h * rep + r
+    const int r_head = int(unit % rep), share = int(unit / rep % kTiledSplit);
+    const int h = int(unit / rep / kTiledSplit % g.Hkv), b = int(unit / rep / kTiledSplit / g.Hkv);
+    const int head = h * rep + r_head;
     if (b * int64_t(g.Hkv) + h != packed) {
       // this kv head's K as panels [S_pad / 16][D][16], zero past S
       const KV* kh = k + b * g.k[0] + h * g.k[1];
@@ -460,7 +463,7 @@ template <typename KV>
 void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
   if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1) {
     TiledTask task{q, k, v, out, g};
-    SharedJob job(attend_tiles<KV>, &task, int64_t(g.B) * g.Hq * kTiledSplit, 1);
+    SharedJob job(attend_tiles<KV>, &task, int64_t(g.B) * g.Hq * kTiledSplit, g.Hq / g.Hkv);
     if (host_helps()) {
       run_shared(job);
     } else {

@@ -110,6 +110,7 @@ void interleaved_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
   // or 8 KB ahead did no better than 4.
   constexpr int64_t kPrefetchAhead = 4096;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(r.w);
+  const int64_t end = hi / L * block_bytes;  // this call's rows end there
   for (int64_t block = lo / L; block < hi / L; ++block) {
     const uint8_t* w = base + block * block_bytes;
     const float *scale = r.scales + block * groups * L, *bias = r.biases + block * groups * L;
@@ -120,7 +121,7 @@ void interleaved_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
       for (int m = 0; m < M; ++m)
         for (int a = 0; a < kSums; ++a) dot[m][a] = zero_i();
       const int64_t k0 = g * group;
-      if ((block + 1) * L < hi) prefetch_span(w + kPrefetchAhead, chunks * 2 * L);
+      if (w - base + kPrefetchAhead + chunks * 2 * L <= end) prefetch_span(w + kPrefetchAhead, chunks * 2 * L);
       for (int j = 0; j < chunks; j += kStep) {
         for (int c = 0; c < kStep; ++c, w += 2 * L) {
           const vi q = widen_u8(w);

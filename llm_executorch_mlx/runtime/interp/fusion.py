@@ -341,6 +341,8 @@ def plan_residual_add(ctx, instructions: list, i: int):
         a, b, out = add.a.idx, add.b.idx, add.out.idx
     except AttributeError:
         return None  # malformed: the builder reports it
+    if not all(0 <= s < ctx.num_tensors for s in (a, b, out)) or out < ctx.num_constants:
+        return None  # out of range, or writing a constant: the builder reports it
     product = next((slot for slot in (a, b) if _only_reader(ctx, instructions, i, slot, out)), None)
     if product is None or a == b:
         return None
