@@ -146,3 +146,16 @@ def test_a_residual_add_is_done_by_the_product_only_when_nothing_else_reads_it(p
     np.testing.assert_array_equal(outs[0], np.array(mx.add(mx.array(h), product)))
     if product_read_later:
         np.testing.assert_array_equal(outs[1], np.array(product))
+
+
+def test_an_add_of_values_no_product_wrote_stays_the_add_node():
+    g = OpGraph()
+    x, h = g.input(np.ones((1, 1, 8), np.float32)), g.input(np.full((1, 1, 8), 2.0, np.float32))
+    n, y = g.temp(), g.temp()
+    g.node(md.NegNodeT, x=x, out=n)
+    g.node(md.AddNodeT, a=h, b=n, out=y)
+    g.output(y)
+    ex = g.executor()
+    assert "ResidualAddFused" not in ex.node_names and "AddNode" in ex.node_names
+    np.testing.assert_array_equal(np.array(ex.execute([np.ones((1, 1, 8), np.float32),
+                                                        np.full((1, 1, 8), 2.0, np.float32)])[0]), np.ones((1, 1, 8)))

@@ -328,13 +328,17 @@ def plan_swiglu(ctx, instructions: list, i: int):
     return silu_run, j, multiply_run
 
 
+_PRODUCT_NODES = ("AddmmNode", "QuantizedMatmulNode")  # those the extension's GEMV may run
+
+
 def plan_residual_add(ctx, instructions: list, i: int):
-    """For an ``AddNode`` at ``i`` with an operand that only this add reads,
-    on the CPU with the extension: the add's run, which has that operand's op
-    add the other operand when the operand is a product the extension runs
-    (``add_to_product``), else adds as the node would. None otherwise."""
-    extension = ctx.kernels.extension if ctx.kernels is not None else None
-    if extension is None or not on_cpu() or node_name(instructions[i]) != "AddNode":
+    """For an ``AddNode`` at ``i`` with an operand that a linear layer's
+    product wrote and only this add reads, on the CPU with the extension's
+    GEMV: the add's run, which has the product's op add the other operand
+    where the GEMV ran that product (``add_to_product``), else adds as the
+    node would (a prefill chunk's BLAS product). None otherwise."""
+    kernels = ctx.kernels
+    if kernels is None or not kernels.gemv.on or not on_cpu() or node_name(instructions[i]) != "AddNode":
         return None
     add = instructions[i].op
     try:
@@ -343,11 +347,11 @@ def plan_residual_add(ctx, instructions: list, i: int):
         return None  # malformed: the builder reports it
     if not all(0 <= s < ctx.num_tensors for s in (a, b, out)) or out < ctx.num_constants:
         return None  # out of range, or writing a constant: the builder reports it
-    product = next((slot for slot in (a, b) if _only_reader(ctx, instructions, i, slot, out)), None)
+    product = next((slot for slot in (a, b) if _product_read_only_here(ctx, instructions, i, slot, out)), None)
     if product is None or a == b:
         return None
     other = b if product == a else a
-    add_to_product = extension.add_to_product
+    add_to_product = kernels.extension.add_to_product
 
     def run(f):
         fused = add_to_product(f[product], f[other])
@@ -356,17 +360,18 @@ def plan_residual_add(ctx, instructions: list, i: int):
     return run
 
 
-def _only_reader(ctx, instructions: list, i: int, slot: int, out: int) -> bool:
-    """Whether the node at ``i`` is the only reader of ``slot``'s value: no
-    node between its writer (in this chain) and ``i`` reads it, and none after
-    ``i`` before it is written again, nor the caller."""
+def _product_read_only_here(ctx, instructions: list, i: int, slot: int, out: int) -> bool:
+    """Whether ``slot``'s value is a product node's output that only the
+    node at ``i`` reads: none between that writer (in this chain) and ``i``,
+    none after ``i`` before it is written again, nor the caller."""
     for j in range(i - 1, -1, -1):
-        if node_name(instructions[j]) in ("IfNode", "ScanNode"):
-            return False
+        name = node_name(instructions[j])
         reads, writes = tensor_fields(instructions[j].op)
         if slot in writes:
+            if name not in _PRODUCT_NODES:
+                return False
             break
-        if slot in reads:
+        if name in ("IfNode", "ScanNode") or slot in reads:
             return False
     else:
         return False  # an input or a constant: not a product of this step
