@@ -54,12 +54,25 @@ def _runtime_facts() -> dict:
             facts["fp32_chunk_products"] = (
                 f"the compiled kernel's gemv up to {k.fp32_gemv_rows} rows, BLAS's sgemm above"
                 if k.fp32_gemv_rows else "the compiled kernel's gemv or BLAS's sgemm, as measured on the first prompt")
-            facts["quantized_products"] = ("4/8-bit weights read as stored by the compiled kernel's gemv "
-                                           "(up to 16 rows), dequantized by it for BLAS (more)")
+            facts["quantized_products"] = _quantized_products(k.extension)
         else:
             facts["decode_products"] = f"BLAS ({k.gemv.why})"
             facts["quantized_products"] = f"MLX's quantized_matmul (up to 4 rows), MLX's dequantize + BLAS (more) ({k.gemv.why})"
     return facts
+
+
+def _quantized_products(extension) -> str:
+    """How 4/8-bit weights multiply here, as the extension built for this CPU says."""
+    int8 = extension.int8_bits() if extension is not None else None
+    exact = ("activations within 2^-16 for up to 128 rows (up to 16 for weights it cannot interleave), "
+             "dequantized for BLAS above")
+    if int8 is None:
+        return f"the compiled kernel, as its build for this CPU allows (built on the first prompt): {exact}"
+    if not int8:
+        return f"the compiled kernel, {exact} (no integer dot products here)"
+    widths = "/".join(map(str, int8))
+    return (f"{widths}-bit weights: int8 activations and integer dot products at every row count "
+            f"(-o int8_activations false: {exact})")
 
 
 def _summary(program) -> dict:

@@ -144,9 +144,9 @@ class _Node:
 class _Context:
     current_node = "QuantizedMatmulNode"
 
-    def __init__(self, kernels, interleaved=frozenset()):
+    def __init__(self, kernels, interleaved=None):
         self.kernels = kernels
-        self.interleaved = interleaved
+        self.interleaved = interleaved or {}
 
     def t(self, slot):
         return slot.idx
@@ -306,7 +306,7 @@ def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, 
     the interleaved weight dequantized for BLAS above, the last-row LM head."""
     node = _Node(32, 4)
     build = quant.build_quantized_matmul_last_row if last_row else quant.build_quantized_matmul
-    run = build(node, _Context(cpu.kernels(build=True), interleaved=frozenset({node.w.idx})))
+    run = build(node, _Context(cpu.kernels(build=True), interleaved={node.w.idx: False}))
     rng = np.random.default_rng(rows)
     stored = quantized(rng, 96, 256, 4, 32)
     x = mx.array(rng.standard_normal((batch, rows, 256)).astype(np.float32))
@@ -322,7 +322,7 @@ def test_an_x_of_another_width_than_an_interleaved_weight_is_our_error(kernel, l
     """Only the extension reads an interleaved weight, so an x that does not
     fit it (a corrupt program's) is refused here, naming the node."""
     node = _Node(32, 4)
-    run = quant.build_quantized_matmul(node, _Context(cpu.kernels(build=True), interleaved=frozenset({node.w.idx})))
+    run = quant.build_quantized_matmul(node, _Context(cpu.kernels(build=True), interleaved={node.w.idx: False}))
     rng = np.random.default_rng(7)
     x = mx.array(rng.standard_normal((1, 3, 128)).astype(np.float32))
     frame = [x, *kernel.interleave_quantized(*quantized(rng, 96, 256, 4, 32), 32, 4), None]
@@ -413,8 +413,12 @@ def test_a_tied_quantized_embedding_is_interleaved_and_matches_torchao(exported,
     program.prepare_cpu_kernels()
     forward = program.load_method("forward", cache=program.new_cache(capacity=16))
     assert forward.op_names.count("QuantizedGather") == 1 and "DequantizeNode" not in forward.op_names
-    tokens, ours = parity.greedy(pte, parity.prompt_for(5), parity.NEW_TOKENS, kv_dtype="fp32")
     reference = models.reference_model(model_dir, qlinear=bits, qembedding=bits, group_size=32, tied=True)
-    with torch.no_grad():
-        ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()
-    parity.assert_close_where_decisive(tokens, ours[:-1], ref, parity.Q4_REL_TOL)
+    for int8 in (False, True):  # the lookup reads either layout
+        tokens, ours = parity.greedy(pte, parity.prompt_for(5), parity.NEW_TOKENS, kv_dtype="fp32",
+                                     int8_activations=int8)
+        with torch.no_grad():
+            ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()
+        int8_here = int8 and int(bits[0]) in program.cpu_kernels.extension.int8_bits()
+        parity.assert_close_where_decisive(tokens, ours[:-1], ref,
+                                           parity.INT8_REL_TOL if int8_here else parity.Q4_REL_TOL)

@@ -91,7 +91,20 @@ scores = np.where(mask, 0.125 * np.array(q) @ np.repeat(np.array(k), 3, 1).swapa
 p = np.exp(scores - scores.max(-1, keepdims=True))
 reference = (p / p.sum(-1, keepdims=True)) @ np.repeat(np.array(v), 3, 1)
 worst["attention"] = float(np.abs(ours - reference).max() / 1e-5)
-print(json.dumps({"command": command, "worst": worst}))
+# the int8-activation products, against numpy's integer math (test_cpu_int8_products.py)
+sys.path.insert(0, sys.argv[1])
+from test_cpu_int8_products import int8_reference
+for bits in ext.int8_bits():
+    for group in (32, 128):
+        N, K = 3 * lanes, 256
+        q, s, b = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
+        laid = ext.interleave_quantized(q, s, b, group, bits, int8=True)
+        for M in (1, 6, 130):
+            x = rng.standard_normal((M, K)).astype(np.float32)
+            y = np.array(ext.quantized_gemv(mx.array(x), *laid, group, bits, int8=True))
+            ref = int8_reference(x, q, s, b, bits, group)
+            worst[f"int8 q{bits} g{group} M{M}"] = float(np.abs(y - ref).max() / (1e-5 * np.abs(ref).max()))
+print(json.dumps({"command": command, "worst": worst, "int8_bits": ext.int8_bits()}))
 """
 
 
@@ -108,13 +121,16 @@ VARIANTS = ["portable"] + (["avx2"] if {"avx2", "fma"} <= cpu_flags() else [])
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     env = dict(os.environ, LLM_PTE_CPU_VECTORS=variant, XDG_CACHE_HOME=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", CHILD, str(pathlib.Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     flags = {f for f in report["command"] if f.startswith("-m")}
     assert flags == (set() if variant == "portable" else {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()}))
     # AVX2 has integer dot products, hence the interleaved layout; the portable build has neither
     assert any(case.startswith("interleaved") for case in report["worst"]) == (variant == "avx2")
+    # and int8 activations for 4-bit weights (8-bit ones need VNNI, which the avx2 cap leaves out)
+    assert report["int8_bits"] == ([4] if variant == "avx2" else [])
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
 

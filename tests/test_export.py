@@ -146,7 +146,8 @@ def test_4bit_export_matches_torchao_quantized_transformers_and_registers_by_han
     assert response.response_json["finish_reason"] in ("stop", "length")
     # its values: transformers on the same source, its linears and embedding
     # quantized by torchao as the exporter does, at every prompt and decode position
-    tokens, ours = parity.greedy(pte, parity.prompt_for(3), parity.NEW_TOKENS, kv_dtype="fp32")
+    tokens, ours = parity.greedy(pte, parity.prompt_for(3), parity.NEW_TOKENS, kv_dtype="fp32",
+                                 int8_activations=False)  # the route within 2^-16 of the activations
     reference = models.reference_model(src, qlinear="4w", qembedding="4w", group_size=32)
     with torch.no_grad():
         ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()

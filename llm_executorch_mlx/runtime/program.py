@@ -43,7 +43,7 @@ LLM_METADATA = (
 _FAULT_AROUND = 1 << 20  # > Linux's fault-around window (64 KiB by default)
 
 
-def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
+def load_program(path: str | os.PathLike, compute: str = "auto", int8_activations: bool = True) -> "Program":
     """Read and validate a .pte file; raise ``PteError`` saying what is wrong.
 
     Args:
@@ -52,9 +52,13 @@ def load_program(path: str | os.PathLike, compute: str = "auto") -> "Program":
             dtypes, "fp32" widened at load (outputs too), or "auto": fp32 for
             an LLM program on a CPU, else native (see ``dtypes.COMPUTE_ROUTES``).
             fp32 programs are unaffected.
+        int8_activations: on a CPU whose kernels have integer dot products,
+            multiply 4/8-bit weights with activations rounded to int8 per
+            group (``cpu/quantized_int8.h``; about twice a prefill chunk's
+            speed); False keeps them within 2^-16 (``cpu/quantized_dot.h``).
     """
     check_compute_route(compute)  # before the file is read
-    return Program(PteFile(path), compute)
+    return Program(PteFile(path), compute, int8_activations)
 
 
 class Method:
@@ -92,8 +96,9 @@ class Method:
 class Program:
     """A .pte program: its methods, metadata, and off-graph cache geometry."""
 
-    def __init__(self, pte: PteFile, compute: str = "native"):
+    def __init__(self, pte: PteFile, compute: str = "native", int8_activations: bool = True):
         self.pte = pte
+        self.int8_activations = int8_activations
         self.path = pte.path
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
@@ -158,7 +163,8 @@ class Program:
             constants = self._load_constants(name, graph)
             taken = self._interleaving(graph, constants)
             executor = GraphExecutor(
-                graph, constants, cache if uses_cache else None, self._dtype_map, self.cpu_kernels, frozenset(taken),
+                graph, constants, cache if uses_cache else None, self._dtype_map, self.cpu_kernels,
+                {w: int8 for w, (*_, int8) in taken.items()},
             )
             self._interleave(name, executor, taken)
         except (PteError, MemoryError):
@@ -269,12 +275,15 @@ class Program:
         return constants
 
     def _interleaving(self, graph: md.MLXGraphT, constants: list[mx.array]) -> dict:
-        """``{w: (scales, biases, group, bits)}``: the quantized weights to
-        store interleaved for the extension's products (``interp/layout.py``)."""
+        """``{w: (scales, biases, group, bits, int8)}``: the quantized weights
+        to store interleaved for the extension's products (``interp/layout.py``),
+        int8 where they multiply int8 activations (``int8_activations`` and a
+        width this build takes so)."""
         extension = self.cpu_kernels.extension if on_cpu() and self.cpu_kernels.gemv.on else None
         lanes = extension.interleaved_rows() if extension is not None else 0
         if not lanes:
             return {}
+        int8_bits = set(extension.int8_bits()) if self.int8_activations else set()
         found = interleavable_quantized(graph, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS)
         taken = {}
         for w, (s, b, group, bits) in found.items():
@@ -283,7 +292,7 @@ class Program:
                 continue
             n, k = weight.shape[0], weight.shape[1] * 32 // bits
             if n % lanes == 0 and k % max(group, 256 // bits) == 0 and scales.shape == (n, k // group):
-                taken[w] = (s, b, group, bits)
+                taken[w] = (s, b, group, bits, bits in int8_bits)
         return taken
 
     def _interleave(self, name: str, executor: GraphExecutor, taken: dict) -> None:
@@ -294,10 +303,10 @@ class Program:
         extension, shared = self.cpu_kernels.extension, self._constants[name]
         done = self._interleaved.setdefault(name, set())
         held = executor.constants
-        for w, (s, b, group, bits) in taken.items():
+        for w, (s, b, group, bits, int8) in taken.items():
             try:
                 wi, si, bi = extension.interleave_quantized(held[w], held[s], held[b], group, bits,
-                                                            weight=w not in done)
+                                                            weight=w not in done, int8=int8)
             except ValueError as e:
                 raise PteError(f"{name}: quantized weight {w} cannot be laid out for the CPU products ({e})") from None
             shared[w] = wi

@@ -73,7 +73,7 @@ class Turn:
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
-        self.key, self.program = store.get_program(pte_path, opts.compute_dtype)
+        self.key, self.program = store.get_program(pte_path, opts.compute_dtype, opts.int8_activations)
         self.tokenizer = store.get_tokenizer(tokenizer_path)
         template = resolve_template(opts.chat, self.tokenizer)
         self.tool_format = tool_format(template.source) if tools else None

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <stdexcept>
@@ -16,6 +17,7 @@
 
 #include "kernels.h"
 #include "quantized_dot.h"
+#include "quantized_int8.h"
 #include "quantized_interleaved.h"
 #include "quantized_rows.h"
 #include "mlx/backend/common/utils.h"
@@ -41,6 +43,9 @@ struct Product {
   int x_rows;
   QuantizedRows q;  // a quantized product (quantized_rows) of q_rows rows of x
   int q_rows;
+#if LLM_PTE_INTEGER_DOT
+  Int8Rows i8;  // a quantized product with int8 activations (quantized_int8.h)
+#endif
 };
 
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
@@ -265,6 +270,17 @@ void quantized_product_rows(const Product& j, int64_t lo, int64_t hi) {
   }
 }
 
+#if LLM_PTE_INTEGER_DOT
+template <int BITS>
+void int8_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
+  const Products& t = *static_cast<const Products*>(job.task);
+  for (int64_t c = lo; c < hi; ++c) {
+    const auto [i, first] = t.chunks[c];
+    int8_rows<BITS>(t.each[i].i8, first, std::min(t.each[i].i8.N, first + t.chunk_rows[i]));
+  }
+}
+#endif
+
 template <int BITS>
 void quantized_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
   const Products& t = *static_cast<const Products*>(job.task);
@@ -293,12 +309,13 @@ void add_into(float* y, const mx::array& a) {
 class SharedGemv : public SharedPrimitive {
  public:
   SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false,
-             bool adds = false)
-      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), adds_(adds) {}
+             bool int8 = false, bool adds = false)
+      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
+        adds_(adds) {}
 
   bool adds() const { return adds_; }
   std::shared_ptr<SharedGemv> adding() {
-    return std::make_shared<SharedGemv>(stream(), bits_, group_, helped_, interleaved_, true);
+    return std::make_shared<SharedGemv>(stream(), bits_, group_, helped_, interleaved_, int8_, true);
   }
 
   // not helped: a long prefill chunk's LM head row, whose graph is better
@@ -380,17 +397,20 @@ class SharedGemv : public SharedPrimitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const SharedGemv&>(other);
     return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_ && interleaved_ == o.interleaved_ &&
-           adds_ == o.adds_;
+           int8_ == o.int8_ && adds_ == o.adds_;
   }
 
  private:
   int bits_, group_;
-  bool helped_, interleaved_, adds_;
+  bool helped_, interleaved_, int8_, adds_;
 
   // x [..., M, K] (M <= kQuantizedRows) against each W [N, K] stored as MLX's
   // affine quantization (inputs: x, then w, scales, biases per product), read
   // as stored (quantized_dot.h, quantized_rows.h); x is prepared once.
   void eval_quantized(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+#if LLM_PTE_INTEGER_DOT
+    if (int8_) return eval_int8(inputs, outputs);
+#endif
     const auto& x = inputs[0];
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (auto& a : inputs) encoder.set_input_array(a);
@@ -444,6 +464,51 @@ class SharedGemv : public SharedPrimitive {
       if (addend) add_into(each[0].q.y, *addend);
     });
   }
+
+#if LLM_PTE_INTEGER_DOT
+  // The same products with x rounded to int8 (quantized_int8.h), weights in
+  // the quads layout, any number of rows of x.
+  void eval_int8(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+    const auto& x = inputs[0];
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    const int n = int(outputs.size());
+    std::vector<Product> each(n);
+    std::vector<std::shared_ptr<std::atomic<bool>>> started;
+    const int64_t K = x.shape(-1), M = x.size() / K;
+    for (int i = 0; i < n; ++i) {
+      const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
+      auto& out = outputs[i];
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      each[i].i8 = {reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(),
+                    nullptr, nullptr, nullptr, out.data<float>(), K, w.shape(0), group_, int(M)};
+      started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
+    }
+    const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
+    const float* xp = x.data<float>();
+    const int bits = bits_, group = group_;
+    const std::optional<mx::array> addend = adds_ ? std::optional(inputs.back()) : std::nullopt;
+    encoder.dispatch([=]() mutable {
+      for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
+      std::vector<int8_t> rounded(M * K);
+      std::vector<float> steps(M * (K / group)), sums(M * (K / group));
+      prepare_x8(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(), sums.data());
+      for (auto& p : each) p.i8.xq = rounded.data(), p.i8.xd = steps.data(), p.i8.xsum = sums.data();
+      Products task{each, {}, {}};
+      for (int i = 0; i < n; ++i) {
+        // ~128 KB of weights a chunk, as above, in whole tiles of blocks
+        const int64_t unit = (M == 1 ? 1 : kTileBlocks) * kLanes32;
+        const int64_t rows = std::max<int64_t>(unit, 131072 / std::max<int64_t>(K * bits / 8, 1) / unit * unit);
+        task.chunk_rows.push_back(rows);
+        for (int64_t first = 0; first < each[i].i8.N; first += rows) task.chunks.emplace_back(i, first);
+      }
+      SharedJob j(bits == 4 ? int8_chunks<4> : int8_chunks<8>, &task, int64_t(task.chunks.size()), 1);
+      run_shared(j);
+      if (addend) add_into(each[0].i8.y, *addend);
+    });
+  }
+#endif
 };
 
 }  // namespace
@@ -521,6 +586,18 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
   return "";
 }
 
+// "" when this build multiplies `bits`-bit weights with int8 activations.
+std::string check_int8(int bits) {
+#if LLM_PTE_INTEGER_DOT
+  if (bits == 4 || (bits == 8 && kInt8For8Bits)) return "";
+  return "this build multiplies only 4-bit weights with int8 activations (8 bits need VNNI), not " +
+         std::to_string(bits) + "-bit";
+#else
+  (void)bits;
+  return "this build has no integer dot products";
+#endif
+}
+
 // "" when w (N rows) can be or is interleaved here.
 std::string check_interleaved(const mx::array& w) {
   if (kInterleavedRows == 0) return "this build has no interleaved layout (no integer dot products)";
@@ -533,21 +610,22 @@ std::string check_interleaved(const mx::array& w) {
 
 std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
                                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                                       int group_size, int bits, bool interleaved, mx::StreamOrDevice s) {
+                                       int group_size, int bits, bool interleaved, bool int8, mx::StreamOrDevice s) {
   std::string err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
+  const int64_t most = int8 ? std::numeric_limits<int>::max() : interleaved ? kInterleavedQuantizedRows : kQuantizedRows;
   if (x.dtype() != mx::float32) {
     err = "x must be float32";
   } else if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size()) {
     err = "needs one or more weights, each with its scales and biases";
-  } else if (const int most = interleaved ? kInterleavedQuantizedRows : kQuantizedRows;
-             K == 0 || x.size() / K > most || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
-    err = "takes x [..., M, K] with at most " + std::to_string(most) + " rows in its last two axes, got " +
-          text(x.shape());
+  } else if (K == 0 || x.size() / K > most || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
+    err = "takes x [..., M, K] with " + (int8 ? std::string("its") : "at most " + std::to_string(most)) +
+          " rows in its last two axes, got " + text(x.shape());
+  } else if (int8 && (err = check_int8(bits)).size()) {
   }
   for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
     err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits);
-    if (err.empty() && interleaved) err = check_interleaved(ws[i]);
+    if (err.empty() && (interleaved || int8)) err = check_interleaved(ws[i]);
   }
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
@@ -561,12 +639,14 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
     inputs.insert(inputs.end(), {ws[i], scales[i], biases[i]});
   }
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(ws.size(), mx::float32),
-                                std::make_shared<SharedGemv>(stream, bits, group_size, true, interleaved), inputs);
+                                std::make_shared<SharedGemv>(stream, bits, group_size, true, interleaved || int8, int8),
+                                inputs);
 }
 
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, int group_size, int bits, bool interleaved, mx::StreamOrDevice s) {
-  return quantized_gemvs(x, {w}, {scales}, {biases}, group_size, bits, interleaved, s)[0];
+                         const mx::array& biases, int group_size, int bits, bool interleaved, bool int8,
+                         mx::StreamOrDevice s) {
+  return quantized_gemvs(x, {w}, {scales}, {biases}, group_size, bits, interleaved, int8, s)[0];
 }
 
 // MLX's affine dequantization (4 or 8 bits, fp32 scales and biases) on the
@@ -636,7 +716,8 @@ namespace {
 // embedding's lookup when the table is also the (interleaved) LM head.
 class TakeInterleaved : public mx::UnaryPrimitive {
  public:
-  TakeInterleaved(mx::Stream stream, int bits, int group) : mx::UnaryPrimitive(stream), bits_(bits), group_(group) {}
+  TakeInterleaved(mx::Stream stream, int bits, int group, bool int8)
+      : mx::UnaryPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2], &ids = inputs[3];
@@ -647,7 +728,9 @@ class TakeInterleaved : public mx::UnaryPrimitive {
     const int64_t K = out.shape(-1), N = w.shape(0), count = ids.size();
     QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
                     nullptr, K, N, group_, true};
-    const int bits = bits_;
+    const int bits = bits_, group = group_;
+    const bool int8 = int8_;
+    const uint8_t* quads = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
     const mx::Dtype type = ids.dtype();
     const void* raw = ids.data<void>();
     const auto strides = ids.strides();
@@ -667,8 +750,11 @@ class TakeInterleaved : public mx::UnaryPrimitive {
         rows[n] = std::clamp<int64_t>(id, 0, N - 1);
       }
 #if LLM_PTE_INTEGER_DOT
-      if (bits == 4) take_interleaved<4>(r, rows.data(), count, o);
+      if (int8) (bits == 4 ? take_quads<4> : take_quads<8>)(quads, r.scales, r.biases, N, K, group, rows.data(), count, o);
+      else if (bits == 4) take_interleaved<4>(r, rows.data(), count, o);
       else take_interleaved<8>(r, rows.data(), count, o);
+#else
+      (void)int8, (void)quads, (void)group;
 #endif
     });
   }
@@ -681,17 +767,18 @@ class TakeInterleaved : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const TakeInterleaved&>(other);
-    return bits_ == o.bits_ && group_ == o.group_;
+    return bits_ == o.bits_ && group_ == o.group_ && int8_ == o.int8_;
   }
 
  private:
   int bits_, group_;
+  bool int8_;
 };
 
 }  // namespace
 
 mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           const mx::array& indices, int group_size, int bits, mx::StreamOrDevice s) {
+                           const mx::array& indices, int group_size, int bits, bool int8, mx::StreamOrDevice s) {
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
                                     group_size, bits);
   if (err.empty()) err = check_interleaved(w);
@@ -703,26 +790,38 @@ mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx
   if (!err.empty()) throw std::invalid_argument("take_interleaved: " + err);
   auto shape = indices.shape();
   shape.push_back(int(w.shape(1) * 32 / bits));
-  return mx::array(shape, mx::float32, std::make_shared<TakeInterleaved>(stream, bits, group_size),
+  return mx::array(shape, mx::float32, std::make_shared<TakeInterleaved>(stream, bits, group_size, int8),
                    {w, scales, biases, indices});
 }
 
 std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                                            int group_size, int bits, bool weight) {
+                                            int group_size, int bits, bool weight, bool int8) {
   const int64_t K = w.ndim() == 2 ? w.shape(1) * 32 / bits : 0;
   std::string err = check_quantized(w, scales, biases, K, group_size, bits);
   if (err.empty()) err = check_interleaved(w);
+  if (err.empty() && int8) err = check_int8(bits);
   if (!err.empty()) throw std::invalid_argument("interleave_quantized: " + err);
   mx::eval(std::vector<mx::array>{w, scales, biases});
   const int64_t N = w.shape(0);
   std::vector<uint32_t> wq(weight ? w.size() : 0);
   std::vector<float> s(scales.size()), b(biases.size());
 #if LLM_PTE_INTEGER_DOT
-  interleave_rows(reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(), N,
-                  K, group_size, bits, weight ? reinterpret_cast<uint8_t*>(wq.data()) : nullptr, s.data(), b.data());
+  const uint8_t* stored = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
+  uint8_t* out = weight ? reinterpret_cast<uint8_t*>(wq.data()) : nullptr;
+  interleave_rows(stored, scales.data<float>(), biases.data<float>(), N, K, group_size, bits, int8 ? nullptr : out,
+                  s.data(), b.data());
+  if (int8 && out) interleave_quads(stored, N, K, bits, out);
 #endif
   return {weight ? mx::array(wq.begin(), w.shape(), mx::uint32) : w, mx::array(s.begin(), scales.shape(), mx::float32),
           mx::array(b.begin(), biases.shape(), mx::float32)};
+}
+
+std::vector<int> int8_bits() {
+#if LLM_PTE_INTEGER_DOT
+  return kInt8For8Bits ? std::vector<int>{4, 8} : std::vector<int>{4};
+#else
+  return {};
+#endif
 }
 
 int interleaved_rows() { return kInterleavedRows; }

@@ -63,15 +63,18 @@ std::optional<mx::array> add_to_product(const mx::array& product, const mx::arra
 // x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 with M <= 16 and w
 // MLX's affine quantization (4 or 8 bits, groups of 32, 64 or 128, fp32
 // scales and biases), read as stored; shared with the host thread as gemv.
-// interleaved: w, scales and biases as interleave_quantized made them.
+// interleaved: w, scales and biases as interleave_quantized made them (M <=
+// 128). int8: as interleave_quantized made them with int8, x rounded to int8
+// per group (quantized_int8.h), any M.
 mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array& scales,
-                         const mx::array& biases, int group_size, int bits, bool interleaved, mx::StreamOrDevice s);
+                         const mx::array& biases, int group_size, int bits, bool interleaved, bool int8,
+                         mx::StreamOrDevice s);
 
 // quantized_gemv of one x with each of several weights (a layer's q, k and v
 // projections), x prepared once and the products one shared job.
 std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx::array>& ws,
                                        const std::vector<mx::array>& scales, const std::vector<mx::array>& biases,
-                                       int group_size, int bits, bool interleaved, mx::StreamOrDevice s);
+                                       int group_size, int bits, bool interleaved, bool int8, mx::StreamOrDevice s);
 
 // mx.dequantize(w, scales, biases) for the layouts quantized_gemv takes, vectorised;
 // interleaved: of interleave_quantized's layout, as W^T [K, N].
@@ -79,19 +82,24 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
                      int bits, bool interleaved, mx::StreamOrDevice s);
 
 // mx.dequantize(w, scales, biases)[indices] for a weight in interleave_quantized's
-// layout: a quantized embedding's rows when its table is the LM head's too.
+// layout (with int8: its int8 one): a quantized embedding's rows when its
+// table is the LM head's too.
 mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                           const mx::array& indices, int group_size, int bits, mx::StreamOrDevice s);
+                           const mx::array& indices, int group_size, int bits, bool int8, mx::StreamOrDevice s);
 
 // (w, scales, biases) of MLX's affine layout in the interleaved one that
 // quantized_gemv and dequantize take with interleaved (quantized_interleaved.h):
 // the same shapes and sizes, computed now; weight false: w is interleaved
-// already (returned as it is), only scales and biases are converted.
+// already (returned as it is), only scales and biases are converted. int8:
+// the layout quantized_gemv reads with int8 (quantized_int8.h's quads).
 std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
-                                            int group_size, int bits, bool weight);
+                                            int group_size, int bits, bool weight, bool int8);
 
 // Rows an interleaved block holds; 0 where this build has no such layout.
 int interleaved_rows();
+
+// The weight widths this build multiplies with int8 activations.
+std::vector<int> int8_bits();
 
 // silu(gate) * up for fp32 gate and up of one shape (swiglu.cpp).
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s);

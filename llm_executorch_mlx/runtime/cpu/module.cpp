@@ -32,12 +32,13 @@ NB_MODULE(cpu_kernels, m) {
   m.def("add_to_product", &llm_pte::add_to_product, "product"_a, "addend"_a,
         "product + addend as the product's own op, or None (kernels.h)");
   m.def("quantized_gemv", &llm_pte::quantized_gemv, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
+        "bits"_a, nb::kw_only(), "interleaved"_a = false, "int8"_a = false, "stream"_a = nb::none(),
         "x @ dequantize(w, scales, biases).T for x [..., M, K] fp32 (M <= 16) and w MLX's affine\n"
         "quantization (4 or 8 bits, groups of 32/64/128, fp32 scales and biases), on the CPU,\n"
-        "read as stored; the host thread helps as with gemv.");
+        "read as stored; the host thread helps as with gemv. interleaved: interleave_quantized's\n"
+        "layout (M <= 128); int8: its int8 layout, x rounded to int8 per group, any M.");
   m.def("quantized_gemvs", &llm_pte::quantized_gemvs, "x"_a, "ws"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "interleaved"_a = false, "stream"_a = nb::none(),
+        "bits"_a, nb::kw_only(), "interleaved"_a = false, "int8"_a = false, "stream"_a = nb::none(),
         "[quantized_gemv(x, w, s, b) for w, s, b in zip(ws, scales, biases)] as one op: x prepared\n"
         "once, the products one job shared with the host.");
   m.def("dequantize", &llm_pte::dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
@@ -46,14 +47,16 @@ NB_MODULE(cpu_kernels, m) {
         "fp32 scales and biases, on the CPU, vectorised; interleaved: of interleave_quantized's\n"
         "layout, returned transposed ([K, N]).");
   m.def("take_interleaved", &llm_pte::take_interleaved, "w"_a, "scales"_a, "biases"_a, "indices"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "bits"_a, nb::kw_only(), "int8"_a = false, "stream"_a = nb::none(),
         "mx.dequantize(w, scales, biases, group_size, bits)[indices] for w, scales and biases in\n"
-        "interleave_quantized's layout, on the CPU: fp32 rows [*indices.shape, K].");
+        "interleave_quantized's layout (int8: its int8 one), on the CPU: fp32 rows [*indices.shape, K].");
   m.def("interleave_quantized", &llm_pte::interleave_quantized, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
-        "bits"_a, nb::kw_only(), "weight"_a = true,
+        "bits"_a, nb::kw_only(), "weight"_a = true, "int8"_a = false,
         "(w, scales, biases) with interleaved_rows() weight rows interleaved, the layout the short\n"
         "products read fastest (quantized_interleaved.h); same shapes and sizes. weight=False: w is\n"
-        "interleaved already and comes back as it is.");
+        "interleaved already and comes back as it is. int8=True: the layout quantized_gemv reads\n"
+        "with int8 (its rows interleaved four bytes at a time).");
+  m.def("int8_bits", &llm_pte::int8_bits, "The weight widths this build multiplies with int8 activations.");
   m.def("interleaved_rows", &llm_pte::interleaved_rows,
         "Rows an interleaved block holds; 0 where this build has no interleaved layout.");
   m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),

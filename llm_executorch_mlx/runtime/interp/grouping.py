@@ -23,6 +23,8 @@ constant, of the first node's dtype.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
 from ..dtypes import on_cpu
@@ -39,8 +41,9 @@ WINDOW = 12  # nodes after the first a member may be (q, k, v and their views; g
 
 
 def _signature(ctx, op):
-    """``(x slot, bits, group, interleaved)`` of a node the GEMV may run with
-    its weights fixed constants, else None."""
+    """``(x slot, bits, group, layout)`` of a node the GEMV may run with its
+    weights fixed constants, else None; layout: None (MLX's), False
+    (interleaved), True (interleaved for int8 activations)."""
     if not op.transpose or op.biases is None or text(op.mode) != "affine":
         return None
     if op.bits not in QUANTIZED_GEMV_BITS or op.groupSize not in QUANTIZED_GEMV_GROUPS:
@@ -48,7 +51,7 @@ def _signature(ctx, op):
     # constant slots: only the init chain, which runs at load, may write them
     if ctx.fixed_constant(op.w.idx) is None or any(s.idx >= ctx.num_constants for s in (op.scales, op.biases)):
         return None
-    return op.x.idx, op.bits, op.groupSize, op.w.idx in ctx.interleaved
+    return op.x.idx, op.bits, op.groupSize, ctx.interleaved.get(op.w.idx)
 
 
 def plan_group(ctx, instructions: list, i: int, taken) -> tuple | None:
@@ -95,12 +98,13 @@ def plan_quantized_group(ctx, instructions: list, i: int, taken) -> tuple | None
 
 
 def _runs(ctx, members, ops, signature):
-    x, bits, group, interleaved = signature
+    x, bits, group, layout = signature
+    interleaved, int8 = layout is not None, bool(layout)
     gemvs = ctx.kernels.extension.quantized_gemvs
     weights = [(op.w.idx, op.scales.idx, op.biases.idx) for op in ops]
     own = [build_quantized_matmul(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
     operands = [GemvOperands(group, bits) for _ in ops]
-    most = INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
+    most = math.inf if int8 else INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
 
     def products(f):
         xs = f[x]
@@ -111,7 +115,7 @@ def _runs(ctx, members, ops, signature):
         if not fits:
             return None
         return gemvs(xs, [f[w] for w, _, _ in weights], [f[s] for _, s, _ in weights],
-                     [f[b] for _, _, b in weights], group, bits, interleaved=interleaved)
+                     [f[b] for _, _, b in weights], group, bits, interleaved=interleaved, int8=int8)
 
     return _group_runs(ctx, members, ops, own, products)
 

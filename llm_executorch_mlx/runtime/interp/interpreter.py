@@ -41,12 +41,14 @@ class BuildContext:
     """
 
     def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), kernels=None,
-                 interleaved=frozenset()):
+                 interleaved=None):
         self.graph = graph
         self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
         self.kernels = kernels  # the program's cpu.CpuKernels; None: MLX ops and BLAS only
-        self.interleaved = interleaved  # quantized weight slots only the extension's products read
+        # quantized weight slots only the extension's products read: {slot: int8},
+        # int8 where they multiply int8 activations (program.py decides)
+        self.interleaved = interleaved or {}
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
         self.num_constants = graph.numConstantTensors
         self.num_tensors = (
@@ -393,12 +395,13 @@ class GraphExecutor:
             already be converted).
         kernels: the CPU kernels to build nodes with (``cpu.kernels()``, as
             the program decided at load); None: MLX ops and BLAS only.
-        interleaved: the constant slots of quantized weights stored
-            interleaved (``interp/layout.py``), with their scales and biases.
+        interleaved: ``{slot: int8}`` for the quantized weights stored
+            interleaved (``interp/layout.py``), with their scales and biases;
+            int8: in the layout the int8-activation products read.
     """
 
     def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None,
-                 kernels=None, interleaved=frozenset()):
+                 kernels=None, interleaved=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"

@@ -146,7 +146,7 @@ def _quantized_matmul(n, ctx, last_row: bool):
         return run
     if n.w.idx in ctx.interleaved:
         return _interleaved_matmul(ctx.kernels.extension, x, w, scales, biases, out, group_size, bits, last_row,
-                                   ctx.current_node)
+                                   ctx.current_node, int8=ctx.interleaved[n.w.idx])
     kernels = ctx.kernels
     extension = kernels.extension if kernels is not None and kernels.gemv.on else None
     if bits not in QUANTIZED_GEMV_BITS or group_size not in QUANTIZED_GEMV_GROUPS:
@@ -179,11 +179,13 @@ def _quantized_matmul(n, ctx, last_row: bool):
     return run
 
 
-def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, last_row, where):
+def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, last_row, where, int8):
     """A weight stored interleaved (``program.py``) is read by the extension
-    alone: its products of up to 32 rows, and for more rows its dequantized
-    transpose (``[K, N]``) with BLAS. Another x dtype computes in fp32.
-    ``where`` names the node in the error an x of the wrong width gets."""
+    alone: int8, its int8-activation products for every row count; else its
+    products of up to ``INTERLEAVED_GEMV_ROWS`` rows, and for more rows its
+    dequantized transpose (``[K, N]``) with BLAS. Another x dtype computes
+    in fp32. ``where`` names the node in the error an x of the wrong width
+    gets."""
     gemv, dequantize = extension.quantized_gemv, extension.dequantize
 
     def run(f):
@@ -199,13 +201,13 @@ def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, 
         if last_row and m > 1:
             xs = xs[..., -1:, :]
             m = xs.size // xs.shape[-1]
-        if m > INTERLEAVED_GEMV_ROWS:
+        if m > INTERLEAVED_GEMV_ROWS and not int8:
             y = xs @ dequantize(ws, s, b, group_size, bits, interleaved=True)
         elif xs.ndim > 2 and m != xs.shape[-2]:  # rows in more axes than the last two: the GEMV's view
-            y = gemv(xs.reshape(m, xs.shape[-1]), ws, s, b, group_size, bits, interleaved=True)
+            y = gemv(xs.reshape(m, xs.shape[-1]), ws, s, b, group_size, bits, interleaved=True, int8=int8)
             y = y.reshape(*xs.shape[:-1], y.shape[-1])
         else:
-            y = gemv(xs, ws, s, b, group_size, bits, interleaved=True)
+            y = gemv(xs, ws, s, b, group_size, bits, interleaved=True, int8=int8)
         f[out] = y if dtype == mx.float32 else y.astype(dtype)
 
     return run
@@ -280,13 +282,14 @@ def plan_quantized_gather(ctx, instructions: list, i: int):
         return None
     take = ctx.kernels.extension.take_interleaved
     w, scales, biases, group, bits = gather.w, gather.scales, gather.biases, gather.group, gather.bits
+    int8 = ctx.interleaved[w]
     index, dq = ctx.t(instructions[i].op.index.tid), instructions[i + 3].op
     out = ctx.out(dq.out)
     dtype = None if dq.dtype is None else ctx.dtype(dq.dtype)
     cast = dtype is not None and dtype != mx.float32
 
     def run(f):
-        y = take(f[w], f[scales], f[biases], f[index], group, bits, stream=mx.cpu)
+        y = take(f[w], f[scales], f[biases], f[index], group, bits, int8=int8, stream=mx.cpu)
         f[out] = y.astype(dtype) if cast else y
 
     return "QuantizedGather", run

@@ -1,0 +1,275 @@
+// Quantized products with int8 activations (the int8_activations option):
+// x rounded to int8 per group of the weights, as llama.cpp's Q8_0 rounds it,
+// and multiplied with the stored 4- or 8-bit values by integer dot products
+// of four byte pairs into each int32 lane (VNNI's vpdpbusd; AVX2's
+// vpmaddubsw and vpmaddwd where VNNI is missing). Each dot instruction does
+// twice the multiply-adds of the int16 route (quantized_dot.h), and the
+// product is tiled as a GEMM: a tile of weight rows is unpacked once for
+// several rows of x, so a prefill chunk is bound by the dot instructions,
+// not by unpacking, converting and loads.
+//
+// Accuracy: x = d xq with d = max|x| / 127 over the group, each value within
+// d / 2 of its own (2^-8 of the group's largest |x|); the weights' sums are
+// then exact in int32:
+//   sum_k x_k (s q_k + b) ~= s d (q . xq) + b sum_k x_k,
+// with sum_k x_k in fp32 from x itself. docs/design.md ("int8 activations")
+// states the contract the tests hold it to.
+//
+// Layout ("quads"), per block of kLanes32 weight rows, chunks of one vector
+// (4 * kLanes32 bytes) in order of k; in each chunk, bytes 4i .. 4i + 3 are
+// row i's (int32 lane i is row i):
+//   8 bits: values 4c .. 4c + 3;
+//   4 bits: low nibbles values 8c .. 8c + 3, high nibbles 8c + 4 .. 8c + 7.
+// Scales and biases as quantized_interleaved.h lays them out: per block and
+// group, the block's rows' kLanes32 values.
+
+#pragma once
+
+#include "quantized_interleaved.h"
+
+#if LLM_PTE_INTEGER_DOT
+
+#include <cmath>
+
+namespace llm_pte {
+
+// Values of one row a chunk holds.
+constexpr int quad_values(int bits) { return bits == 8 ? 4 : 8; }
+
+// Whether 8-bit weights multiply as stored: vpdpbusd sums u8 * s8 in int32;
+// vpmaddubsw's int16 pair sums would saturate at 255 * 127 * 2, so without
+// VNNI 8-bit weights take the int16 route (gemv.cpp decides).
+#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
+constexpr bool kInt8For8Bits = true;
+#else
+constexpr bool kInt8For8Bits = false;
+#endif
+
+// MLX's layout (w [N, K * bits / 8] bytes) into the quads, the same size; N a
+// multiple of kLanes32. Scales and biases: interleave_rows.
+inline void interleave_quads(const uint8_t* w, int64_t N, int64_t K, int bits, uint8_t* out) {
+  constexpr int L = kLanes32;
+  const int64_t row_bytes = K * bits / 8;
+  const int per = quad_values(bits);
+  for (int64_t block = 0; block < N / L; ++block) {
+    for (int64_t k = 0; k < K; k += per, out += 4 * L) {
+      for (int i = 0; i < L; ++i) {
+        const uint8_t* row = w + (block * L + i) * row_bytes;
+        for (int e = 0; e < 4; ++e) {
+          out[4 * i + e] = static_cast<uint8_t>(
+              bits == 8 ? value_at(row, k + e, 8) : value_at(row, k + e, 4) | value_at(row, k + 4 + e, 4) << 4);
+        }
+      }
+    }
+  }
+}
+
+// The x side: per row, K int8 values; per row and group, the step d and the
+// fp32 sum of x. A group whose largest |x| is not finite gets d = NaN, so its
+// products come out NaN as MLX's would (the sum alone may not: b may be 0).
+inline void prepare_x8(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int group, int8_t* xq,
+                       float* xd, float* xsum) {
+  const int64_t groups = K / group;
+  for (int m = 0; m < M; ++m) {
+    const float* xm = x + m * x_row;
+    for (int64_t g = 0; g < groups; ++g) {
+      alignas(32) float v[kMaxGroup];
+      for (int k = 0; k < group; ++k) v[k] = xm[(g * group + k) * x_col];
+      const __m256 sign = _mm256_set1_ps(-0.f);
+      __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps(), bad8 = _mm256_setzero_ps();
+      for (int k = 0; k < group; k += 8) {
+        const __m256 a = _mm256_load_ps(v + k), size = _mm256_andnot_ps(sign, a);
+        top8 = _mm256_max_ps(top8, size);
+        bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(size, size, _CMP_UNORD_Q));  // NaN: max would drop it
+        sum8 = _mm256_add_ps(sum8, a);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, top8);
+      const float top = *std::max_element(lanes, lanes + 8);
+      _mm256_store_ps(lanes, sum8);
+      xsum[m * groups + g] =
+          ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+      const bool finite = _mm256_movemask_ps(bad8) == 0 && std::isfinite(top);
+      xd[m * groups + g] = finite ? top / 127.f : NAN;
+      const float inverse = finite && top > 0.f ? 127.f / top : 0.f;  // |xq| <= 127
+      const __m256 to_int = _mm256_set1_ps(inverse);
+      int8_t* out = xq + m * K + g * group;
+      for (int k = 0; k < group; k += 8) {
+        const __m256i i32 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(v + k), to_int));  // to nearest
+        const __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + k), _mm_packs_epi16(i16, i16));
+      }
+    }
+  }
+}
+
+// The x side of a product and its weight, for the tiles below.
+struct Int8Rows {
+  const uint8_t* w;  // quads
+  const float *scales, *biases;  // interleave_rows' layout
+  const int8_t* xq;  // M rows of K
+  const float *xd, *xsum;  // M rows of K / group
+  float* y;  // M rows of N
+  int64_t K, N;
+  int group, M;
+};
+
+inline vi bytes_everywhere(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return _mm512_set1_epi32(v);
+#else
+  return _mm256_set1_epi32(v);
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline vi load_vi(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vi low4(vi q) { return _mm512_and_si512(q, _mm512_set1_epi8(0x0F)); }
+inline vi high4(vi q) { return _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(0x0F)); }
+#if defined(__AVX512VNNI__)
+inline vi dot_quads(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#else
+inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums cannot saturate
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+}
+#endif
+#else
+inline vi load_vi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi low4(vi q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
+inline vi high4(vi q) { return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F)); }
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline vi dot_quads(vi acc, vi u, vi s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+inline vi dot_quads(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums cannot saturate
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
+#endif
+
+// How far ahead of its reads a tile's first pass over its weights asks for
+// them: each block is a stream of its own, too many at once for the
+// hardware prefetcher to keep up with (as interleaved_rows' kPrefetchAhead).
+constexpr int64_t kInt8Ahead = 4096;
+
+// y for MR rows of x from m0 and NB blocks of weight rows from `block`: MR *
+// NB * S int32 sums a group, each one dependency chain (enough chains to
+// keep the dot instructions' pipes busy: S > 1 splits a row's sums where MR
+// * NB alone are too few), converted and scaled once a group. int32 sums
+// are exact, so how they are split changes no result. `fetch`: the first
+// pass over these blocks, which prefetches them.
+template <int BITS, int MR, int NB, int S = 1>
+void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
+  constexpr int L = kLanes32, per = quad_values(BITS);
+  const int64_t K = r.K, groups = K / r.group, block_bytes = K * BITS / 8 * L;
+  const int chunks = r.group / per;
+  const int8_t* x = r.xq + int64_t(m0) * K;
+  vf acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = zero_f();
+  const uint8_t* w = r.w + block * block_bytes;
+  for (int64_t g = 0; g < groups; ++g) {
+    vi dot[MR][NB][S];
+    for (int m = 0; m < MR; ++m)
+      for (int b = 0; b < NB; ++b)
+        for (int a = 0; a < S; ++a) dot[m][b][a] = zero_i();
+    for (int c = 0; c < chunks; ++c) {
+      const int64_t k = g * r.group + c * per;
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* chunk = w + b * block_bytes + (k / per) * 4 * L;
+        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kInt8Ahead, _MM_HINT_T0);  // never faults
+        const vi q = load_vi(chunk);
+        if constexpr (BITS == 8) {
+          for (int m = 0; m < MR; ++m) {
+            vi& sum = dot[m][b][c % S];
+            sum = dot_quads(sum, q, bytes_everywhere(x + m * K + k));
+          }
+        } else {
+          const vi low = low4(q), high = high4(q);
+          for (int m = 0; m < MR; ++m) {
+            vi &even = dot[m][b][2 * c % S], &odd = dot[m][b][(2 * c + 1) % S];
+            even = dot_quads(even, low, bytes_everywhere(x + m * K + k));
+            odd = dot_quads(odd, high, bytes_everywhere(x + m * K + k + 4));
+          }
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = ((block + b) * groups + g) * L;
+      const vf s = load_f(r.scales + at), bias = load_f(r.biases + at);
+      for (int m = 0; m < MR; ++m) {
+        const int64_t xg = (m0 + m) * groups + g;
+        vi total = dot[m][b][0];
+        for (int a = 1; a < S; ++a) total = add_i(total, dot[m][b][a]);
+        acc[m][b] = mul_add(mul(to_float(total), splat_f(r.xd[xg])), s, acc[m][b]);
+        acc[m][b] = mul_add(bias, splat_f(r.xsum[xg]), acc[m][b]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < NB; ++b) store_f(r.y + (m0 + m) * r.N + (block + b) * L, acc[m][b]);
+}
+
+// Blocks of weight rows a tile takes, and rows of x: as many sums as keep
+// the pipes busy while the registers hold them, the weights and a few more
+// (32 vector registers with AVX-512, 16 with AVX2).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr int kTileBlocks = 2, kTileRows = 4;
+#else
+constexpr int kTileBlocks = 1, kTileRows = 4;
+#endif
+
+// y for the weight rows of blocks [lo, hi) / kLanes32 and every row of x:
+// for each tile of blocks, the rows of x kTileRows at a time (the blocks'
+// weights stay in cache across them; x is small enough to).
+template <int BITS>
+void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
+  constexpr int L = kLanes32;
+  int64_t block = lo / L;
+  const int64_t end = hi / L;
+  auto rows_of_x = [&]<int NB>() {
+    int m = 0;
+    for (; m + kTileRows <= r.M; m += kTileRows) int8_tile<BITS, kTileRows, NB>(r, block, m, m == 0);
+    switch (r.M - m) {  // the last few rows; one row of x (a decode step) takes more blocks at once below
+      case 1: int8_tile<BITS, 1, NB>(r, block, m, m == 0); break;
+      case 2: int8_tile<BITS, 2, NB>(r, block, m, m == 0); break;
+      case 3: int8_tile<BITS, 3, NB>(r, block, m, m == 0); break;
+    }
+  };
+  if (r.M == 1) {  // a decode step: one block at a time, its sums split
+    for (; block < end; ++block) int8_tile<BITS, 1, 1, 4>(r, block, 0, true);
+  }
+  for (; block + kTileBlocks <= end; block += kTileBlocks) rows_of_x.template operator()<kTileBlocks>();
+  for (; block < end; ++block) rows_of_x.template operator()<1>();
+}
+
+// Rows `ids` (each in [0, N)) of a quads weight, dequantized into out
+// [count, K]: a quantized embedding's lookup when its table is also the LM
+// head's weight. Multiply, then add, as MLX rounds.
+template <int BITS>
+void take_quads(const uint8_t* w, const float* scales, const float* biases, int64_t N, int64_t K, int group,
+                const int64_t* ids, int64_t count, float* out) {
+  constexpr int L = kLanes32, per = quad_values(BITS);
+  const int64_t groups = K / group, block_bytes = K * BITS / 8 * L;
+  (void)N;
+  for (int64_t row = 0; row < count; ++row) {
+    const int64_t block = ids[row] / L, i = ids[row] % L;
+    const uint8_t* chunk = w + block * block_bytes + 4 * i;
+    float* o = out + row * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t byte = chunk[k / per * 4 * L + (k % per) % 4];
+      const int q = BITS == 8 ? byte : (k % per < 4 ? byte & 0x0F : byte >> 4);
+      const int64_t at = (block * groups + k / group) * L + i;
+      float v = scales[at] * static_cast<float>(q);
+      asm("" : "+v"(v));  // no FMA contraction: MLX rounds the product first
+      o[k] = v + biases[at];
+    }
+  }
+}
+
+}  // namespace llm_pte
+
+#endif  // LLM_PTE_INTEGER_DOT

@@ -1,0 +1,126 @@
+"""The int8-activation products (``runtime/cpu/quantized_int8.h``: the
+``int8_activations`` route) against numpy's integer math: x rounded to int8
+per group exactly as llama.cpp's Q8_0 rounds it (d = max|x| / 127, to the
+nearest, ties to even), the int8 values times the stored 4- or 8-bit values
+summed exactly in int64, then scaled; the bias term from x itself. The
+kernel sums the same integers and differs only by fp32 rounding of the
+scaled sums. Also: the layout's lookups, NaN in giving NaN out, and the
+refusals. Every vector variant runs these too (test_cpu_vector_variants.py).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from llm_executorch_mlx.runtime import cpu
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    found = cpu.kernels(build=True)
+    assert found.gemv.on, found.gemv.why
+    assert found.extension.int8_bits(), "x86 builds have integer dot products"
+    return found.extension
+
+
+def stored_values(q, bits) -> np.ndarray:
+    """MLX's packed values, least-significant bits first in uint32 words."""
+    words = np.array(q).astype(np.uint64)
+    shifts = np.arange(32 // bits, dtype=np.uint64) * bits
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(words.shape[0], -1).astype(np.int64)
+
+
+def int8_reference(x, q, scales, biases, bits, group) -> np.ndarray:
+    """y[m, n] = sum_g s[n, g] d[m, g] (q[n, g] . xq[m, g]) + b[n, g] sum(x[m, g])."""
+    M, K = x.shape
+    xg = x.reshape(M, K // group, group)
+    top = np.abs(xg).max(-1, keepdims=True)
+    inverse = np.divide(np.float32(127), top, out=np.zeros_like(top), where=top > 0)
+    xq = np.rint(xg * inverse).astype(np.int64)  # numpy rounds ties to even, as the CPU does
+    d = (top / np.float32(127))[..., 0].astype(np.float64)
+    v = stored_values(q, bits).reshape(-1, K // group, group)
+    dots = np.einsum("mgk,ngk->mng", xq, v)  # exact
+    s, b = np.array(scales, dtype=np.float64), np.array(biases, dtype=np.float64)
+    return (dots * d[:, None, :] * s[None]).sum(-1) + xg.sum(-1).astype(np.float64) @ b.T
+
+
+def quantized(rng, N, K, bits, group):
+    return mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int8_products_match_integer_math(kernel, group):
+    """Odd row counts of x (a decode step's 1, tails of the 4-row tiles,
+    past a 128-row chunk) against weights of one, three and eight blocks of
+    rows; K of several groups; every width the build takes."""
+    lanes = kernel.interleaved_rows()
+    rng = np.random.default_rng(group)
+    for bits, N, K in ((bits, N, K) for bits in kernel.int8_bits()
+                       for N, K in ((lanes, 256), (3 * lanes, 768), (8 * lanes, 384))):
+        stored = quantized(rng, N, K, bits, group)
+        laid = kernel.interleave_quantized(*stored, group, bits, int8=True)
+        assert [a.shape for a in laid] == [a.shape for a in stored]
+        for M in (1, 2, 3, 5, 9, 130):
+            x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 10, (M, 1))).astype(np.float32)
+            y = np.array(kernel.quantized_gemv(mx.array(x)[None], *laid, group, bits, int8=True))[0]
+            ref = int8_reference(x, *stored, bits, group)
+            np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max() + 1e-6,
+                                       err_msg=f"{bits} bits, N={N} K={K} M={M}")
+
+
+def test_the_widths_follow_the_build(kernel):
+    """8-bit weights need VNNI's u8 x s8 sums (vpmaddubsw's int16 pairs
+    would saturate); 4-bit ones any x86 build with integer dot products."""
+    flags = open("/proc/cpuinfo").read().split()
+    vnni = "avx512_vnni" in flags or "avx_vnni" in flags
+    assert kernel.int8_bits() == ([4, 8] if vnni else [4])
+
+
+def test_strided_x_and_several_products_of_one_x(kernel):
+    """x a transposed view (the kernel reads its strides), and one x against
+    three weights as one job equal to each alone."""
+    lanes = kernel.interleaved_rows()
+    rng = np.random.default_rng(5)
+    weights = [kernel.interleave_quantized(*quantized(rng, N, 256, 4, 32), 32, 4, int8=True)
+               for N in (lanes, 4 * lanes, 2 * lanes)]
+    x = mx.array(rng.standard_normal((256, 7)).astype(np.float32)).T
+    together = kernel.quantized_gemvs(x, *map(list, zip(*weights)), 32, 4, int8=True)
+    for weight, y in zip(weights, together):
+        alone = kernel.quantized_gemv(mx.array(np.array(x)), *weight, 32, 4, int8=True)
+        np.testing.assert_array_equal(np.array(y), np.array(alone))
+
+
+def test_a_lookup_in_the_int8_layout_is_mlx_dequantize(kernel):
+    """A tied embedding's rows read from the layout its LM head multiplies."""
+    lanes = kernel.interleaved_rows()
+    rng = np.random.default_rng(9)
+    for bits in kernel.int8_bits():
+        stored = quantized(rng, 3 * lanes, 256, bits, 64)
+        laid = kernel.interleave_quantized(*stored, 64, bits, int8=True)
+        ids = mx.array([[0, 3 * lanes - 1], [lanes + 1, -1]])
+        rows = kernel.take_interleaved(*laid, ids, 64, bits, int8=True)
+        np.testing.assert_array_equal(np.array(rows), np.array(mx.dequantize(*stored, 64, bits))[np.array(ids)])
+
+
+def test_nan_in_gives_nan_out(kernel):
+    """As MLX's products: a NaN or an infinity in x makes its row's outputs
+    NaN (or infinite), never finite numbers."""
+    lanes = kernel.interleaved_rows()
+    rng = np.random.default_rng(3)
+    laid = kernel.interleave_quantized(*quantized(rng, lanes, 128, 4, 32), 32, 4, int8=True)
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    x[0, 5], x[2, 100] = np.nan, np.inf
+    y = np.array(kernel.quantized_gemv(mx.array(x), *laid, 32, 4, int8=True))
+    assert not np.isfinite(y[0]).any() and not np.isfinite(y[2]).any() and np.isfinite(y[1]).all()
+
+
+def test_refusals_name_the_problem(kernel):
+    lanes = kernel.interleaved_rows()
+    rng = np.random.default_rng(1)
+    with pytest.raises(ValueError, match=f"multiple of {lanes} rows"):
+        kernel.interleave_quantized(*quantized(rng, lanes + 1, 256, 4, 32), 32, 4, int8=True)
+    laid = kernel.interleave_quantized(*quantized(rng, lanes, 256, 4, 32), 32, 4, int8=True)
+    with pytest.raises(ValueError, match="x must be float32"):
+        kernel.quantized_gemv(mx.zeros((2, 256), dtype=mx.float16), *laid, 32, 4, int8=True)
+    with pytest.raises(ValueError, match="K 128"):
+        kernel.quantized_gemv(mx.zeros((2, 128)), *laid, 32, 4, int8=True)
