@@ -2,9 +2,10 @@
 ``int8_activations`` route) against numpy's integer math: x rounded to int8
 per group exactly as llama.cpp's Q8_0 rounds it (d = max|x| / 127, to the
 nearest, ties to even), the int8 values times the stored 4- or 8-bit values
-summed exactly in int64, then scaled; the bias term from x itself. The
-kernel sums the same integers and differs only by fp32 rounding of the
-scaled sums. Also: the layout's lookups, NaN in giving NaN out, and the
+summed exactly in int64, then scaled, plus each group's bias times the
+rounded x's sum: the dequantized weights times the rounded x. The kernel
+sums the same integers and differs only by fp32 rounding of the scaled
+sums. Also: the layout's lookups, NaN in giving NaN out, and the
 refusals. Every vector variant runs these too (test_cpu_vector_variants.py).
 """
 
@@ -31,7 +32,7 @@ def stored_values(q, bits) -> np.ndarray:
 
 
 def int8_reference(x, q, scales, biases, bits, group) -> np.ndarray:
-    """y[m, n] = sum_g s[n, g] d[m, g] (q[n, g] . xq[m, g]) + b[n, g] sum(x[m, g])."""
+    """y[m, n] = sum_g s[n, g] d[m, g] (q[n, g] . xq[m, g]) + b[n, g] d[m, g] sum(xq[m, g])."""
     M, K = x.shape
     xg = x.reshape(M, K // group, group)
     top = np.abs(xg).max(-1, keepdims=True)
@@ -41,7 +42,7 @@ def int8_reference(x, q, scales, biases, bits, group) -> np.ndarray:
     v = stored_values(q, bits).reshape(-1, K // group, group)
     dots = np.einsum("mgk,ngk->mng", xq, v)  # exact
     s, b = np.array(scales, dtype=np.float64), np.array(biases, dtype=np.float64)
-    return (dots * d[:, None, :] * s[None]).sum(-1) + xg.sum(-1).astype(np.float64) @ b.T
+    return (dots * d[:, None, :] * s[None]).sum(-1) + (d * xq.sum(-1)) @ b.T
 
 
 def quantized(rng, N, K, bits, group):
