@@ -412,13 +412,13 @@ class Ours:
     """Our runtime through ``generate_tokens``, as the plugin drives it, on
     one compute route (``load_program(compute=...)``)."""
 
-    def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours"):
+    def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours", int8_activations: bool = True):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
         self.name = name
         self.route = compute
-        self.program = load_program(pte, compute=compute)
+        self.program = load_program(pte, compute=compute, int8_activations=int8_activations)
         self.program.prepare_cpu_kernels()  # as the plugin does before a generation
         self.compute_dtype = self.program.compute_dtype
         self.sampler = Sampler(temperature=0.0)

@@ -93,7 +93,9 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, head_dim=64, vocab_size=49152, rope_theta=500000.0,
                 max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5)
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
-ENGINES = ("llama.cpp", "mlx-lm")  # the peers, each optional
+# the peers, each optional; "ours-int16": ours with -o int8_activations false (a quantized format's
+# other route, the int8 route's gain as a ratio)
+ENGINES = ("llama.cpp", "mlx-lm", "ours-int16")
 READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
 # per --kv: ggml_type values, for llama.cpp's Llama(type_k=, type_v=), and our cache dtype
 KV_TYPES = {"f32": (0, "fp32"), "f16": (1, "fp16")}
@@ -126,8 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="tokens in the cache before the short prefill (default: 300)")
     p.add_argument("--short-len", type=int, default=16, help="tokens the short prefill feeds (default: 16)")
     p.add_argument("--reps", type=int, default=3, help="timed repetitions per engine (default: 3)")
-    p.add_argument("--engines", default=",".join(ENGINES),
-                   help=f"engines besides ours, comma-separated (default: {','.join(ENGINES)})")
+    p.add_argument("--engines", default="llama.cpp,mlx-lm",
+                   help=f"engines besides ours, comma-separated among {','.join(ENGINES)} (default: llama.cpp,mlx-lm)")
     p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
     args = p.parse_args(argv)
     args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -335,10 +337,10 @@ def prompt_ids(hf: pathlib.Path, n: int) -> list[int]:
 
 
 class Ours(bd.Ours):
-    def __init__(self, pte: pathlib.Path, label: str, kv: str):
+    def __init__(self, pte: pathlib.Path, label: str, kv: str, int8_activations: bool = True):
         self.kv_dtype = KV_TYPES[kv][1]
         self._session = None  # (cache, forward) of the short case's conversation
-        super().__init__(pte, "auto")
+        super().__init__(pte, "auto", "ours" if int8_activations else "ours int16", int8_activations)
         self.label = f".pte {label}, computes in {self.compute_dtype}; KV {kv}"
         # A quantized file's scales are held twice (as stored, and interleaved
         # for the CPU's products) but a step reads one copy: the stored size.
@@ -441,6 +443,8 @@ class LlamaCpp:
 def make_engines(name: str, art: Artifacts, args) -> list:
     fmt = FORMATS[name]
     engines = [Ours(art.ptes[name], fmt.label, args.kv)]
+    if "ours-int16" in args.engines and fmt.mlx_bits:
+        engines.append(Ours(art.ptes[name], fmt.label + ", -o int8_activations false", args.kv, False))
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():
             engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads,

@@ -1,12 +1,12 @@
 """The extension as other CPUs get it: built with its vector extensions capped
-(``LLM_PTE_CPU_VECTORS``: ``avx2``, AVX2, FMA and F16C only; ``portable``, the
-compiler's default target, which runs the float kernels an Arm or older x86
-CPU runs), each variant in its own process and its own cache directory,
+(``LLM_PTE_CPU_VECTORS``: ``avx512``, AVX-512 without VNNI; ``avx2``, AVX2,
+FMA and F16C only; ``portable``, the compiler's default target, which runs
+the float kernels an Arm or older x86 CPU runs), each variant in its own process and its own cache directory,
 against numpy on the weights dequantized by hand and MLX's own ops.
 
 The default build (this CPU's widest vectors) is what the rest of the suite
-runs. Variants this machine cannot build (no AVX2 here) are not asked for:
-``avx2`` runs only where the CPU has AVX2 and FMA.
+runs. Variants this machine cannot build are not asked for: ``avx2`` runs
+only where the CPU has AVX2 and FMA, ``avx512`` where it has AVX-512BW.
 """
 
 import json
@@ -115,7 +115,8 @@ def cpu_flags() -> set[str]:
         return set()
 
 
-VARIANTS = ["portable"] + (["avx2"] if {"avx2", "fma"} <= cpu_flags() else [])
+VARIANTS = (["portable"] + (["avx2"] if {"avx2", "fma"} <= cpu_flags() else [])
+            + (["avx512"] if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else []))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -126,11 +127,12 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     flags = {f for f in report["command"] if f.startswith("-m")}
-    assert flags == (set() if variant == "portable" else {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()}))
-    # AVX2 has integer dot products, hence the interleaved layout; the portable build has neither
-    assert any(case.startswith("interleaved") for case in report["worst"]) == (variant == "avx2")
-    # and int8 activations for 4-bit weights (8-bit ones need VNNI, which the avx2 cap leaves out)
-    assert report["int8_bits"] == ([4] if variant == "avx2" else [])
+    avx2 = {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()})
+    assert flags == {"portable": set(), "avx2": avx2, "avx512": avx2 | {"-mavx512f", "-mavx512bw", "-mavx512vl"}}[variant]
+    # x86 has integer dot products, hence the interleaved layout and the int8
+    # route (without VNNI: vpmaddubsw, 8-bit weights offset); the portable build has neither
+    assert any(case.startswith("interleaved") for case in report["worst"]) == (variant != "portable")
+    assert report["int8_bits"] == ([] if variant == "portable" else [4, 8])
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
 

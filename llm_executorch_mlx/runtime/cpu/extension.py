@@ -115,8 +115,9 @@ def _vector_flags() -> list[str]:
     use integer dot products, an fp16 cache widens in one instruction),
     AVX-512BW (those 16 wide) and VNNI; other machines
     get the compiler's default target. ``LLM_PTE_CPU_VECTORS`` caps them:
-    ``avx2`` (AVX2, FMA and F16C only) or ``portable`` (the default target: the
-    kernels other CPUs run), which the tests use to run every variant here."""
+    ``avx512`` (AVX-512 without VNNI), ``avx2`` (AVX2, FMA and F16C only) or
+    ``portable`` (the default target: the kernels other CPUs run), which the
+    tests use to run every variant here."""
     cap = os.environ.get(VECTORS_FLAG, "native")
     if platform.machine() not in ("x86_64", "AMD64") or cap == "portable":
         return []
@@ -131,9 +132,9 @@ def _vector_flags() -> list[str]:
         return wanted
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         wanted += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
-        if "avx512_vnni" in flags:
+        if "avx512_vnni" in flags and cap != "avx512":
             wanted.append("-mavx512vnni")
-    elif "avx_vnni" in flags:
+    elif "avx_vnni" in flags and cap != "avx512":
         wanted.append("-mavxvnni")
     return wanted
 

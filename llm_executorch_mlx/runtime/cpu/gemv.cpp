@@ -589,9 +589,8 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
 // "" when this build multiplies `bits`-bit weights with int8 activations.
 std::string check_int8(int bits) {
 #if LLM_PTE_INTEGER_DOT
-  if (bits == 4 || (bits == 8 && kInt8For8Bits)) return "";
-  return "this build multiplies only 4-bit weights with int8 activations (8 bits need VNNI), not " +
-         std::to_string(bits) + "-bit";
+  if (bits == 4 || bits == 8) return "";
+  return "int8 activations multiply 4- or 8-bit weights, not " + std::to_string(bits) + "-bit";
 #else
   (void)bits;
   return "this build has no integer dot products";
@@ -818,7 +817,7 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
 
 std::vector<int> int8_bits() {
 #if LLM_PTE_INTEGER_DOT
-  return kInt8For8Bits ? std::vector<int>{4, 8} : std::vector<int>{4};
+  return {4, 8};
 #else
   return {};
 #endif

@@ -1,9 +1,9 @@
 // Quantized products with int8 activations (the int8_activations option):
 // x rounded to int8 per group of the weights, as llama.cpp's Q8_0 rounds it,
 // and multiplied with the stored 4- or 8-bit values by integer dot products
-// of four byte pairs into each int32 lane (VNNI's vpdpbusd; AVX2's
-// vpmaddubsw and vpmaddwd where VNNI is missing). Each dot instruction does
-// twice the multiply-adds of the int16 route (quantized_dot.h), and the
+// of four byte pairs into each int32 lane (VNNI's vpdpbusd; vpmaddubsw and
+// vpmaddwd where VNNI is missing, below). Each dot instruction does twice
+// the multiply-adds of the int16 route (quantized_dot.h), and the
 // product is tiled as a GEMM: a tile of weight rows is unpacked once for
 // several rows of x, so a prefill chunk is bound by the dot instructions,
 // not by unpacking, converting and loads.
@@ -15,8 +15,7 @@
 //   sum_k d xq_k (s q_k + b) = s d (q . xq) + b d sum_k xq_k.
 // The bias term takes the rounded x too: with x's own sum there the error
 // would be sum_k (w_k - b) e_k, the weights shifted by their group's
-// minimum, ~2-3x larger than sum_k w_k e_k (8-bit perplexity on the 135M
-// model: +1.6% where this is +0.2%). docs/design.md ("int8 activations")
+// minimum, ~2-3x larger than sum_k w_k e_k. docs/design.md ("int8 activations")
 // states the contract the tests hold it to.
 //
 // Layout ("quads"), per block of kLanes32 weight rows, chunks of one vector
@@ -39,15 +38,6 @@ namespace llm_pte {
 
 // Values of one row a chunk holds.
 constexpr int quad_values(int bits) { return bits == 8 ? 4 : 8; }
-
-// Whether 8-bit weights multiply as stored: vpdpbusd sums u8 * s8 in int32;
-// vpmaddubsw's int16 pair sums would saturate at 255 * 127 * 2, so without
-// VNNI 8-bit weights take the int16 route (gemv.cpp decides).
-#if defined(__AVX512VNNI__) || defined(__AVXVNNI__)
-constexpr bool kInt8For8Bits = true;
-#else
-constexpr bool kInt8For8Bits = false;
-#endif
 
 // MLX's layout (w [N, K * bits / 8] bytes) into the quads, the same size; N a
 // multiple of kLanes32. Scales and biases: interleave_rows.
@@ -137,6 +127,7 @@ inline vi load_vi(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline vi low4(vi q) { return _mm512_and_si512(q, _mm512_set1_epi8(0x0F)); }
 inline vi high4(vi q) { return _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(0x0F)); }
 #if defined(__AVX512VNNI__)
+#define LLM_PTE_VNNI 1
 inline vi dot_quads(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #else
 inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums cannot saturate
@@ -148,8 +139,10 @@ inline vi load_vi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast
 inline vi low4(vi q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
 inline vi high4(vi q) { return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F)); }
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define LLM_PTE_VNNI 1
 inline vi dot_quads(vi acc, vi u, vi s) { return _mm256_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__)
+#define LLM_PTE_VNNI 1
 inline vi dot_quads(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums cannot saturate
@@ -162,6 +155,34 @@ inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums canno
 // them: each block is a stream of its own, too many at once for the
 // hardware prefetcher to keep up with (as interleaved_rows' kPrefetchAhead).
 constexpr int64_t kInt8Ahead = 4096;
+
+// 8-bit weights without VNNI: vpmaddubsw's int16 pair sums of u8 q * s8 x
+// would saturate (2 * 255 * 127), so each weight is offset to w' = q - 128
+// (an xor of its top bit) and its sign moved onto x: |w'| sign(x, w') =
+// w' x, pairs within 2 * 128 * 127. The offset's 128 sum(xq) comes back
+// through the group's bias (int8_tile). With VNNI, q as stored.
+#if LLM_PTE_VNNI
+constexpr bool kOffsetBytes = false;
+inline vi offset_bytes(vi q) { return q; }
+inline vi byte_sizes(vi q) { return q; }
+inline vi dot_offset(vi acc, vi, vi q, vi x) { return dot_quads(acc, q, x); }
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kOffsetBytes = true;
+inline vi offset_bytes(vi q) { return _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80))); }
+inline vi byte_sizes(vi w) { return _mm512_abs_epi8(w); }
+inline vi dot_offset(vi acc, vi size, vi w, vi x) {
+  const vi signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(size, signed_x), _mm512_set1_epi16(1)));
+}
+#else
+constexpr bool kOffsetBytes = true;
+inline vi offset_bytes(vi q) { return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))); }
+inline vi byte_sizes(vi w) { return _mm256_abs_epi8(w); }
+inline vi dot_offset(vi acc, vi size, vi w, vi x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(x, w)),
+                                                 _mm256_set1_epi16(1)));
+}
+#endif
 
 // y for MR rows of x from m0 and NB blocks of weight rows from `block`: MR *
 // NB * S int32 sums a group, each one dependency chain (enough chains to
@@ -191,9 +212,10 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
         if (fetch) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kInt8Ahead, _MM_HINT_T0);  // never faults
         const vi q = load_vi(chunk);
         if constexpr (BITS == 8) {
+          const vi w8 = offset_bytes(q), size = byte_sizes(w8);
           for (int m = 0; m < MR; ++m) {
             vi& sum = dot[m][b][c % S];
-            sum = dot_quads(sum, q, bytes_everywhere(x + m * K + k));
+            sum = dot_offset(sum, size, w8, bytes_everywhere(x + m * K + k));
           }
         } else {
           const vi low = low4(q), high = high4(q);
@@ -207,7 +229,10 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
     }
     for (int b = 0; b < NB; ++b) {
       const int64_t at = ((block + b) * groups + g) * L;
-      const vf s = load_f(r.scales + at), bias = load_f(r.biases + at);
+      const vf s = load_f(r.scales + at);
+      // offset 8-bit weights sum w' = q - 128: the missing 128 s d sum(xq) joins b d sum(xq)
+      const vf bias = BITS == 8 && kOffsetBytes ? mul_add(s, splat_f(128.f), load_f(r.biases + at))
+                                                : load_f(r.biases + at);
       for (int m = 0; m < MR; ++m) {
         const int64_t xg = (m0 + m) * groups + g;
         vi total = dot[m][b][0];
