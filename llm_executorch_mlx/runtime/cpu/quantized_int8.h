@@ -129,10 +129,6 @@ inline vi high4(vi q) { return _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_
 #if defined(__AVX512VNNI__)
 #define LLM_PTE_VNNI 1
 inline vi dot_quads(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
-#else
-inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums cannot saturate
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
-}
 #endif
 #else
 inline vi load_vi(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
@@ -144,10 +140,6 @@ inline vi dot_quads(vi acc, vi u, vi s) { return _mm256_dpbusd_epi32(acc, u, s);
 #elif defined(__AVXVNNI__)
 #define LLM_PTE_VNNI 1
 inline vi dot_quads(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
-#else
-inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums cannot saturate
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-}
 #endif
 #endif
 
@@ -156,32 +148,42 @@ inline vi dot_quads(vi acc, vi u, vi s) {  // u <= 15: the int16 pair sums canno
 // hardware prefetcher to keep up with (as interleaved_rows' kPrefetchAhead).
 constexpr int64_t kInt8Ahead = 4096;
 
-// 8-bit weights without VNNI: vpmaddubsw's int16 pair sums of u8 q * s8 x
-// would saturate (2 * 255 * 127), so each weight is offset to w' = q - 128
-// (an xor of its top bit) and its sign moved onto x: |w'| sign(x, w') =
-// w' x, pairs within 2 * 128 * 127. The offset's 128 sum(xq) comes back
-// through the group's bias (int8_tile). With VNNI, q as stored.
-#if LLM_PTE_VNNI
-constexpr bool kOffsetBytes = false;
-inline vi offset_bytes(vi q) { return q; }
-inline vi byte_sizes(vi q) { return q; }
-inline vi dot_offset(vi acc, vi, vi q, vi x) { return dot_quads(acc, q, x); }
-#elif defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr bool kOffsetBytes = true;
+// Without VNNI, vpmaddubsw multiplies u8 by s8 bytes and sums each pair in
+// an int16 lane, vpmaddwd widens those to int32:
+// - 4-bit weights: a pair is at most 2 * 15 * 127, so eight (32 values) fit
+//   an int16 lane and are widened once where VNNI's sums would be, a third
+//   of the instructions per dot;
+// - 8-bit weights: a pair of u8 q * s8 x would saturate (2 * 255 * 127), so
+//   each weight is offset to w' = q - 128 (an xor of its top bit) and its
+//   sign moved onto x: |w'| sign(x, w') = w' x, pairs within 2 * 128 * 127.
+//   The offset's 128 d sum(xq) comes back through the group's bias
+//   (int8_tile). With VNNI, q as stored.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline vi pair_products(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
+inline vi add_pairs(vi a, vi b) { return _mm512_add_epi16(a, b); }
+inline vi widen_pairs(vi acc, vi pairs) { return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))); }
+inline vi signed_like(vi x, vi w) {  // -x where w < 0 (AVX-512 has no vpsignb; where w is 0, |w| is)
+  return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+}
 inline vi offset_bytes(vi q) { return _mm512_xor_si512(q, _mm512_set1_epi8(char(0x80))); }
 inline vi byte_sizes(vi w) { return _mm512_abs_epi8(w); }
-inline vi dot_offset(vi acc, vi size, vi w, vi x) {
-  const vi signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(size, signed_x), _mm512_set1_epi16(1)));
-}
 #else
-constexpr bool kOffsetBytes = true;
+inline vi pair_products(vi u, vi s) { return _mm256_maddubs_epi16(u, s); }
+inline vi add_pairs(vi a, vi b) { return _mm256_add_epi16(a, b); }
+inline vi widen_pairs(vi acc, vi pairs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+inline vi signed_like(vi x, vi w) { return _mm256_sign_epi8(x, w); }
 inline vi offset_bytes(vi q) { return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))); }
 inline vi byte_sizes(vi w) { return _mm256_abs_epi8(w); }
-inline vi dot_offset(vi acc, vi size, vi w, vi x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(size, _mm256_sign_epi8(x, w)),
-                                                 _mm256_set1_epi16(1)));
-}
+#endif
+
+// An 8-bit chunk's dot: q as stored with VNNI, else w' = offset_bytes(q) and
+// its sizes |w'| (both made once a chunk, for every row of x).
+#if LLM_PTE_VNNI
+constexpr bool kOffsetBytes = false;
+inline vi dot_bytes(vi acc, vi q, vi, vi x) { return dot_quads(acc, q, x); }
+#else
+constexpr bool kOffsetBytes = true;
+inline vi dot_bytes(vi acc, vi w, vi size, vi x) { return widen_pairs(acc, pair_products(size, signed_like(x, w))); }
 #endif
 
 // y for MR rows of x from m0 and NB blocks of weight rows from `block`: MR *
@@ -202,6 +204,7 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
   const uint8_t* w = r.w + block * block_bytes;
   for (int64_t g = 0; g < groups; ++g) {
     vi dot[MR][NB][S];
+    [[maybe_unused]] vi pairs[MR][NB];  // 4 bits without VNNI: a run of 32 values in int16 lanes
     for (int m = 0; m < MR; ++m)
       for (int b = 0; b < NB; ++b)
         for (int a = 0; a < S; ++a) dot[m][b][a] = zero_i();
@@ -212,17 +215,24 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
         if (fetch) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kInt8Ahead, _MM_HINT_T0);  // never faults
         const vi q = load_vi(chunk);
         if constexpr (BITS == 8) {
-          const vi w8 = offset_bytes(q), size = byte_sizes(w8);
+          const vi w8 = kOffsetBytes ? offset_bytes(q) : q, size = kOffsetBytes ? byte_sizes(w8) : q;
           for (int m = 0; m < MR; ++m) {
             vi& sum = dot[m][b][c % S];
-            sum = dot_offset(sum, size, w8, bytes_everywhere(x + m * K + k));
+            sum = dot_bytes(sum, w8, size, bytes_everywhere(x + m * K + k));
           }
         } else {
           const vi low = low4(q), high = high4(q);
           for (int m = 0; m < MR; ++m) {
+#if LLM_PTE_VNNI
             vi &even = dot[m][b][2 * c % S], &odd = dot[m][b][(2 * c + 1) % S];
             even = dot_quads(even, low, bytes_everywhere(x + m * K + k));
             odd = dot_quads(odd, high, bytes_everywhere(x + m * K + k + 4));
+#else  // 4 chunks of 8 values: 32
+            const vi two = add_pairs(pair_products(low, bytes_everywhere(x + m * K + k)),
+                                     pair_products(high, bytes_everywhere(x + m * K + k + 4)));
+            pairs[m][b] = c % 4 ? add_pairs(pairs[m][b], two) : two;
+            if (c % 4 == 3) dot[m][b][0] = widen_pairs(dot[m][b][0], pairs[m][b]);
+#endif
           }
         }
       }
