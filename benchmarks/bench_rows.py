@@ -16,14 +16,18 @@ the BLAS, and the runtime measures it once per machine
 
 ``--dtype q4`` / ``q8`` times the quantized products (group 32) instead: BLAS
 against the extension's dequantized weight (what a long chunk runs), the
-quantized GEMV on MLX's layout, and on the interleaved one
-(``cpu/quantized_interleaved.h``); the ratios are ``blas / interleaved`` and
-``stored / interleaved``. Where the first falls below 1 is where
-``INTERLEAVED_GEMV_ROWS`` (``runtime/interp/ops/quant.py``) belongs.
+quantized GEMV on MLX's layout, on the interleaved one
+(``cpu/quantized_interleaved.h``), and the int8-activation products
+(``cpu/quantized_int8.h``, the ``int8_activations`` route); the ratios are
+``blas / interleaved``, ``stored / interleaved`` and ``interleaved / int8``.
+Where the first falls below 1 is where ``INTERLEAVED_GEMV_ROWS``
+(``runtime/interp/ops/quant.py``) belongs. ``--shape 8192x2048 --weights 6``
+runs a 1B model's MLP shape.
 
     python benchmarks/bench_rows.py --reps 5
     python benchmarks/bench_rows.py --dtype bf16
     python benchmarks/bench_rows.py --dtype q4
+    LLM_PTE_CPU_VECTORS=avx2 python benchmarks/bench_rows.py --dtype q4 --shape 8192x2048 --weights 6
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rows", default="1,4,16,32,64,128", help="row counts, comma-separated (at most 128)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "q4", "q8"), default="fp32",
                    help="the weights' dtype (default: fp32)")
-    p.add_argument("--weights", type=int, default=60, help="[1536, 576] weights per pass (default: 60)")
+    p.add_argument("--weights", type=int, default=60, help="weights per pass (default: 60)")
+    p.add_argument("--shape", default="1536x576", help="each weight's [N, K], quantized formats (default: 1536x576)")
     p.add_argument("--reps", type=int, default=5, help="repetitions (default: 5)")
     return p.parse_args(argv)
 
@@ -98,13 +103,16 @@ def quantized(args, kernel, library: str) -> None:
     bits, group = int(args.dtype[1]), 32
     if not kernel.interleaved_rows():
         raise SystemExit("this build of the extension has no interleaved layout (no integer dot products)")
-    stored = [mx.quantize(mx.random.normal((1536, 576)), group_size=group, bits=bits) for _ in range(args.weights)]
+    n, k = map(int, args.shape.split("x"))
+    stored = [mx.quantize(mx.random.normal((n, k)), group_size=group, bits=bits) for _ in range(args.weights)]
     interleaved = [tuple(kernel.interleave_quantized(*q, group, bits)) for q in stored]
-    mx.eval(stored, interleaved)
+    int8 = [tuple(kernel.interleave_quantized(*q, group, bits, int8=True)) for q in stored]
+    mx.eval(stored, interleaved, int8)
     routes = {
         "blas": (stored, lambda x, q: x @ kernel.dequantize(*q, group, bits).T),
         "stored": (stored, lambda x, q: kernel.quantized_gemv(x, *q, group, bits)),
         "interleaved": (interleaved, lambda x, q: kernel.quantized_gemv(x, *q, group, bits, interleaved=True)),
+        "int8": (int8, lambda x, q: kernel.quantized_gemv(x, *q, group, bits, int8=True)),
     }
 
     def timed(route, x) -> float:
@@ -112,25 +120,26 @@ def quantized(args, kernel, library: str) -> None:
         return helped_pass(kernel, product, x, weights)
 
     mb = sum(a.nbytes for q in stored for a in q) / 1e6
-    print(f"{args.weights} weights [1536, 576] {bits}-bit, group {group}, {mb:.0f} MB a pass; {library}")
-    print("| rows | BLAS ms | stored ms | interleaved ms | BLAS / interleaved | stored / interleaved |")
-    print("|---|---|---|---|---|---|")
+    print(f"{args.weights} weights [{n}, {k}] {bits}-bit, group {group}, {mb:.0f} MB a pass; {library}")
+    print("| rows | BLAS ms | stored ms | interleaved ms | int8 ms | BLAS / interleaved | stored / interleaved "
+          "| interleaved / int8 |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in (int(r) for r in args.rows.split(",")):
-        x = mx.random.normal((1, m, 576))
+        x = mx.random.normal((1, m, k))
         wanted = [r for r in routes if r != "stored" or m <= 16]  # the stored layout's GEMV takes 16 rows
         for r in wanted:
             timed(r, x)  # warm
         times = [{r: timed(r, x) for r in wanted} for _ in range(args.reps)]
         ms = {r: 1000 * statistics.median(t[r] for t in times) for r in wanted}
 
-        def ratio(a):
+        def ratio(a, b="interleaved"):
             if a not in ms:
                 return "–"
-            rs = [t[a] / t["interleaved"] for t in times]
+            rs = [t[a] / t[b] for t in times]
             return f"{statistics.median(rs):.2f} [{min(rs):.2f}–{max(rs):.2f}]"
 
         print(f"| {m} | {ms['blas']:.1f} | {ms.get('stored', float('nan')):.1f} | {ms['interleaved']:.1f} | "
-              f"{ratio('blas')} | {ratio('stored')} |", flush=True)
+              f"{ms['int8']:.1f} | {ratio('blas')} | {ratio('stored')} | {ratio('interleaved', 'int8')} |", flush=True)
 
 
 if __name__ == "__main__":
