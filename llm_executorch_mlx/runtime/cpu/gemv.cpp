@@ -225,6 +225,16 @@ struct Products {
   std::vector<Product> each;
   std::vector<std::pair<int, int64_t>> chunks;  // (product, first row)
   std::vector<int64_t> chunk_rows;  // per product
+
+  // A quantized product's N rows in chunks of ~128 KB of packed weights, in
+  // whole `unit`s of rows: a longer stream for the prefetcher, as the fp32
+  // product's chunks (with 32 KB, step_profile.py on SmolLM2-135M: 8-bit
+  // decode 80.5-80.8 against 83.2-85.0 tok/s, 4-bit the same).
+  void chunk_weights(int i, int64_t N, int64_t row_bytes, int64_t unit) {
+    const int64_t rows = std::max<int64_t>(unit, 131072 / std::max<int64_t>(row_bytes, 1) / unit * unit);
+    chunk_rows.push_back(rows);
+    for (int64_t first = 0; first < N; first += rows) chunks.emplace_back(i, first);
+  }
 };
 
 template <typename T>
@@ -404,6 +414,26 @@ class SharedGemv : public SharedPrimitive {
   int bits_, group_;
   bool helped_, interleaved_, int8_, adds_;
 
+  // The encoder's inputs and outputs of a quantized op (inputs: x, then w,
+  // scales, biases per product), each output allocated and handed to
+  // `describe(i, w, scales, biases, out)`; each weight's read-ahead flag.
+  template <typename Describe>
+  std::vector<std::shared_ptr<std::atomic<bool>>> bind_quantized(const std::vector<mx::array>& inputs,
+                                                                 std::vector<mx::array>& outputs, Describe describe) {
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    for (auto& a : inputs) encoder.set_input_array(a);
+    std::vector<std::shared_ptr<std::atomic<bool>>> started;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
+      auto& out = outputs[i];
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      encoder.set_output_array(out);
+      describe(int(i), w, scales, biases, out);
+      started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
+    }
+    return started;
+  }
+
   // x [..., M, K] (M <= kQuantizedRows) against each W [N, K] stored as MLX's
   // affine quantization (inputs: x, then w, scales, biases per product), read
   // as stored (quantized_dot.h, quantized_rows.h); x is prepared once.
@@ -412,22 +442,16 @@ class SharedGemv : public SharedPrimitive {
     if (int8_) return eval_int8(inputs, outputs);
 #endif
     const auto& x = inputs[0];
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    const int n = int(outputs.size());
-    std::vector<Product> each(n);
-    std::vector<std::shared_ptr<std::atomic<bool>>> started;
     const int64_t K = x.shape(-1), M = x.size() / K;
-    for (int i = 0; i < n; ++i) {
-      const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
-      auto& out = outputs[i];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
+    std::vector<Product> each(outputs.size());
+    const auto started = bind_quantized(inputs, outputs, [&](int i, const mx::array& w, const mx::array& scales,
+                                                             const mx::array& biases, mx::array& out) {
       each[i].q = {w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr,
                    nullptr, out.data<float>(), K, w.shape(0), group_, interleaved_};
       each[i].q_rows = int(M);
-      started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
-    }
+    });
+    const int n = int(outputs.size());
+    auto& encoder = mx::cpu::get_command_encoder(stream());
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const float* xp = x.data<float>();
     const int bits = bits_, group = group_;
@@ -449,16 +473,7 @@ class SharedGemv : public SharedPrimitive {
       for (auto& p : each) p.q.xsum = sums.data(), p.q.xp = permuted.data();
 #endif
       Products task{each, {}, {}};
-      for (int i = 0; i < n; ++i) {
-        // ~128 KB of packed weights a chunk (whole blocks of rows where they
-        // are interleaved): a longer stream for the prefetcher, as the fp32
-        // product's chunks (with 32 KB, step_profile.py on SmolLM2-135M:
-        // 8-bit decode 80.5-80.8 against 83.2-85.0 tok/s, 4-bit the same)
-        const int64_t unit = interleaved ? kInterleavedRows : 4;
-        const int64_t rows = std::max<int64_t>(unit, 131072 / std::max<int64_t>(K * bits / 8, 1) / unit * unit);
-        task.chunk_rows.push_back(rows);
-        for (int64_t first = 0; first < each[i].q.N; first += rows) task.chunks.emplace_back(i, first);
-      }
+      for (int i = 0; i < n; ++i) task.chunk_weights(i, each[i].q.N, K * bits / 8, interleaved ? kInterleavedRows : 4);
       SharedJob j(bits == 4 ? quantized_chunks<4> : quantized_chunks<8>, &task, int64_t(task.chunks.size()), 1);
       run_shared(j);
       if (addend) add_into(each[0].q.y, *addend);
@@ -470,21 +485,15 @@ class SharedGemv : public SharedPrimitive {
   // the quads layout, any number of rows of x.
   void eval_int8(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
     const auto& x = inputs[0];
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    const int n = int(outputs.size());
-    std::vector<Product> each(n);
-    std::vector<std::shared_ptr<std::atomic<bool>>> started;
     const int64_t K = x.shape(-1), M = x.size() / K;
-    for (int i = 0; i < n; ++i) {
-      const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
-      auto& out = outputs[i];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
+    std::vector<Product> each(outputs.size());
+    const auto started = bind_quantized(inputs, outputs, [&](int i, const mx::array& w, const mx::array& scales,
+                                                             const mx::array& biases, mx::array& out) {
       each[i].i8 = {reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(),
                     nullptr, nullptr, nullptr, out.data<float>(), K, w.shape(0), group_, int(M)};
-      started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
-    }
+    });
+    const int n = int(outputs.size());
+    auto& encoder = mx::cpu::get_command_encoder(stream());
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const float* xp = x.data<float>();
     const int bits = bits_, group = group_;
@@ -496,13 +505,8 @@ class SharedGemv : public SharedPrimitive {
       prepare_x8(xp, x_row, x_col, int(M), K, group, rounded.data(), steps.data(), sums.data());
       for (auto& p : each) p.i8.xq = rounded.data(), p.i8.xd = steps.data(), p.i8.xsum = sums.data();
       Products task{each, {}, {}};
-      for (int i = 0; i < n; ++i) {
-        // ~128 KB of weights a chunk, as above, in whole tiles of blocks
-        const int64_t unit = (M == 1 ? 1 : kTileBlocks) * kLanes32;
-        const int64_t rows = std::max<int64_t>(unit, 131072 / std::max<int64_t>(K * bits / 8, 1) / unit * unit);
-        task.chunk_rows.push_back(rows);
-        for (int64_t first = 0; first < each[i].i8.N; first += rows) task.chunks.emplace_back(i, first);
-      }
+      const int64_t unit = (M == 1 ? 1 : kTileBlocks) * kLanes32;  // whole tiles of blocks (int8_rows)
+      for (int i = 0; i < n; ++i) task.chunk_weights(i, each[i].i8.N, K * bits / 8, unit);
       SharedJob j(bits == 4 ? int8_chunks<4> : int8_chunks<8>, &task, int64_t(task.chunks.size()), 1);
       run_shared(j);
       if (addend) add_into(each[0].i8.y, *addend);
@@ -612,7 +616,9 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
                                        int group_size, int bits, bool interleaved, bool int8, mx::StreamOrDevice s) {
   std::string err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
-  const int64_t most = int8 ? std::numeric_limits<int>::max() : interleaved ? kInterleavedQuantizedRows : kQuantizedRows;
+  const int64_t most = int8          ? std::numeric_limits<int>::max()
+                       : interleaved ? kInterleavedQuantizedRows
+                                     : kQuantizedRows;
   if (x.dtype() != mx::float32) {
     err = "x must be float32";
   } else if (ws.empty() || scales.size() != ws.size() || biases.size() != ws.size()) {
@@ -749,9 +755,11 @@ class TakeInterleaved : public mx::UnaryPrimitive {
         rows[n] = std::clamp<int64_t>(id, 0, N - 1);
       }
 #if LLM_PTE_INTEGER_DOT
-      if (int8) (bits == 4 ? take_quads<4> : take_quads<8>)(quads, r.scales, r.biases, N, K, group, rows.data(), count, o);
-      else if (bits == 4) take_interleaved<4>(r, rows.data(), count, o);
-      else take_interleaved<8>(r, rows.data(), count, o);
+      if (int8) {
+        (bits == 4 ? take_quads<4> : take_quads<8>)(quads, r.scales, r.biases, K, group, rows.data(), count, o);
+      } else {
+        (bits == 4 ? take_interleaved<4> : take_interleaved<8>)(r, rows.data(), count, o);
+      }
 #else
       (void)int8, (void)quads, (void)group;
 #endif

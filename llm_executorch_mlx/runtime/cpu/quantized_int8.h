@@ -112,16 +112,6 @@ struct Int8Rows {
   int group, M;
 };
 
-inline vi bytes_everywhere(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  return _mm512_set1_epi32(v);
-#else
-  return _mm256_set1_epi32(v);
-#endif
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline vi load_vi(const uint8_t* p) { return _mm512_loadu_si512(p); }
 inline vi low4(vi q) { return _mm512_and_si512(q, _mm512_set1_epi8(0x0F)); }
@@ -161,7 +151,9 @@ constexpr int64_t kInt8Ahead = 4096;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline vi pair_products(vi u, vi s) { return _mm512_maddubs_epi16(u, s); }
 inline vi add_pairs(vi a, vi b) { return _mm512_add_epi16(a, b); }
-inline vi widen_pairs(vi acc, vi pairs) { return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1))); }
+inline vi widen_pairs(vi acc, vi pairs) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+}
 inline vi signed_like(vi x, vi w) {  // -x where w < 0 (AVX-512 has no vpsignb; where w is 0, |w| is)
   return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
 }
@@ -170,7 +162,9 @@ inline vi byte_sizes(vi w) { return _mm512_abs_epi8(w); }
 #else
 inline vi pair_products(vi u, vi s) { return _mm256_maddubs_epi16(u, s); }
 inline vi add_pairs(vi a, vi b) { return _mm256_add_epi16(a, b); }
-inline vi widen_pairs(vi acc, vi pairs) { return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+inline vi widen_pairs(vi acc, vi pairs) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
 inline vi signed_like(vi x, vi w) { return _mm256_sign_epi8(x, w); }
 inline vi offset_bytes(vi q) { return _mm256_xor_si256(q, _mm256_set1_epi8(char(0x80))); }
 inline vi byte_sizes(vi w) { return _mm256_abs_epi8(w); }
@@ -218,18 +212,18 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
           const vi w8 = kOffsetBytes ? offset_bytes(q) : q, size = kOffsetBytes ? byte_sizes(w8) : q;
           for (int m = 0; m < MR; ++m) {
             vi& sum = dot[m][b][c % S];
-            sum = dot_bytes(sum, w8, size, bytes_everywhere(x + m * K + k));
+            sum = dot_bytes(sum, w8, size, four_bytes_everywhere(x + m * K + k));
           }
         } else {
           const vi low = low4(q), high = high4(q);
           for (int m = 0; m < MR; ++m) {
 #if LLM_PTE_VNNI
             vi &even = dot[m][b][2 * c % S], &odd = dot[m][b][(2 * c + 1) % S];
-            even = dot_quads(even, low, bytes_everywhere(x + m * K + k));
-            odd = dot_quads(odd, high, bytes_everywhere(x + m * K + k + 4));
+            even = dot_quads(even, low, four_bytes_everywhere(x + m * K + k));
+            odd = dot_quads(odd, high, four_bytes_everywhere(x + m * K + k + 4));
 #else  // 4 chunks of 8 values: 32
-            const vi two = add_pairs(pair_products(low, bytes_everywhere(x + m * K + k)),
-                                     pair_products(high, bytes_everywhere(x + m * K + k + 4)));
+            const vi two = add_pairs(pair_products(low, four_bytes_everywhere(x + m * K + k)),
+                                     pair_products(high, four_bytes_everywhere(x + m * K + k + 4)));
             pairs[m][b] = c % 4 ? add_pairs(pairs[m][b], two) : two;
             if (c % 4 == 3) dot[m][b][0] = widen_pairs(dot[m][b][0], pairs[m][b]);
 #endif
@@ -293,11 +287,10 @@ void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
 // [count, K]: a quantized embedding's lookup when its table is also the LM
 // head's weight. Multiply, then add, as MLX rounds.
 template <int BITS>
-void take_quads(const uint8_t* w, const float* scales, const float* biases, int64_t N, int64_t K, int group,
-                const int64_t* ids, int64_t count, float* out) {
+void take_quads(const uint8_t* w, const float* scales, const float* biases, int64_t K, int group, const int64_t* ids,
+                int64_t count, float* out) {
   constexpr int L = kLanes32, per = quad_values(BITS);
   const int64_t groups = K / group, block_bytes = K * BITS / 8 * L;
-  (void)N;
   for (int64_t row = 0; row < count; ++row) {
     const int64_t block = ids[row] / L, i = ids[row] % L;
     const uint8_t* chunk = w + block * block_bytes + 4 * i;

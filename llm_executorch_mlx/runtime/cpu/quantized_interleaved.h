@@ -66,8 +66,8 @@ inline void interleave_rows(const uint8_t* w, const float* scales, const float* 
   }
 }
 
-// int16 pair p[0], p[1] in every int32 lane
-inline vi pair_everywhere(const int16_t* p) {
+// The four bytes at p (an int16 pair; four int8 values) in every int32 lane
+inline vi four_bytes_everywhere(const void* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof v);
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -128,15 +128,15 @@ void interleaved_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
           if constexpr (BITS == 8) {
             for (int m = 0; m < M; ++m) {
               vi& sum = dot[m][c % kSums];
-              sum = dot_pairs(sum, q, pair_everywhere(r.xq + m * r.K + k0 + 2 * (j + c)));
+              sum = dot_pairs(sum, q, four_bytes_everywhere(r.xq + m * r.K + k0 + 2 * (j + c)));
             }
           } else {
             const vi low = low_nibbles(q), high = high_nibbles(q);
             for (int m = 0; m < M; ++m) {
               const int16_t* x = r.xq + m * r.K + k0 + 4 * (j + c);
               vi &even = dot[m][2 * c % kSums], &odd = dot[m][(2 * c + 1) % kSums];
-              even = dot_pairs(even, low, pair_everywhere(x));
-              odd = dot_pairs(odd, high, pair_everywhere(x + 2));
+              even = dot_pairs(even, low, four_bytes_everywhere(x));
+              odd = dot_pairs(odd, high, four_bytes_everywhere(x + 2));
             }
           }
         }
