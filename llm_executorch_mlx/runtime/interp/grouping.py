@@ -9,8 +9,9 @@ first node of the group runs all of them as one op (``gemvs``,
 ``quantized_gemvs``): one job whose chunks cover every product, ``x``
 prepared once, and fewer MLX nodes; each later node of the group then only
 hands on its product, kept in a scratch slot. A chunk too long for the GEMV
-(a prefill chunk) runs each node's own route at its own place, as without
-grouping.
+(a prefill chunk, except for weights taking int8 activations, whose
+products take any number of rows) runs each node's own route at its own
+place, as without grouping.
 
 A quantized matmul joins the group of an earlier one when it reads the same
 ``x`` slot (not written in between), with the same bits, group size and
