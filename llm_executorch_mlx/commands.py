@@ -63,9 +63,11 @@ def _runtime_facts() -> dict:
 
 def _quantized_products(extension) -> str:
     """How 4/8-bit weights multiply here, as the extension built for this CPU says."""
+    from .runtime.interp.ops.quant import INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_ROWS
+
     int8 = extension.int8_bits() if extension is not None else None
-    exact = ("activations within 2^-16 for up to 128 rows (up to 16 for weights it cannot interleave), "
-             "dequantized for BLAS above")
+    exact = (f"activations within 2^-16 for up to {INTERLEAVED_GEMV_ROWS} rows (up to {QUANTIZED_GEMV_ROWS} for "
+             "weights it cannot interleave), dequantized for BLAS above")
     if int8 is None:
         return f"the compiled kernel, as its build for this CPU allows (built on the first prompt): {exact}"
     if not int8:
