@@ -590,17 +590,6 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
   return "";
 }
 
-// "" when this build multiplies `bits`-bit weights with int8 activations.
-std::string check_int8(int bits) {
-#if LLM_PTE_INTEGER_DOT
-  if (bits == 4 || bits == 8) return "";
-  return "int8 activations multiply 4- or 8-bit weights, not " + std::to_string(bits) + "-bit";
-#else
-  (void)bits;
-  return "this build has no integer dot products";
-#endif
-}
-
 // "" when w (N rows) can be or is interleaved here.
 std::string check_interleaved(const mx::array& w) {
   if (kInterleavedRows == 0) return "this build has no interleaved layout (no integer dot products)";
@@ -626,7 +615,6 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
   } else if (K == 0 || x.size() / K > most || (x.ndim() > 2 && x.size() / K != x.shape(-2) && x.size() != K)) {
     err = "takes x [..., M, K] with " + (int8 ? std::string("its") : "at most " + std::to_string(most)) +
           " rows in its last two axes, got " + text(x.shape());
-  } else if (int8 && (err = check_int8(bits)).size()) {
   }
   for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
     err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits);
@@ -806,7 +794,6 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
   const int64_t K = w.ndim() == 2 ? w.shape(1) * 32 / bits : 0;
   std::string err = check_quantized(w, scales, biases, K, group_size, bits);
   if (err.empty()) err = check_interleaved(w);
-  if (err.empty() && int8) err = check_int8(bits);
   if (!err.empty()) throw std::invalid_argument("interleave_quantized: " + err);
   mx::eval(std::vector<mx::array>{w, scales, biases});
   const int64_t N = w.shape(0);
