@@ -101,7 +101,7 @@ def quantized(args, kernel, library: str) -> None:
     import mlx.core as mx
 
     bits, group = int(args.dtype[1]), 32
-    if not kernel.interleaved_rows():
+    if not kernel.limits()["interleave_lanes"]:
         raise SystemExit("this build of the extension has no interleaved layout (no integer dot products)")
     n, k = map(int, args.shape.split("x"))
     stored = [mx.quantize(mx.random.normal((n, k)), group_size=group, bits=bits) for _ in range(args.weights)]

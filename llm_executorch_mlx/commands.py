@@ -65,7 +65,7 @@ def _quantized_products(extension) -> str:
     """How 4/8-bit weights multiply here, as the extension built for this CPU says."""
     from .runtime.interp.ops.quant import INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_ROWS
 
-    int8 = extension.int8_bits() if extension is not None else None
+    int8 = list(extension.limits()["int8_bits"]) if extension is not None else None
     exact = (f"activations within 2^-16 for up to {INTERLEAVED_GEMV_ROWS} rows (up to {QUANTIZED_GEMV_ROWS} for "
              "weights it cannot interleave), dequantized for BLAS above")
     if int8 is None:

@@ -20,7 +20,7 @@ from llm_executorch_mlx.runtime import cpu
 def kernel():
     found = cpu.kernels(build=True)
     assert found.gemv.on, found.gemv.why
-    assert found.extension.int8_bits(), "x86 builds have integer dot products"
+    assert found.extension.limits()["int8_bits"], "x86 builds have integer dot products"
     return found.extension
 
 
@@ -54,9 +54,9 @@ def test_int8_products_match_integer_math(kernel, group):
     """Odd row counts of x (a decode step's 1, tails of the 4-row tiles,
     past a 128-row chunk) against weights of one, three and eight blocks of
     rows; K of several groups; every width the build takes."""
-    lanes = kernel.interleaved_rows()
+    lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(group)
-    for bits, N, K in ((bits, N, K) for bits in kernel.int8_bits()
+    for bits, N, K in ((bits, N, K) for bits in list(kernel.limits()["int8_bits"])
                        for N, K in ((lanes, 256), (3 * lanes, 768), (8 * lanes, 384))):
         stored = quantized(rng, N, K, bits, group)
         laid = kernel.interleave_quantized(*stored, group, bits, int8=True)
@@ -74,13 +74,13 @@ def test_every_x86_build_takes_4_and_8_bits(kernel):
     int16 pair sums would saturate on 8-bit values) 8-bit weights are offset
     to signed values, which the AVX2 and AVX-512 variants check against the
     same integer math (test_cpu_vector_variants.py)."""
-    assert kernel.int8_bits() == [4, 8]
+    assert list(kernel.limits()["int8_bits"]) == [4, 8]
 
 
 def test_strided_x_and_several_products_of_one_x(kernel):
     """x a transposed view (the kernel reads its strides), and one x against
     three weights as one job equal to each alone."""
-    lanes = kernel.interleaved_rows()
+    lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(5)
     weights = [kernel.interleave_quantized(*quantized(rng, N, 256, 4, 32), 32, 4, int8=True)
                for N in (lanes, 4 * lanes, 2 * lanes)]
@@ -93,9 +93,9 @@ def test_strided_x_and_several_products_of_one_x(kernel):
 
 def test_a_lookup_in_the_int8_layout_is_mlx_dequantize(kernel):
     """A tied embedding's rows read from the layout its LM head multiplies."""
-    lanes = kernel.interleaved_rows()
+    lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(9)
-    for bits in kernel.int8_bits():
+    for bits in list(kernel.limits()["int8_bits"]):
         stored = quantized(rng, 3 * lanes, 256, bits, 64)
         laid = kernel.interleave_quantized(*stored, 64, bits, int8=True)
         ids = mx.array([[0, 3 * lanes - 1], [lanes + 1, -1]])
@@ -106,7 +106,7 @@ def test_a_lookup_in_the_int8_layout_is_mlx_dequantize(kernel):
 def test_nan_in_gives_nan_out(kernel):
     """As MLX's products: a NaN or an infinity in x makes its row's outputs
     NaN (or infinite), never finite numbers."""
-    lanes = kernel.interleaved_rows()
+    lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(3)
     laid = kernel.interleave_quantized(*quantized(rng, lanes, 128, 4, 32), 32, 4, int8=True)
     x = rng.standard_normal((3, 128)).astype(np.float32)
@@ -116,7 +116,7 @@ def test_nan_in_gives_nan_out(kernel):
 
 
 def test_refusals_name_the_problem(kernel):
-    lanes = kernel.interleaved_rows()
+    lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(1)
     with pytest.raises(ValueError, match=f"multiple of {lanes} rows"):
         kernel.interleave_quantized(*quantized(rng, lanes + 1, 256, 4, 32), 32, 4, int8=True)

@@ -234,7 +234,7 @@ def test_dequantize_matches_numpy_and_mlx(kernel, bits, group, N, K):
 
 @pytest.fixture(scope="module")
 def lanes(kernel):
-    rows = kernel.interleaved_rows()
+    rows = kernel.limits()["interleave_lanes"]
     assert rows in (8, 16), "x86 builds have integer dot products, hence the interleaved layout"
     return rows
 
@@ -417,7 +417,7 @@ def test_a_tied_quantized_embedding_is_interleaved_and_matches_torchao(exported,
         tokens, ours = parity.greedy(pte, parity.prompt_for(5), parity.NEW_TOKENS, kv_dtype="fp32",
                                      int8_activations=int8)
         reference = models.reference_model(model_dir, qlinear=bits, qembedding=bits, group_size=32, tied=True)
-        int8_here = int8 and int(bits[0]) in program.cpu_kernels.extension.int8_bits()
+        int8_here = int8 and int(bits[0]) in program.cpu_kernels.extension.limits()["int8_bits"]
         if int8_here:
             parity.round_linear_inputs_to_int8(reference)
         with torch.no_grad():

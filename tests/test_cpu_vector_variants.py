@@ -51,7 +51,7 @@ for bits in (4, 8):
                 # fp32 rounding, and x's int16 rounding where x86 takes integer dot products
                 tol = 1e-5 * np.sqrt(K) * np.abs(x).max() * np.abs(w).max() + np.abs(x).max() * np.abs(w).sum(1).max() / 65534
                 worst[f"q{bits} g{group} {N}x{K} M{M}"] = float(np.abs(y - x @ w.T).max() / tol)
-lanes = ext.interleaved_rows()  # 16 with AVX-512, 8 with AVX2, 0 without integer dot products
+lanes = ext.limits()["interleave_lanes"]  # 16 with AVX-512, 8 with AVX2, 0 without integer dot products
 for bits in (4, 8) if lanes else ():
     for group in (32, 128):
         N, K = 3 * lanes, 256
@@ -94,7 +94,7 @@ worst["attention"] = float(np.abs(ours - reference).max() / 1e-5)
 # the int8-activation products, against numpy's integer math (test_cpu_int8_products.py)
 sys.path.insert(0, sys.argv[1])
 from test_cpu_int8_products import int8_reference
-for bits in ext.int8_bits():
+for bits in list(ext.limits()["int8_bits"]):
     for group in (32, 128):
         N, K = 3 * lanes, 256
         q, s, b = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
@@ -104,7 +104,7 @@ for bits in ext.int8_bits():
             y = np.array(ext.quantized_gemv(mx.array(x), *laid, group, bits, int8=True))
             ref = int8_reference(x, q, s, b, bits, group)
             worst[f"int8 q{bits} g{group} M{M}"] = float(np.abs(y - ref).max() / (1e-5 * np.abs(ref).max()))
-print(json.dumps({"command": command, "worst": worst, "int8_bits": ext.int8_bits()}))
+print(json.dumps({"command": command, "worst": worst, "int8_bits": list(ext.limits()["int8_bits"])}))
 """
 
 

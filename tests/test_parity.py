@@ -237,7 +237,7 @@ def test_4bit_linear_matches_torchao_reference(exported, gemv, int8, monkeypatch
 
 def _int8_bits(kernels) -> list[int]:
     """The weight widths the program's kernels multiply with int8 activations."""
-    return kernels.extension.int8_bits() if kernels.gemv.on else []
+    return list(kernels.extension.limits()["int8_bits"]) if kernels.gemv.on else []
 
 
 def test_gemma3_ring_layers_wrap_in_decode(exported):

@@ -280,10 +280,10 @@ class Program:
         int8 where they multiply int8 activations (``int8_activations`` and a
         width this build takes so)."""
         extension = self.cpu_kernels.extension if on_cpu() and self.cpu_kernels.gemv.on else None
-        lanes = extension.interleaved_rows() if extension is not None else 0
+        lanes = extension.limits()["interleave_lanes"] if extension is not None else 0
         if not lanes:
             return {}
-        int8_bits = set(extension.int8_bits()) if self.int8_activations else set()
+        int8_bits = set(extension.limits()["int8_bits"]) if self.int8_activations else set()
         found = interleavable_quantized(graph, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS)
         taken = {}
         for w, (s, b, group, bits) in found.items():

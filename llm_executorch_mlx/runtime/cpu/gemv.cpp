@@ -568,15 +568,19 @@ std::optional<mx::array> add_to_product(const mx::array& product, const mx::arra
   return mx::array(product.shape(), mx::float32, gemv->adding(), std::move(inputs));
 }
 
+bool takes(const std::vector<int>& allowed, int value) {
+  return std::find(allowed.begin(), allowed.end(), value) != allowed.end();
+}
+
 // The checks quantized_gemv and dequantize share: "" when w, scales, biases
 // are a layout the row loops read.
 std::string check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t K,
                             int group_size, int bits) {
   if (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
     return "scales and biases must be float32 and w uint32";
-  } else if (bits != 4 && bits != 8) {
+  } else if (!takes(limits().quantized_bits, bits)) {
     return "bits must be 4 or 8, not " + std::to_string(bits);
-  } else if (group_size != 32 && group_size != 64 && group_size != 128) {
+  } else if (!takes(limits().quantized_groups, group_size)) {
     return "group_size must be 32, 64 or 128, not " + std::to_string(group_size);
   } else if (w.ndim() != 2 || K == 0 || w.shape(1) * 32 / bits != K || K % group_size ||
              K % block_values(bits) || scales.shape() != mx::Shape{w.shape(0), int(K / group_size)} ||
@@ -810,15 +814,19 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
           mx::array(b.begin(), biases.shape(), mx::float32)};
 }
 
-std::vector<int> int8_bits() {
+Limits limits() {
+  Limits l;
+  l.dense_rows = kDenseRows;
+  l.quantized_rows = kQuantizedRows;
+  l.interleaved_rows = kInterleavedQuantizedRows;
+  l.interleave_lanes = kInterleavedRows;
+  l.quantized_bits = {4, 8};
+  l.quantized_groups = {32, 64, 128};
 #if LLM_PTE_INTEGER_DOT
-  return {4, 8};
-#else
-  return {};
+  l.int8_bits = {4, 8};
 #endif
+  return l;
 }
-
-int interleaved_rows() { return kInterleavedRows; }
 
 namespace {
 

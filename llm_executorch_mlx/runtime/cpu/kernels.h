@@ -95,11 +95,17 @@ mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx
 std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases,
                                             int group_size, int bits, bool weight, bool int8);
 
-// Rows an interleaved block holds; 0 where this build has no such layout.
-int interleaved_rows();
-
-// The weight widths this build multiplies with int8 activations.
-std::vector<int> int8_bits();
+// What this build's products take: the one statement of their limits, which
+// the runtime's plan reads (cpu/selection.py) rather than copies.
+struct Limits {
+  int dense_rows;        // most rows of x gemv and gemvs take
+  int quantized_rows;    // ... quantized_gemv(s) against MLX's layout
+  int interleaved_rows;  // ... against interleave_quantized's layout (int8 takes any number)
+  int interleave_lanes;  // weight rows an interleaved block holds; 0: no interleaved layout
+  std::vector<int> quantized_bits, quantized_groups;  // every layout; K a multiple of 256 / bits
+  std::vector<int> int8_bits;  // the widths multiplied with int8 activations here
+};
+Limits limits();
 
 // silu(gate) * up for fp32 gate and up of one shape (swiglu.cpp).
 mx::array silu_mul(const mx::array& gate, const mx::array& up, mx::StreamOrDevice s);

@@ -52,13 +52,26 @@ NB_MODULE(cpu_kernels, m) {
         "interleave_quantized's layout (int8: its int8 one), on the CPU: fp32 rows [*indices.shape, K].");
   m.def("interleave_quantized", &llm_pte::interleave_quantized, "w"_a, "scales"_a, "biases"_a, "group_size"_a,
         "bits"_a, nb::kw_only(), "weight"_a = true, "int8"_a = false,
-        "(w, scales, biases) with interleaved_rows() weight rows interleaved, the layout the short\n"
+        "(w, scales, biases) with limits()['interleave_lanes'] weight rows interleaved, the layout the short\n"
         "products read fastest (quantized_interleaved.h); same shapes and sizes. weight=False: w is\n"
         "interleaved already and comes back as it is. int8=True: the layout quantized_gemv reads\n"
         "with int8 (its rows interleaved four bytes at a time).");
-  m.def("int8_bits", &llm_pte::int8_bits, "The weight widths this build multiplies with int8 activations.");
-  m.def("interleaved_rows", &llm_pte::interleaved_rows,
-        "Rows an interleaved block holds; 0 where this build has no interleaved layout.");
+  m.def(
+      "limits",
+      [] {
+        const auto l = llm_pte::limits();
+        nb::dict d;
+        d["dense_rows"] = l.dense_rows;
+        d["quantized_rows"] = l.quantized_rows;
+        d["interleaved_rows"] = l.interleaved_rows;
+        d["interleave_lanes"] = l.interleave_lanes;
+        d["quantized_bits"] = nb::tuple(nb::cast(l.quantized_bits));
+        d["quantized_groups"] = nb::tuple(nb::cast(l.quantized_groups));
+        d["int8_bits"] = nb::tuple(nb::cast(l.int8_bits));
+        return d;
+      },
+      "What this build's products take (kernels.h's Limits) as a dict: most rows of x per layout,\n"
+      "the rows of an interleaved block (0: none here), and the quantized widths and group sizes.");
   m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up for float32 gate and up of one shape, on the CPU, vectorised.");
   m.def("rms_norm", &llm_pte::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),
