@@ -31,50 +31,21 @@ def _load(path: str):
 
 def _runtime_facts() -> dict:
     """Where this machine runs a program: MLX's device and, on a CPU, the
-    BLAS bound, and how attention and a decode step's products run
-    (``runtime.cpu.kernels()``, which builds nothing)."""
+    BLAS bound and the plan a program loaded now would follow
+    (``runtime/plan.py``, with the options' defaults; builds nothing)."""
     import mlx.core as mx
 
     from .mlx_backend import describe
     from .runtime import cpu
     from .runtime.dtypes import on_cpu
+    from .runtime.plan import Plan
 
     facts = {"mlx": describe(), "device": mx.default_device().type.name}
     if on_cpu():
         k = cpu.kernels()
         facts["blas"] = {"library": k.blas.library, "reason": k.blas.reason}
-        if k.attention.on:
-            facts["attention"] = f"compiled kernel ({k.attention.why})"
-        elif k.attention.needs_build:
-            facts["attention"] = f"compiled kernel, {k.attention.why}"
-        else:
-            facts["attention"] = f"MLX ops ({k.attention.why})"
-        if k.gemv.on or k.gemv.needs_build:
-            facts["decode_products"] = "the compiled kernel's gemv, the host thread helping"
-            facts["fp32_chunk_products"] = (
-                f"the compiled kernel's gemv up to {k.fp32_gemv_rows} rows, BLAS's sgemm above"
-                if k.fp32_gemv_rows else "the compiled kernel's gemv or BLAS's sgemm, as measured on the first prompt")
-            facts["quantized_products"] = _quantized_products(k.extension)
-        else:
-            facts["decode_products"] = f"BLAS ({k.gemv.why})"
-            facts["quantized_products"] = f"MLX's quantized_matmul (up to 4 rows), MLX's dequantize + BLAS (more) ({k.gemv.why})"
+        facts.update(Plan(True, k).summary())
     return facts
-
-
-def _quantized_products(extension) -> str:
-    """How 4/8-bit weights multiply here, as the extension built for this CPU says."""
-    from .runtime.interp.ops.quant import INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_ROWS
-
-    int8 = list(extension.limits()["int8_bits"]) if extension is not None else None
-    exact = (f"activations within 2^-16 for up to {INTERLEAVED_GEMV_ROWS} rows (up to {QUANTIZED_GEMV_ROWS} for "
-             "weights it cannot interleave), dequantized for BLAS above")
-    if int8 is None:
-        return f"the compiled kernel, as its build for this CPU allows (built on the first prompt): {exact}"
-    if not int8:
-        return f"the compiled kernel, {exact} (no integer dot products here)"
-    widths = "/".join(map(str, int8))
-    return (f"{widths}-bit weights: int8 activations and integer dot products at every row count "
-            f"(-o int8_activations false: {exact})")
 
 
 def _summary(program) -> dict:

@@ -74,7 +74,7 @@ def build_kernels() -> str:
     since the workers only load a build already there; returns which kernels
     the workers run."""
     code = ("from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(build=True); "
-            "print(f'gemv: {k.gemv.why}; attention: {k.attention.why}')")
+            "print(f'products: {k.products.why}; attention: {k.attention.why}')")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           check=True).stdout.strip()

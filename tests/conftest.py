@@ -35,7 +35,7 @@ def compiler(request) -> bool:
     assert not {"CC", "CXX"} & set(os.environ)
     assert native.find_compiler(native.C_COMPILERS) is None and native.find_compiler(native.CXX_COMPILERS) is None
     found = cpu.kernels(build=True)
-    assert (found.attention, found.gemv) == (cpu.Use(False, "no C++ compiler"),) * 2 and found.extension is None
+    assert (found.attention, found.products) == (cpu.Use(False, "no C++ compiler"),) * 2 and found.extension is None
     assert "no C compiler" in found.blas.reason or found.blas.library is None
     yield False
     assert extension.find().module is None

@@ -18,6 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.dtypes import on_cpu
+from llm_executorch_mlx.runtime.plan import Plan
 from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.pte.graph import decode_graph, encode_graph
 from llm_executorch_mlx.runtime.interp.interpreter import GraphExecutor
@@ -197,12 +199,12 @@ class OpGraph:
         constants = [a if isinstance(a, mx.array) else mx.array(np.asarray(a)) for _, a in self._constants]
         return g, constants
 
-    def executor(self, cache=None, init_chain: int = -1, kernels=None) -> GraphExecutor:
-        """``kernels``: the CPU kernels to build with; by default this
-        machine's, as a generation would use them (built if need be)."""
+    def executor(self, cache=None, init_chain: int = -1, plan=None) -> GraphExecutor:
+        """``plan``: the routes to build with; by default this machine's, as
+        a generation would use them (the CPU kernels built if need be)."""
         graph, constants = self.build(init_chain)
-        kernels = cpu.kernels(build=True) if kernels is None else kernels
-        return GraphExecutor(decode_graph(encode_graph(graph)), constants, cache=cache, kernels=kernels)
+        plan = Plan(on_cpu(), cpu.kernels(build=True)) if plan is None else plan
+        return GraphExecutor(decode_graph(encode_graph(graph)), constants, cache=cache, plan=plan)
 
     def run(self, inputs=None, cache=None) -> list:
         """Build, round-trip through the wire format, and execute once."""

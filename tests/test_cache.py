@@ -23,7 +23,7 @@ TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bflo
 class Attention:
     """One UpdateAndAttendNode per layer, run through our interpreter."""
 
-    def __init__(self, cache: SequenceCache, kernels=None):
+    def __init__(self, cache: SequenceCache, plan=None):
         self.cache = cache
         self.executors = []
         for layer in range(len(cache.layers)):
@@ -36,7 +36,7 @@ class Attention:
             g.node(md.UpdateAndAttendNodeT, q=q, k=k, v=v, position=pos, out=out,
                    layerId=layer, scale=SCALE, outDtype=None)
             g.output(out)
-            self.executors.append(g.executor(cache=cache, kernels=kernels))
+            self.executors.append(g.executor(cache=cache, plan=plan))
 
     def step(self, layer, q, k, v, position):
         positions = np.arange(position, position + q.shape[2], dtype=np.int64)
@@ -65,10 +65,10 @@ def random_step(rng, T):
 
 
 def run_side_by_side(windows, steps, dtype="fp32", capacity=128, initial=None, max_write=8, atol=1e-5,
-                     kernels=None):
+                     plan=None):
     cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], capacity, dtype,
                           initial_capacity=initial, max_write=max_write)
-    ours, ref = Attention(cache, kernels), Reference(windows, capacity, dtype)
+    ours, ref = Attention(cache, plan), Reference(windows, capacity, dtype)
     rng = np.random.default_rng(0)
     position = 0
     for T in steps:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llm_executorch_mlx.runtime import cpu
-from llm_executorch_mlx.runtime.interp.ops.attention import cpu_attention
+from llm_executorch_mlx.runtime.plan import Plan
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_a_query_the_kernel_would_refuse_meets_mlx_s_own_checks(kernels, kernel,
     monkeypatch.setattr(kernel, "attention", lambda *args, **kwargs: pytest.fail("the kernel was called"))
     k, v = pools(np.random.default_rng(3), 1, 2, 40, 16, 64)
     with pytest.raises(ValueError, match=message):
-        mx.eval(cpu_attention(kernels=kernels)(mx.zeros(q_shape), k, v, scale=0.25, mask=None))
+        mx.eval(Plan(True, kernels).cache_attention()(mx.zeros(q_shape), k, v, scale=0.25, mask=None))
 
 
 def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernels, kernel, monkeypatch):
@@ -203,7 +203,7 @@ def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernels, kernel, monk
     real = kernel.attention
     monkeypatch.setattr(kernel, "attention", spy)
     rng = np.random.default_rng(2)
-    sdpa = cpu_attention(kernels=kernels)
+    sdpa = Plan(True, kernels).cache_attention()
     k, v = pools(rng, 1, 2, 40, 16, 64)
     for T, mask in ((1, None), (4, "causal"), (32, "causal")):
         q = mx.array(rng.standard_normal((1, 4, T, 16)).astype(np.float32))
@@ -231,33 +231,36 @@ def test_route_uses_the_kernel_for_fp32_and_a_known_window(kernels, kernel, monk
                                    atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32, 2, 2]
     # a ring layer's route knows its window (8: the band above), so the kernel takes it
-    windowed = cpu_attention(window=8, kernels=kernels)
+    windowed = Plan(True, kernels).cache_attention(window=8)
     np.testing.assert_allclose(np.array(windowed(q, k, v, scale=0.25, mask=band)), expected, atol=2e-6, rtol=1e-5)
     assert calls == [1, 4, 32, 2, 2, 2]
 
 
 KERNELS = (
     "from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(build=True); "
-    "print(k.attention.on, k.gemv.on, k.extension is not None, k.attention.why)"
+    "print(k.attention.on, k.products.on, k.extension is not None, k.attention.why)"
 )
 
 
-def test_each_part_opts_out_on_its_own():
+def test_each_flag_switches_one_thing_off():
     runs = {}
-    for flags in ({cpu.ATTENTION_FLAG: "0"}, {cpu.GEMV_FLAG: "0"}, {cpu.ATTENTION_FLAG: "0", cpu.GEMV_FLAG: "0"}):
+    for flags in ({cpu.ATTENTION_FLAG: "0"}, {cpu.PRODUCTS_FLAG: "0"}, {cpu.ATTENTION_FLAG: "0", cpu.PRODUCTS_FLAG: "0"},
+                  {cpu.KERNELS_FLAG: "0"}):
         env = {**os.environ, **flags}
         out = subprocess.run([sys.executable, "-c", KERNELS], env=env, capture_output=True, text=True, check=True)
         runs[tuple(flags)] = out.stdout.strip()
     assert runs[(cpu.ATTENTION_FLAG,)] == f"False True True {cpu.ATTENTION_FLAG}=0"
-    assert runs[(cpu.GEMV_FLAG,)].startswith("True False True ")
-    # neither part wanted: the extension is not even loaded
-    assert runs[(cpu.ATTENTION_FLAG, cpu.GEMV_FLAG)] == f"False False False {cpu.ATTENTION_FLAG}=0"
+    assert runs[(cpu.PRODUCTS_FLAG,)].startswith("True False True ")
+    # both parts off: the extension stays loaded for RMSNorm and SwiGLU
+    assert runs[(cpu.ATTENTION_FLAG, cpu.PRODUCTS_FLAG)] == f"False False True {cpu.ATTENTION_FLAG}=0"
+    # no extension at all, as on a machine without a compiler
+    assert runs[(cpu.KERNELS_FLAG,)] == f"False False False {cpu.KERNELS_FLAG}=0"
 
 
 def test_it_is_built_only_when_asked(tmp_path):
     code = (
         "from llm_executorch_mlx.runtime import cpu; k = cpu.kernels(); "
-        "print(k.attention.on, k.attention.needs_build, k.gemv.needs_build)"
+        "print(k.attention.on, k.attention.needs_build, k.products.needs_build)"
     )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -312,7 +315,7 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
         kinds = ["attention" if w else "update_and_attend" for w in windows]
         return [(kind, T) for T in steps for kind in kinds] if available else []
 
-    run = functools.partial(run_side_by_side, kernels=kernels)
+    run = functools.partial(run_side_by_side, plan=Plan(True, kernels))
     run([0], [5, 1, 1, 3, 8])
     assert calls == expected([0], [5, 1, 1, 3, 8])
     # a flat layer and a ring of window 6 past its window (band masks, wraps),

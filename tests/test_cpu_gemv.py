@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from llm_executorch_mlx.runtime import cpu, steps
+from llm_executorch_mlx.runtime.plan import Plan
 from llm_executorch_mlx.runtime.interp.ops import nn
 
 
 @pytest.fixture(scope="module")
 def kernels():
     found = cpu.kernels(build=True)
-    assert found.gemv.on, found.gemv.why
+    assert found.products.on, found.products.why
     return found
 
 
@@ -106,7 +107,7 @@ class _AddmmNode:
 
 class _Context:
     def __init__(self, kernels):
-        self.kernels = kernels
+        self.plan = Plan(True, kernels)
 
     def t(self, slot):
         return slot if slot is None else slot.idx
@@ -173,9 +174,9 @@ def test_a_step_submitted_with_the_host_helping_computes_the_same(kernel, helped
 
 
 def test_steps_submit_and_wait_are_async_eval_and_a_wait(kernels, kernel):
-    helped = steps.steps_for(kernels)
+    helped = Plan(True, kernels).steps
     assert helped != steps.PLAIN
-    assert steps.steps_for(dataclasses.replace(kernels, gemv=cpu.Use(False, "off"))) == steps.PLAIN
+    assert Plan(True, dataclasses.replace(kernels, products=cpu.Use(False, "off"))).steps == steps.PLAIN
     rng = np.random.default_rng(8)
     x, ups, downs = layer_chain(rng, 3)
     first = run_chain(kernel.gemv, mx.array(x), [mx.array(w) for w in ups], [mx.array(w) for w in downs])
@@ -211,11 +212,11 @@ def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas
                                                                                  few, fp32_rows):
     from llm_executorch_mlx.runtime import load_program
     from llm_executorch_mlx.runtime.cpu import crossover
-    from llm_executorch_mlx.runtime.interp.ops import nn
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
-    assert nn.DENSE_GEMV_ROWS == 128  # cpu/gemv.cpp's kDenseRows
-    monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few)
+    assert kernel.limits()["dense_rows"] == 128
+    real_rows = Plan.dense_rows
+    monkeypatch.setattr(Plan, "dense_rows", lambda plan, dtype: min(real_rows(plan, dtype), few))
     monkeypatch.setattr(crossover, "fp32_rows", lambda *args, **kw: fp32_rows)
     few = min(few, fp32_rows)
     rows = []
@@ -225,7 +226,7 @@ def test_a_model_runs_its_steps_and_short_chunks_with_it_and_long_ones_with_blas
     monkeypatch.setattr(kernel, "gemvs", lambda x, ws, **kw: rows.extend([x.shape[:-1]] * len(ws)) or together(x, ws, **kw))
     _, pte = exported("llama")
     program = load_program(pte)
-    assert program.prepare_cpu_kernels().gemv.on
+    assert program.prepare_cpu_kernels().products.on
     cache = program.new_cache(64)
     forward = program.load_method("forward", cache=cache)
     greedy = lambda logits, history: mx.argmax(logits, axis=-1)
@@ -377,15 +378,14 @@ def test_the_norm_node_runs_as_one_op_where_the_extension_is(kernels, tmp_path):
     """On the CPU with the extension, an RMSNorm node's route is its one op
     (not MLX's three or ten nodes), equal to the MLX-op route within
     rounding; other dtypes keep MLX's op."""
-    from llm_executorch_mlx.runtime.interp.ops import nn
-
     x, w = mx.array(np.random.default_rng(3).standard_normal((1, 1, 64)).astype(np.float32)), mx.ones((64,))
-    with_extension = nn._extension_rms_norm(kernels.extension, 1e-5)(x, w, 1e-5)
+    rms_norm = Plan(True, kernels).rms_norm(1e-5)
+    with_extension = rms_norm(x, w, 1e-5)
     dot = tmp_path / "norm.dot"
     mx.export_to_dot(str(dot), with_extension)
     assert '"RmsNorm"' in dot.read_text() and "Square" not in dot.read_text()
-    np.testing.assert_allclose(np.array(with_extension), np.array(nn._cpu_rms_norm(1e-5)(x, w, 1e-5)), rtol=1e-5)
-    bf16 = nn._extension_rms_norm(kernels.extension, 1e-5)(x.astype(mx.bfloat16), w, 1e-5)
+    np.testing.assert_allclose(np.array(with_extension), np.array(mx.fast.rms_norm(x, w, 1e-5)), rtol=1e-5)
+    bf16 = rms_norm(x.astype(mx.bfloat16), w, 1e-5)
     assert bf16.dtype == mx.float32  # MLX's own op and promotion for other dtypes
 
 
@@ -397,7 +397,7 @@ def test_the_fp32_crossover_is_measured_once_and_kept(kernels, monkeypatch, tmp_
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(crossover, "_measured", {})
-    args = ("ext.so", kernels.extension, "libblas.so")
+    args = ("ext.so", kernels.extension, "libblas.so", 128)
     assert crossover.fp32_rows(*args, measure=False) is None  # not measured yet: nothing written
     assert not list(tmp_path.rglob("dense-rows-*"))
     rows = crossover.fp32_rows(*args, measure=True)
@@ -410,7 +410,7 @@ def test_the_fp32_crossover_is_measured_once_and_kept(kernels, monkeypatch, tmp_
     kept.write_text(json.dumps(dict(record, rows=64)))  # as another process finds it
     monkeypatch.setattr(crossover, "_measured", {})
     assert crossover.fp32_rows(*args, measure=True) == 64
-    assert crossover.fp32_rows("ext.so", kernels.extension, None, measure=True) == crossover.MOST_ROWS
+    assert crossover.fp32_rows("ext.so", kernels.extension, None, 128, measure=True) == 128
 
 
 def products(kernel, rng, x, K, N):

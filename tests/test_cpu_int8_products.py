@@ -19,7 +19,7 @@ from llm_executorch_mlx.runtime import cpu
 @pytest.fixture(scope="module")
 def kernel():
     found = cpu.kernels(build=True)
-    assert found.gemv.on, found.gemv.why
+    assert found.products.on, found.products.why
     assert found.extension.limits()["int8_bits"], "x86 builds have integer dot products"
     return found.extension
 

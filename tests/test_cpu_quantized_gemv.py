@@ -19,12 +19,13 @@ import pytest
 from llm_executorch_mlx.runtime import PteError, cpu
 from llm_executorch_mlx.runtime.interp.layout import interleavable_quantized
 from llm_executorch_mlx.runtime.interp.ops import quant
+from llm_executorch_mlx.runtime.plan import Layout, Plan
 
 
 @pytest.fixture(scope="module")
 def kernel():
     found = cpu.kernels(build=True)
-    assert found.gemv.on, found.gemv.why
+    assert found.products.on, found.products.why
     return found.extension
 
 
@@ -144,9 +145,9 @@ class _Node:
 class _Context:
     current_node = "QuantizedMatmulNode"
 
-    def __init__(self, kernels, interleaved=None):
-        self.kernels = kernels
-        self.interleaved = interleaved or {}
+    def __init__(self, kernels, layouts=None):
+        self.plan = Plan(True, kernels)
+        self.layouts = layouts or {}
 
     def t(self, slot):
         return slot.idx
@@ -166,7 +167,7 @@ def test_every_cpu_route_of_the_node_equals_mlx(kernel, with_extension, rows, la
     last-row variant, which during a prefill chunk computes only the last row."""
     kernels = cpu.kernels(build=True)
     if not with_extension:
-        kernels = type(kernels)(kernels.attention, cpu.Use(False, "off for the test"), kernels.blas)
+        kernels = cpu.CpuKernels(kernels.attention, cpu.Use(False, "off for the test"), kernels.blas)
     node = _Node(32, 4)
     run = (quant.build_quantized_matmul_last_row if last_row else quant.build_quantized_matmul)(node, _Context(kernels))
     rng = np.random.default_rng(rows)
@@ -306,7 +307,7 @@ def test_the_node_reads_interleaved_weights_on_every_route(kernel, lanes, rows, 
     the interleaved weight dequantized for BLAS above, the last-row LM head."""
     node = _Node(32, 4)
     build = quant.build_quantized_matmul_last_row if last_row else quant.build_quantized_matmul
-    run = build(node, _Context(cpu.kernels(build=True), interleaved={node.w.idx: False}))
+    run = build(node, _Context(cpu.kernels(build=True), layouts={node.w.idx: Layout.INTERLEAVED}))
     rng = np.random.default_rng(rows)
     stored = quantized(rng, 96, 256, 4, 32)
     x = mx.array(rng.standard_normal((batch, rows, 256)).astype(np.float32))
@@ -322,7 +323,7 @@ def test_an_x_of_another_width_than_an_interleaved_weight_is_our_error(kernel, l
     """Only the extension reads an interleaved weight, so an x that does not
     fit it (a corrupt program's) is refused here, naming the node."""
     node = _Node(32, 4)
-    run = quant.build_quantized_matmul(node, _Context(cpu.kernels(build=True), interleaved={node.w.idx: False}))
+    run = quant.build_quantized_matmul(node, _Context(cpu.kernels(build=True), layouts={node.w.idx: Layout.INTERLEAVED}))
     rng = np.random.default_rng(7)
     x = mx.array(rng.standard_normal((1, 3, 128)).astype(np.float32))
     frame = [x, *kernel.interleave_quantized(*quantized(rng, 96, 256, 4, 32), 32, 4), None]
@@ -340,7 +341,7 @@ def test_every_quantized_linear_of_an_export_is_interleaved(exported):
 
     _, pte = exported("llama", trained=True, dtype="fp32", qlinear="4w")
     graph = load_program(pte)._graph("forward")
-    found = interleavable_quantized(graph, quant.QUANTIZED_GEMV_BITS, quant.QUANTIZED_GEMV_GROUPS)
+    found = interleavable_quantized(graph, Plan(True, cpu.kernels(build=True)).takes_quantized)
     matmul_weights = {i.op.w.idx for c in graph.instructionChains for i in c.instructions
                       if node_name(i) == "QuantizedMatmulNode"}
     assert set(found) == matmul_weights and len(found) > 0
@@ -405,7 +406,7 @@ def test_a_tied_quantized_embedding_is_interleaved_and_matches_torchao(exported,
     model_dir, pte = exported("llama", trained=True, qlinear=bits, qembedding=bits, tied=True)
     program = load_program(pte)
     graph = program._graph("forward")
-    found = interleavable_quantized(graph, quant.QUANTIZED_GEMV_BITS, quant.QUANTIZED_GEMV_GROUPS)
+    found = interleavable_quantized(graph, Plan(True, cpu.kernels(build=True)).takes_quantized)
     main = graph.instructionChains[graph.mainChainIdx].instructions
     head = main[-1].op.w.idx
     assert node_name(main[-1]) == "QuantizedMatmulNode" and head in found
@@ -417,7 +418,7 @@ def test_a_tied_quantized_embedding_is_interleaved_and_matches_torchao(exported,
         tokens, ours = parity.greedy(pte, parity.prompt_for(5), parity.NEW_TOKENS, kv_dtype="fp32",
                                      int8_activations=int8)
         reference = models.reference_model(model_dir, qlinear=bits, qembedding=bits, group_size=32, tied=True)
-        int8_here = int8 and int(bits[0]) in program.cpu_kernels.extension.limits()["int8_bits"]
+        int8_here = int8 and int(bits[0]) in program.plan.limits.int8_bits
         if int8_here:
             parity.round_linear_inputs_to_int8(reference)
         with torch.no_grad():

@@ -26,7 +26,7 @@ import mlx.core as mx, numpy as np
 from llm_executorch_mlx.runtime.cpu import extension, selection
 
 found = selection.kernels(build=True)
-assert found.gemv.on and found.attention.on, (found.gemv.why, found.attention.why)
+assert found.products.on and found.attention.on, (found.products.why, found.attention.why)
 ext = found.extension
 command = extension._plan()[0]
 rng = np.random.default_rng(0)

@@ -37,10 +37,9 @@ from test_parity import (BF16_REL_TOL, NEW_TOKENS, PROMPT_LEN, Q4_REL_TOL, asser
                          prompt_for, reference_logits)
 
 from llm_executorch_mlx.runtime import dtypes, load_program
-from llm_executorch_mlx.runtime.cpu import fastmath
+from llm_executorch_mlx.runtime import plan as plan_module
+from llm_executorch_mlx.runtime.cpu import extension_ops, fastmath
 from llm_executorch_mlx.runtime.interp import fusion
-from llm_executorch_mlx.runtime.interp.ops import attention as attention_ops
-from llm_executorch_mlx.runtime.interp.ops import nn as nn_ops
 from llm_executorch_mlx.text import store
 
 
@@ -72,11 +71,11 @@ def _seeing_a_gpu(monkeypatch):
     for name, module in list(sys.modules.items()):
         if name.startswith("llm_executorch_mlx") and getattr(module, "on_cpu", None) is real:
             monkeypatch.setattr(module, "on_cpu", off_cpu)  # dtypes and every module that imported it
-    monkeypatch.setattr(attention_ops, "cpu_attention", cpu_branch("cpu_attention"))
-    monkeypatch.setattr(nn_ops, "_cpu_rms_norm", cpu_branch("_cpu_rms_norm"))
-    monkeypatch.setattr(nn_ops, "_extension_rms_norm", cpu_branch("_extension_rms_norm"))
+    for name in ("attention", "rms_norm", "swiglu"):
+        monkeypatch.setattr(fastmath, name, cpu_branch(f"fastmath.{name}"))
+    for name in ("attention", "rms_norm", "swiglu", "update_and_attend"):
+        monkeypatch.setattr(extension_ops, name, cpu_branch(f"extension_ops.{name}"))
     monkeypatch.setattr(fusion, "_RopeTables", cpu_branch("_RopeTables"))
-    monkeypatch.setattr(fastmath, "swiglu", cpu_branch("fastmath.swiglu"))
     counts = {}
 
     def counted(owner, attr, key):
@@ -91,7 +90,7 @@ def _seeing_a_gpu(monkeypatch):
     counted(mx.fast, "scaled_dot_product_attention", "sdpa")
     counted(mx.fast, "rms_norm", "rms_norm")
     counted(mx.fast, "rope", "rope")
-    counted(fusion, "_swiglu", "swiglu")
+    counted(plan_module, "_compiled_swiglu", "swiglu")
     counted(mx, "quantized_matmul", "quantized_matmul")
     yield counts
 
@@ -106,7 +105,7 @@ def test_fp32_logits_match_transformers(exported, calls, arch):
     model_dir, pte = exported(arch)
     program = load_program(pte)
     assert program.compute_dtype == "fp32"
-    assert not program.prepare_cpu_kernels().attention.on and not program.cpu_kernels.gemv.on
+    assert not program.prepare_cpu_kernels().attention.on and not program.cpu_kernels.products.on
     tokens, ours = greedy(pte, prompt_for(), NEW_TOKENS, kv_dtype="fp32")
     ref = reference_logits(model_dir, tokens[:-1])
     scale = abs(ref).max()

@@ -79,11 +79,11 @@ def test_relaid_weights_compute_the_same_products():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_gemv(exported, arch, monkeypatch):
+def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_products(exported, arch, monkeypatch):
     _, pte = exported(arch)
-    monkeypatch.setenv(cpu.GEMV_FLAG, "0")
+    monkeypatch.setenv(cpu.PRODUCTS_FLAG, "0")
     program = load_program(pte)
-    assert not program.prepare_cpu_kernels().gemv.on
+    assert not program.prepare_cpu_kernels().products.on
     constants = program._load_constants("forward", program._graph("forward"))
     graph = program._graph("forward")
     linear = matmul_weights(graph)
@@ -96,11 +96,11 @@ def test_exported_linear_weights_take_the_blas_layout_without_the_compiled_gemv(
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_linear_weights_stay_row_major_for_the_compiled_gemv(exported, arch):
+def test_linear_weights_stay_row_major_for_the_compiled_products(exported, arch):
     """Its dot-product loops read each output's weights as one contiguous row."""
     _, pte = exported(arch)
     program = load_program(pte)
-    assert program.prepare_cpu_kernels().gemv.on, program.cpu_kernels.gemv.why
+    assert program.prepare_cpu_kernels().products.on, program.cpu_kernels.products.why
     graph = program._graph("forward")
     constants = program._load_constants("forward", graph)
     linear = matmul_weights(graph)

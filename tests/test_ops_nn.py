@@ -14,7 +14,7 @@ from test_ops_shape import Values, close, executor_with_values, rand, run_graph,
 
 from llm_executorch_mlx.runtime.pte._schema import mlx_delegate as md
 from llm_executorch_mlx.runtime.errors import PteError
-from llm_executorch_mlx.runtime.interp.ops.nn import _cpu_rms_norm
+from llm_executorch_mlx.runtime.cpu.fastmath import rms_norm as compiled_rms_norm
 
 T = torch.from_numpy
 
@@ -76,7 +76,7 @@ def test_rms_norm_of_bfloat16_rows_with_a_float32_weight_follows_mlx_promotion()
     # The few-row compiled norm is for fp32; MLX normalises bf16 rows, then
     # promotes to the weight's fp32 (compute_dtype native keeps such pairs).
     x, w = mx.array(rand(1, 1, 16)).astype(mx.bfloat16), mx.array(rand(16))
-    got = _cpu_rms_norm(1e-5)(x, w, 1e-5)
+    got = compiled_rms_norm(1e-5)(x, w, 1e-5)
     want = mx.fast.rms_norm(x, w, 1e-5)
     assert got.dtype == want.dtype == mx.float32
     np.testing.assert_array_equal(np.array(got), np.array(want))

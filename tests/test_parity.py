@@ -107,9 +107,9 @@ def test_fp32_logits_match_transformers(exported, arch):
 
 
 def assert_products_grouped(program):
-    """With the extension's GEMV, each layer's q, k, v and its gate, up ran
+    """With the extension's products, each layer's q, k, v and its gate, up ran
     as one op each (grouping.py); without it (the flag, or no compiler) none did."""
-    grouped = program.prepare_cpu_kernels().gemv.on
+    grouped = program.prepare_cpu_kernels().products.on
     forward = program.load_method("forward", cache=program.new_cache(capacity=16))
     layers = program.metadata.n_caches
     assert forward.op_names.count("MatmulGroup") == 2 * layers * grouped
@@ -162,25 +162,28 @@ def test_bf16_native_matches_transformers_bf16(exported, arch):
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL)
 
 
-@pytest.mark.parametrize("gemv, few_rows", [("1", 32), ("1", 4), ("0", 32)],
+@pytest.mark.parametrize("products, few_rows", [("1", 32), ("1", 4), ("0", 32)],
                          ids=["bf16-linears-as-stored", "as-stored-chunks-widened-for-blas", "all-widened"])
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "gemma3"])
-def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv, few_rows, monkeypatch, compiler):
+def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, products, few_rows, monkeypatch,
+                                                           compiler):
     """The CPU route: a bf16 program computes in fp32 exactly what
     transformers computes in fp32 on the same bf16-rounded weights, whether
-    its linear weights stay bf16 for the extension's GEMV (which widens them
-    as it reads them; a chunk of more than ``DENSE_GEMV_ROWS`` rows has them
-    widened per product for BLAS, which the second case makes every prefill
-    chunk) or, without it, everything is widened at load."""
-    from llm_executorch_mlx.runtime.interp.ops import nn
+    its linear weights stay bf16 for the extension's products (which widen
+    them as they read them; a chunk of more rows than the plan's
+    ``dense_rows`` has them widened per product for BLAS, which the second
+    case makes every prefill chunk) or, without them, everything is widened
+    at load."""
+    from llm_executorch_mlx.runtime.plan import Plan
 
-    monkeypatch.setenv("LLM_PTE_CPU_GEMV", gemv)
-    monkeypatch.setattr(nn, "DENSE_GEMV_ROWS", few_rows)
+    monkeypatch.setenv("LLM_PTE_CPU_PRODUCTS", products)
+    real_rows = Plan.dense_rows
+    monkeypatch.setattr(Plan, "dense_rows", lambda plan, dtype: min(real_rows(plan, dtype), few_rows))
     model_dir, pte = exported(arch, trained=True, dtype="bf16")
     program = load_program(pte, compute="fp32")
     assert program.compute_dtype == "fp32"
     kernels = program.prepare_cpu_kernels()
-    assert kernels.gemv.on == (gemv == "1" and compiler)
+    assert kernels.products.on == (products == "1" and compiler)
     program.load_method("forward", cache=program.new_cache(capacity=8))
     held = sum(a.nbytes for a in program._constants["forward"])  # what MLX holds
     graph = program._graph("forward")
@@ -193,7 +196,7 @@ def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv,
     for tid, meta in enumerate(graph.tensorMeta[: graph.numConstantTensors]):
         n = int(np.prod([d.value for d in meta.shape]))
         bf16 = meta.scalarType == 15
-        expected += n * (2 if bf16 and kernels.gemv.on and tid in linear else 4 if bf16 else mlx_dtype(meta.scalarType).size)
+        expected += n * (2 if bf16 and kernels.products.on and tid in linear else 4 if bf16 else mlx_dtype(meta.scalarType).size)
     assert held == expected == program.weight_bytes()
     tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="fp32")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
@@ -204,40 +207,36 @@ def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, gemv,
     assert_products_grouped(program)
 
 
-@pytest.mark.parametrize("gemv, int8", [("1", False), ("1", True), ("0", True)],
+@pytest.mark.parametrize("products, int8", [("1", False), ("1", True), ("0", True)],
                          ids=["quantized-gemv", "int8-activations", "mlx-quantized-matmul"])
-def test_4bit_linear_matches_torchao_reference(exported, gemv, int8, monkeypatch):
+def test_4bit_linear_matches_torchao_reference(exported, products, int8, monkeypatch):
     """Every CPU route of a quantized product: the extension's (weights read
     as stored, activations within 2^-16, dequantized for BLAS past 128 rows),
     its int8-activation route (the default where the CPU has integer dot
     products, held to its own contract) and MLX's own ops, which a machine
     without a C++ compiler runs whatever the option says."""
-    monkeypatch.setenv("LLM_PTE_CPU_GEMV", gemv)
+    monkeypatch.setenv("LLM_PTE_CPU_PRODUCTS", products)
     model_dir, pte = exported("llama", trained=True, dtype="fp32", qlinear="4w")
     tokens, ours = greedy(pte, prompt_for(2), NEW_TOKENS, kv_dtype="fp32", int8_activations=int8)
     program = load_program(pte)
-    int8_here = int8 and 4 in _int8_bits(program.prepare_cpu_kernels())
+    program.prepare_cpu_kernels()
+    int8_here = int8 and program.plan.limits is not None and 4 in program.plan.limits.int8_bits
     ref = reference_logits(model_dir, tokens[:-1], quantize="4w", int8_activations=int8_here)
     if int8_here:
         assert_int8_close(tokens, ours[:-1], ref)
     else:
         assert_close_where_decisive(tokens, ours[:-1], ref, Q4_REL_TOL)
-    # with the extension's GEMV, each layer's q, k, v and its gate, up ran as
+    # with the extension's products, each layer's q, k, v and its gate, up ran as
     # one op each (grouping.py); without it (the flag, or no compiler) none did
     program = load_program(pte)
-    grouped = program.prepare_cpu_kernels().gemv.on
-    assert grouped == (gemv == "1" and program.cpu_kernels.extension is not None)
+    grouped = program.prepare_cpu_kernels().products.on
+    assert grouped == (products == "1" and program.cpu_kernels.extension is not None)
     forward = program.load_method("forward", cache=program.new_cache(capacity=16))
     layers = program.metadata.n_caches
     assert forward.op_names.count("QuantizedMatmulGroup") == 2 * layers * grouped
     assert forward.op_names.count("QuantizedMatmulGrouped") == 3 * layers * grouped
     # and their weights (the LM head's too) are stored interleaved for the extension's products
     assert len(program._interleaved.get("forward", ())) == (7 * layers + 1) * grouped
-
-
-def _int8_bits(kernels) -> list[int]:
-    """The weight widths the program's kernels multiply with int8 activations."""
-    return list(kernels.extension.limits()["int8_bits"]) if kernels.gemv.on else []
 
 
 def test_gemma3_ring_layers_wrap_in_decode(exported):

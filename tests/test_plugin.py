@@ -83,7 +83,7 @@ def test_register_list_info_remove(tiny, compiler):
     assert info_json["runtime"]["blas"]["library"] == blas.load_fast_blas().library
     if compiler:
         assert "attention: compiled kernel" in info and info_json["runtime"]["attention"].startswith("compiled kernel")
-        assert "decode products: the compiled kernel's gemv" in info
+        assert "decode products: the compiled kernel's products" in info
         # int8 activations for the widths this CPU's integer dot products take (8 bits need VNNI)
         if platform.machine() in ("x86_64", "AMD64"):
             assert "quantized products: 4/8-bit weights: int8 activations and integer dot products" in info
@@ -91,9 +91,10 @@ def test_register_list_info_remove(tiny, compiler):
         else:
             assert "(no integer dot products here)" in info
         # how many rows of an fp32 chunk it takes before BLAS's sgemm, as measured here (crossover.py)
-        rows = cpu.kernels().fp32_gemv_rows
-        assert (f"fp32 chunk products: the compiled kernel's gemv up to {rows} rows, BLAS's sgemm above" if rows else
-                "fp32 chunk products: the compiled kernel's gemv or BLAS's sgemm, as measured on the first prompt") in info
+        rows = cpu.kernels().fp32_rows
+        assert (f"fp32 chunk products: the compiled kernel's products up to {rows} rows, BLAS's sgemm above" if rows
+                else "fp32 chunk products: the compiled kernel's products or BLAS's sgemm, as measured on the first "
+                "prompt") in info
     else:
         assert "attention: MLX ops (no C++ compiler)" in info
         assert "decode products: BLAS (no C++ compiler)" in info
@@ -109,8 +110,9 @@ def test_info_says_when_attention_runs_as_mlx_ops(tiny, monkeypatch, compiler):
     info = invoke("pte", "info", "tiny").output
     assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info
     # its own flag
-    assert ("decode products: the compiled kernel's gemv" if compiler else "decode products: BLAS (no C++ compiler)") in info
-    monkeypatch.setenv("LLM_PTE_CPU_GEMV", "0")
+    assert ("decode products: the compiled kernel's products" if compiler
+            else "decode products: BLAS (no C++ compiler)") in info
+    monkeypatch.setenv("LLM_PTE_CPU_PRODUCTS", "0")
     info = invoke("pte", "info", "tiny").output
     assert "attention: MLX ops (LLM_PTE_CPU_ATTENTION=0)" in info and "decode products: BLAS" in info
     assert "quantized products: MLX's quantized_matmul (up to 4 rows)" in info
@@ -551,7 +553,7 @@ def interrupt(monkeypatch, compiler):
     forward call, after others wrote theirs), or "submit"/"wait" (a step
     queued, or awaited, with the host thread helping run it)."""
     from llm_executorch_mlx.runtime import cache as cache_module
-    from llm_executorch_mlx.runtime import program as program_module
+    from llm_executorch_mlx.runtime import plan as plan_module
     from llm_executorch_mlx.runtime import steps as steps_module
 
     armed = {}
@@ -573,10 +575,10 @@ def interrupt(monkeypatch, compiler):
             return real(self, layer, *args)
 
         monkeypatch.setattr(cache_module.SequenceCache, door, entered)
-    real_steps_for = program_module.steps_for
+    real_steps = plan_module.Plan.steps
 
-    def steps_for(kernels):
-        plain = real_steps_for(kernels)
+    def steps(plan):
+        plain = real_steps.fget(plan)
         assert (plain is not steps_module.PLAIN) == compiler  # the helped steps where the extension is
 
         def submit(*arrays):
@@ -589,7 +591,7 @@ def interrupt(monkeypatch, compiler):
 
         return steps_module.Steps(submit, wait)
 
-    monkeypatch.setattr(program_module, "steps_for", steps_for)
+    monkeypatch.setattr(plan_module.Plan, "steps", property(steps))
 
     def arm(where, at):
         armed[where] = at

@@ -265,9 +265,9 @@ def test_loading_builds_no_cpu_kernels_and_prepare_does(llama, tmp_path):
     code = (
         "import sys; from llm_executorch_mlx.runtime import load_program; "
         f"p = load_program({str(pte)!r}); p.load_method('forward', cache=p.new_cache(capacity=8)); "
-        "print(p.cpu_kernels.attention.on, p.cpu_kernels.gemv.needs_build, flush=True); "
+        "print(p.cpu_kernels.attention.on, p.cpu_kernels.products.needs_build, flush=True); "
         "print('PREPARE', file=sys.stderr, flush=True); k = p.prepare_cpu_kernels(); "
-        "print(k.attention.on, k.gemv.on)"
+        "print(k.attention.on, k.products.on)"
     )
     # a compiler that fails: the attempt shows, without 30 s of compiling
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "false"}

@@ -26,12 +26,12 @@ from .interp.interpreter import GraphExecutor
 from .interp.layout import (
     for_blas, interleavable_quantized, matmul_weights, weights_read_only_by_matmuls_and_gathers,
 )
-from .interp.ops.quant import QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS
 from .pte._schema import mlx_delegate as md
 from .pte.container import Plan, PteFile, TensorValue
 from .pte.graph import MAX_RANK, decode_graph, node_name, tensor_fields
 from .pte.metadata import MAX_POSITIONS, ForwardSignature, ModelMetadata, read_metadata
-from .steps import PLAIN, Steps, steps_for
+from .plan import Layout, Plan
+from .steps import PLAIN, Steps
 
 MLX_BACKEND = "MLXBackend"
 LLM_METADATA = (
@@ -107,6 +107,7 @@ class Program:
         self._interleaved: dict[str, set[int]] = {}  # per method: weights interleaved in _constants
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
+        self.plan = Plan(on_cpu(), self.cpu_kernels, int8_activations)
         try:
             self.metadata, is_llm = self._read_metadata()
         except PteError as e:  # say which file
@@ -134,9 +135,10 @@ class Program:
         """
         prepared = kernels(build=True)
         if prepared != self.cpu_kernels:
-            self._constants.clear()  # the weight layout follows the GEMV decision
+            self._constants.clear()  # the weight layout follows the plan
             self._interleaved.clear()
         self.cpu_kernels = prepared
+        self.plan = Plan(on_cpu(), prepared, self.int8_activations)
         return prepared
 
     def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:
@@ -161,10 +163,10 @@ class Program:
             self._check_cache(cache)
         try:
             constants = self._load_constants(name, graph)
-            taken = self._interleaving(graph, constants)
+            taken = self._layouts(graph, constants)
             executor = GraphExecutor(
-                graph, constants, cache if uses_cache else None, self._dtype_map, self.cpu_kernels,
-                {w: int8 for w, (*_, int8) in taken.items()},
+                graph, constants, cache if uses_cache else None, self._dtype_map, self.plan,
+                {w: layout for w, (*_, layout) in taken.items()},
             )
             self._interleave(name, executor, taken)
         except (PteError, MemoryError):
@@ -172,8 +174,7 @@ class Program:
         except Exception as e:  # a corrupt program that passed the load-time checks
             raise PteError(f"{name}: its MLX program cannot be loaded ({type(e).__name__}: {e})") from None
         run = self._calls[name].wrap(executor.execute, len(plan.inputs))
-        return Method(name, run, len(plan.inputs), tuple(executor.node_names),
-                      steps_for(self.cpu_kernels))
+        return Method(name, run, len(plan.inputs), tuple(executor.node_names), self.plan.steps)
 
     def _plan(self, name: str) -> Plan:
         try:
@@ -240,9 +241,7 @@ class Program:
             if ns.slot.slotType == md.SlotType.TensorSlot:
                 names[ns.slot.idx] = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
         metas = graph.tensorMeta or []
-        # On the CPU, linear weights take the layout BLAS streams fastest,
-        # unless the extension's GEMV runs one-row products: it reads rows.
-        blas_weights = matmul_weights(graph) if on_cpu() and not self.cpu_kernels.gemv.on else set()
+        blas_weights = matmul_weights(graph) if self.plan.stores_for_blas else set()
         as_stored = self._bf16_kept(graph)
         constants = []
         for tid in range(graph.numConstantTensors):
@@ -274,25 +273,19 @@ class Program:
         self._constants[name] = constants
         return constants
 
-    def _interleaving(self, graph: md.MLXGraphT, constants: list[mx.array]) -> dict:
-        """``{w: (scales, biases, group, bits, int8)}``: the quantized weights
-        to store interleaved for the extension's products (``interp/layout.py``),
-        int8 where they multiply int8 activations (``int8_activations`` and a
-        width this build takes so)."""
-        extension = self.cpu_kernels.extension if on_cpu() and self.cpu_kernels.gemv.on else None
-        lanes = extension.limits()["interleave_lanes"] if extension is not None else 0
-        if not lanes:
-            return {}
-        int8_bits = set(extension.limits()["int8_bits"]) if self.int8_activations else set()
-        found = interleavable_quantized(graph, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS)
+    def _layouts(self, graph: md.MLXGraphT, constants: list[mx.array]) -> dict:
+        """``{w: (scales, biases, group, bits, layout)}``: the quantized
+        weights only the extension's products read (``interp/layout.py``)
+        that the plan holds in another layout than MLX's."""
         taken = {}
-        for w, (s, b, group, bits) in found.items():
+        for w, (s, b, group, bits) in interleavable_quantized(graph, self.plan.takes_quantized).items():
             weight, scales = constants[w], constants[s]
             if weight.dtype != mx.uint32 or weight.ndim != 2 or scales.dtype != mx.float32:
                 continue
             n, k = weight.shape[0], weight.shape[1] * 32 // bits
-            if n % lanes == 0 and k % max(group, 256 // bits) == 0 and scales.shape == (n, k // group):
-                taken[w] = (s, b, group, bits, bits in int8_bits)
+            layout = self.plan.quantized_layout(bits, group, n, k)
+            if layout is not Layout.MLX and scales.shape == (n, k // group):
+                taken[w] = (s, b, group, bits, layout)
         return taken
 
     def _interleave(self, name: str, executor: GraphExecutor, taken: dict) -> None:
@@ -300,13 +293,13 @@ class Program:
         chain computed the biases. The weight, which the init chain never
         reads, is converted once, in the program's shared constants; the
         scales and biases per method loaded."""
-        extension, shared = self.cpu_kernels.extension, self._constants[name]
+        extension, shared = self.plan.products, self._constants[name]
         done = self._interleaved.setdefault(name, set())
         held = executor.constants
-        for w, (s, b, group, bits, int8) in taken.items():
+        for w, (s, b, group, bits, layout) in taken.items():
             try:
                 wi, si, bi = extension.interleave_quantized(held[w], held[s], held[b], group, bits,
-                                                            weight=w not in done, int8=int8)
+                                                            weight=w not in done, int8=layout is Layout.INT8)
             except ValueError as e:
                 raise PteError(f"{name}: quantized weight {w} cannot be laid out for the CPU products ({e})") from None
             shared[w] = wi
@@ -441,12 +434,11 @@ class Program:
         return total
 
     def _bf16_kept(self, graph: md.MLXGraphT) -> set[int]:
-        """Constants a program widened to fp32 keeps in bf16 on the CPU: its
-        linear weights and a tied embedding's table, when the extension's
-        GEMV runs its few-row products (it widens them as it loads them; a
-        long chunk widens per product, interp/ops/nn.py; a gather widens the
-        rows it takes). Half the memory, half a decode step's reads."""
-        if not (on_cpu() and self.cpu_kernels.gemv.on and self._dtype_map.get(mx.bfloat16, mx.bfloat16) == mx.float32):
+        """Constants a program widened to fp32 keeps in bf16 where the plan
+        says so: its linear weights and a tied embedding's table (the
+        products widen them as they read them; a long chunk widens per
+        product, interp/ops/nn.py; a gather widens the rows it takes)."""
+        if not self.plan.keeps_bf16(self._dtype_map.get(mx.bfloat16, mx.bfloat16) == mx.float32):
             return set()
         return weights_read_only_by_matmuls_and_gathers(graph)
 

@@ -4,7 +4,10 @@
   (one-row products to sgemv) where it can be built;
 - ``extension.py`` builds and loads the C++ extension: fused attention
   (``attention.cpp``) and the GEMV shared with the host thread (``gemv.cpp``);
-- ``selection.py``'s ``kernels()`` decides which of them programs use;
+- ``selection.py``'s ``kernels()`` says which of them this machine offers
+  (a program's plan, ``runtime/plan.py``, picks from them);
+- ``extension_ops.py`` wraps the extension's ops as drop-ins for MLX's, each
+  handing what its kernel does not take to a fallback;
 - ``native.py`` compiles native code into the cache; ``fastmath.py`` holds
   MLX-op versions of exp, attention and SwiGLU that the CPU runs fast.
 
@@ -17,6 +20,9 @@ from .blas import load_fast_blas
 
 load_fast_blas()  # first: the imports below load mlx.core
 
-from .selection import ATTENTION_FLAG, GEMV_FLAG, CpuKernels, Use, kernels  # noqa: E402
+from .selection import (  # noqa: E402
+    ATTENTION_FLAG, KERNELS_FLAG, PRODUCTS_FLAG, CpuKernels, Limits, Use, kernels,
+)
 
-__all__ = ["ATTENTION_FLAG", "GEMV_FLAG", "CpuKernels", "Use", "kernels", "load_fast_blas"]
+__all__ = ["ATTENTION_FLAG", "KERNELS_FLAG", "PRODUCTS_FLAG", "CpuKernels", "Limits", "Use", "kernels",
+           "load_fast_blas"]

@@ -1,13 +1,11 @@
 """Where BLAS's sgemm overtakes the extension's dense products, measured once
 per machine.
 
-A prefill chunk's products against fp32 weights (up to 128 rows of x) can run
-as the extension's row loops (``gemv.cpp``, shared with the host thread) or as
-BLAS's sgemm. Which is faster depends on the CPU and the BLAS: on an AVX2 VM
-ours matched OpenBLAS at 128 rows, while on an AVX-512 VM OpenBLAS's
-register-tiled kernel was ~1.3x faster from 64 rows (``benchmarks/bench_rows.py``).
-So the first explicit use (``kernels(build=True)``, after the build) times
-both on a few SmolLM2-sized weights at 128 and 64 rows, the way a chunk
+A prefill chunk's products against fp32 weights (up to the extension's
+``dense_rows``) can run as the extension's row loops (``gemv.cpp``, shared with the host thread) or as
+BLAS's sgemm. Which is faster depends on the CPU and the BLAS (``benchmarks/bench_rows.py``
+shows it), so the first explicit use (``kernels(build=True)``, after the build) times
+both on a few SmolLM2-sized weights at all and half those rows, the way a chunk
 runs them, and keeps the answer in the cache directory, keyed by the
 extension's file and the BLAS library: the most rows the extension takes
 against an fp32 weight. Remove the file to measure again.
@@ -22,17 +20,17 @@ import time
 
 from . import native
 
-MOST_ROWS = 128  # the extension's kDenseRows (gemv.cpp)
 FEWEST_ROWS = 32  # at most this many rows stay the extension's: one read of the weights beats sgemm's packing
 _measured: dict[str, int] = {}
 
 
-def fp32_rows(extension_file: str, module, blas_library: str | None, measure: bool) -> int | None:
-    """Most rows of x the dense GEMV should take against an fp32 weight here:
-    ``MOST_ROWS`` without an optimized BLAS (the reference one is far
-    slower); None until measured (only where ``measure``)."""
+def fp32_rows(extension_file: str, module, blas_library: str | None, most: int, measure: bool) -> int | None:
+    """Most rows of x the dense products should take against an fp32 weight
+    here, of the ``most`` they take: all of them without an optimized BLAS
+    (the reference one is far slower); None until measured (only where
+    ``measure``)."""
     if blas_library is None:
-        return MOST_ROWS
+        return most
     key = hashlib.sha256(f"{extension_file}\0{blas_library}".encode()).hexdigest()[:16]
     if key in _measured:
         return _measured[key]
@@ -42,18 +40,18 @@ def fp32_rows(extension_file: str, module, blas_library: str | None, measure: bo
     except (OSError, ValueError, KeyError, TypeError):
         if not measure:
             return None
-        rows, times = _measure(module)
+        rows, times = _measure(module, most)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # another process may be measuring too
         tmp.write_text(json.dumps({"rows": rows, "ms": times, "extension": extension_file, "blas": blas_library}))
         tmp.replace(path)
-    _measured[key] = rows = min(max(rows, FEWEST_ROWS), MOST_ROWS)
+    _measured[key] = rows = min(max(rows, FEWEST_ROWS), most)
     return rows
 
 
-def _measure(module) -> tuple[int, dict]:
-    """(rows, the times): 128 where ours is at least as fast as BLAS at 128
-    rows, else 64 where it is at 64, else ``FEWEST_ROWS``. Each time is the
+def _measure(module, most: int) -> tuple[int, dict]:
+    """(rows, the times): ``most`` where ours is at least as fast as BLAS at
+    that many rows, else half where it is there, else ``FEWEST_ROWS``. Each time is the
     best of three passes over eight [1536, 576] weights (28 MB), submitted
     with the host helping as a chunk is."""
     import mlx.core as mx
@@ -73,7 +71,7 @@ def _measure(module) -> tuple[int, dict]:
         return 1000 * min(times[1:])
 
     times = {}
-    for rows in (MOST_ROWS, MOST_ROWS // 2):
+    for rows in (most, most // 2):
         x = mx.random.normal((1, rows, 576), key=mx.random.key(rows))
         mx.eval(x)
         ours, blas = best(module.gemv, x), best(mx.matmul, x)

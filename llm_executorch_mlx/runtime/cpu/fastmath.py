@@ -1,4 +1,8 @@
-"""exp for softmax and SiLU on the CPU, without MLX's slow scalar path.
+"""MLX-op versions of exp, softmax attention, SwiGLU and RMSNorm that the CPU runs fast.
+
+These are the CPU's routes where the extension is not loaded (no compiler,
+``LLM_PTE_CPU_KERNELS=0``) and the fallbacks of its ops for what they do
+not take. The rest of this docstring is about ``exp``, which they share.
 
 MLX's CPU ``exp`` is Cephes' polynomial, but the x86-64 wheel evaluates it one
 element at a time with six out-of-line ``fmaf`` calls (libmlx imports ``fmaf``
@@ -200,3 +204,31 @@ def _grouped(mask: mx.array, Hkv: int, rep: int) -> mx.array:
     if mask.shape[1] == 1:
         return mx.expand_dims(mask, 2)
     return mask.reshape(mask.shape[0], Hkv, rep, *mask.shape[2:])
+
+
+# A decode step's RMSNorm input has one row; a compiled function is traced
+# once per input shape, so prefill chunks of every length keep MLX's op.
+_FEW_ROWS = 4
+
+
+@functools.cache
+def rms_norm(eps: float):
+    """``mx.fast.rms_norm`` (same signature) for the CPU, where MLX runs its
+    fallback as ten nodes, a broadcast before every product. For a few fp32
+    rows (decode) a compiled version is three: the ops after the reduction
+    fuse into one. Other dtypes keep MLX's own promotion rules and checks."""
+
+    def normalise(x):
+        return x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
+
+    plain = mx.compile(normalise)
+    weighted = mx.compile(lambda x, weight: normalise(x) * weight)
+
+    def compiled_rms_norm(x, weight, eps):
+        short = x.ndim > 0 and 0 < x.size <= _FEW_ROWS * x.shape[-1]
+        fits = weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])
+        if x.dtype != mx.float32 or not fits or not short:
+            return mx.fast.rms_norm(x, weight, eps)
+        return plain(x) if weight is None else weighted(x, weight)
+
+    return compiled_rms_norm

@@ -1,12 +1,20 @@
-"""Which CPU kernels programs run with here: the one place that decides.
+"""Which CPU kernels this machine offers programs: the extension's parts, and the BLAS.
 
-``kernels()`` answers for the whole runtime: whether attention runs as the
-extension's fused op, whether a decode step's and a short chunk's products
-run as its shared GEMV, and which BLAS MLX's other matmuls use. ``Program`` asks it once
-when it loads and hands the answer down: the weight layout, the op builders
-and a method's step submission all read that object and never ask again.
-Each part has its own opt-out: ``LLM_PTE_CPU_ATTENTION=0``,
-``LLM_PTE_CPU_GEMV=0``.
+``kernels()`` answers for the whole process: whether the extension is loaded
+(its RMSNorm and SwiGLU kernels then run), whether its attention and its
+products are in use, what its products take (``Limits``, as the built
+extension states them) and which BLAS MLX's other matmuls use. A program
+turns that answer into its plan once, at load (``runtime/plan.py``), and
+nothing else reads it. Each flag switches one thing off:
+
+=========================  ==================================================
+``LLM_PTE_CPU_KERNELS=0``  no extension: MLX ops and BLAS only, as on a
+                           machine without a C++ compiler
+``LLM_PTE_CPU_ATTENTION=0``  the extension's attention (MLX ops instead)
+``LLM_PTE_CPU_PRODUCTS=0``   the extension's products (BLAS and MLX's
+                           quantized ops instead, weights stored as they read
+                           them)
+=========================  ==================================================
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ from ..dtypes import on_cpu
 from . import crossover, extension
 from .blas import BlasStatus, load_fast_blas
 
+KERNELS_FLAG = "LLM_PTE_CPU_KERNELS"
 ATTENTION_FLAG = "LLM_PTE_CPU_ATTENTION"
-GEMV_FLAG = "LLM_PTE_CPU_GEMV"
+PRODUCTS_FLAG = "LLM_PTE_CPU_PRODUCTS"
 
 
 @dataclass(frozen=True)
@@ -33,17 +42,34 @@ class Use:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """What the built extension's products take, as its ``limits()`` states
+    it (``kernels.h``): the most rows of x for each weight layout, the rows
+    an interleaved block holds (0: no interleaved layout in this build), and
+    the quantized widths and group sizes."""
+
+    dense_rows: int
+    quantized_rows: int
+    interleaved_rows: int
+    interleave_lanes: int
+    quantized_bits: tuple[int, ...]
+    quantized_groups: tuple[int, ...]
+    int8_bits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class CpuKernels:
-    """The CPU kernels a program loaded with this answer runs."""
+    """The CPU kernels a program loaded with this answer may run."""
 
     attention: Use  # the extension's fused attention, else MLX ops (fastmath.attention)
-    gemv: Use  # the extension's shared few-row product (decode steps, short chunks), else BLAS
+    products: Use  # the extension's products (dense and quantized), else BLAS and MLX's quantized ops
     blas: BlasStatus  # the BLAS behind MLX's matmuls
-    extension: ModuleType | None = field(default=None, repr=False, compare=False)  # when a part is on
-    # most rows of x the GEMV takes against an fp32 weight, BLAS's sgemm taking
-    # more (crossover.py: measured once per machine on the first build=True);
-    # None until measured
-    fp32_gemv_rows: int | None = None
+    extension: ModuleType | None = field(default=None, repr=False, compare=False)  # loaded, unless KERNELS=0
+    limits: Limits | None = None  # the products' limits, where they are on
+    # most rows of x the products take against an fp32 weight, BLAS's sgemm
+    # taking more (crossover.py: measured once per machine on the first
+    # build=True); None until measured
+    fp32_rows: int | None = None
 
 
 def kernels(build: bool = False) -> CpuKernels:
@@ -57,15 +83,19 @@ def kernels(build: bool = False) -> CpuKernels:
     if not on_cpu():
         off = Use(False, "MLX runs on the GPU")
         return CpuKernels(off, off, blas)
-    wanted = {flag: os.environ.get(flag, "1") != "0" for flag in (ATTENTION_FLAG, GEMV_FLAG)}
-    found = (extension.build() if build else extension.find()) if any(wanted.values()) else None
+    if os.environ.get(KERNELS_FLAG, "1") == "0":
+        off = Use(False, f"{KERNELS_FLAG}=0")
+        return CpuKernels(off, off, blas)
+    found = extension.build() if build else extension.find()
 
     def use(flag: str) -> Use:
-        if not wanted[flag]:
+        if os.environ.get(flag, "1") == "0":
             return Use(False, f"{flag}=0")
         return Use(found.module is not None, found.why, found.needs_build)
 
-    parts = use(ATTENTION_FLAG), use(GEMV_FLAG)
-    module = found.module if any(p.on for p in parts) else None
-    rows = crossover.fp32_rows(found.why, module, blas.library, measure=build) if parts[1].on else None
-    return CpuKernels(*parts, blas, module, rows)
+    attention, products = use(ATTENTION_FLAG), use(PRODUCTS_FLAG)
+    if not products.on:
+        return CpuKernels(attention, products, blas, found.module)
+    limits = Limits(**found.module.limits())
+    rows = crossover.fp32_rows(found.why, found.module, blas.library, limits.dense_rows, measure=build)
+    return CpuKernels(attention, products, blas, found.module, limits, rows)

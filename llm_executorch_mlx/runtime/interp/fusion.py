@@ -27,9 +27,7 @@ kernels for the silu (sigmoid, multiply) and one for the product. When the
 multiply is the only reader of the silu's output, the multiply computes
 ``gate * sigmoid(gate) * up`` in one compiled kernel from the gate stashed at
 the silu node (whose own lazy output is then never evaluated), as mlx-lm
-does; on the CPU, the extension's ``silu_mul`` where it is loaded (one
-vectorised kernel), else ``fastmath.swiglu`` (its exp, or for a decode
-step's few elements one kernel with MLX's sigmoid).
+does, in the plan's version for this device (``plan.swiglu``).
 
 **Residual adds.** A layer's attention output and MLP output each go
 through a linear layer and are added to the residual stream: on the CPU,
@@ -45,8 +43,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ..cpu import fastmath
-from ..dtypes import on_cpu
 from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..pte.graph import node_name, tensor_fields
@@ -108,7 +104,7 @@ def _fuse(ctx, instructions: list, i: int):
         if X.shape[-1] != dims or axis not in (-1, X.ndim - 1):
             raise PteError(f"rotary embedding over shape {X.shape} does not rotate {dims} dims of the last axis")
 
-    if on_cpu():
+    if ctx.plan.cpu:
         tables = _RopeTables(inv_freq, scale)
         # Layers whose tables are the same values share one per call.
         key = (positions, tables.inv_freq.tobytes(), scale)
@@ -273,13 +269,6 @@ def kept_slots(ctx) -> set[int]:
     return {s.idx for s in maps if s.slotType == md.SlotType.TensorSlot}
 
 
-def _swiglu_kernel(gate, up):
-    return gate * mx.sigmoid(gate) * up
-
-
-_swiglu = mx.compile(_swiglu_kernel, shapeless=True)
-
-
 def plan_swiglu(ctx, instructions: list, i: int):
     """For a ``SiluNode`` at ``i`` whose output only a later ``MultiplyNode``
     reads: ``(silu_run, j, multiply_run)``, the multiply being ``instructions[j]``;
@@ -309,15 +298,7 @@ def plan_swiglu(ctx, instructions: list, i: int):
     if mul.out.idx != silu_out and (silu_out in kept_slots(ctx) or read_before_written(rest, {silu_out})):
         return None
     stash, out = ctx.scratch_slot(), mul.out.idx
-    swiglu = _swiglu
-    if on_cpu():
-        extension = ctx.kernels.extension if ctx.kernels is not None else None
-        swiglu = fastmath.swiglu
-        if extension is not None:
-            def swiglu(gate, up):
-                if gate.dtype == up.dtype == mx.float32 and gate.shape == up.shape:
-                    return extension.silu_mul(gate, up)
-                return fastmath.swiglu(gate, up)
+    swiglu = ctx.plan.swiglu()
 
     def silu_run(f):
         f[stash] = f[gate_in]  # silu_out is never read: the multiply computes both
@@ -328,17 +309,17 @@ def plan_swiglu(ctx, instructions: list, i: int):
     return silu_run, j, multiply_run
 
 
-_PRODUCT_NODES = ("AddmmNode", "QuantizedMatmulNode")  # those the extension's GEMV may run
+_PRODUCT_NODES = ("AddmmNode", "QuantizedMatmulNode")  # those the extension's products may run
 
 
 def plan_residual_add(ctx, instructions: list, i: int):
     """For an ``AddNode`` at ``i`` with an operand that a linear layer's
     product wrote and only this add reads, on the CPU with the extension's
-    GEMV: the add's run, which has the product's op add the other operand
-    where the GEMV ran that product (``add_to_product``), else adds as the
+    products: the add's run, which has the product's op add the other operand
+    where the extension ran that product (``add_to_product``), else adds as the
     node would (a prefill chunk's BLAS product). None otherwise."""
-    kernels = ctx.kernels
-    if kernels is None or not kernels.gemv.on or not on_cpu() or node_name(instructions[i]) != "AddNode":
+    extension = ctx.plan.products
+    if extension is None or node_name(instructions[i]) != "AddNode":
         return None
     add = instructions[i].op
     try:
@@ -351,7 +332,7 @@ def plan_residual_add(ctx, instructions: list, i: int):
     if product is None or a == b:
         return None
     other = b if product == a else a
-    add_to_product = kernels.extension.add_to_product
+    add_to_product = extension.add_to_product
 
     def run(f):
         fused = add_to_product(f[product], f[other])

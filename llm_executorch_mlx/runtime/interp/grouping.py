@@ -24,17 +24,12 @@ constant, of the first node's dtype.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 
-from ..dtypes import on_cpu
+from ..plan import Layout
 from ..pte.graph import node_name, tensor_fields
-from .ops.nn import build_addmm, few_rows, fp32_gemv_rows
-from .ops.quant import (
-    INTERLEAVED_GEMV_ROWS, QUANTIZED_GEMV_BITS, QUANTIZED_GEMV_GROUPS, QUANTIZED_GEMV_ROWS, GemvOperands,
-    build_quantized_matmul,
-)
+from .ops.nn import build_addmm, dense_rows, few_rows
+from .ops.quant import GemvOperands, build_quantized_matmul
 from .ops.shape import int_list, text
 
 NODE = "QuantizedMatmulNode"
@@ -42,17 +37,16 @@ WINDOW = 12  # nodes after the first a member may be (q, k, v and their views; g
 
 
 def _signature(ctx, op):
-    """``(x slot, bits, group, layout)`` of a node the GEMV may run with its
-    weights fixed constants, else None; layout: None (MLX's), False
-    (interleaved), True (interleaved for int8 activations)."""
+    """``(x slot, bits, group, layout)`` of a node the products may run with
+    its weights fixed constants, else None."""
     if not op.transpose or op.biases is None or text(op.mode) != "affine":
         return None
-    if op.bits not in QUANTIZED_GEMV_BITS or op.groupSize not in QUANTIZED_GEMV_GROUPS:
+    if not ctx.plan.takes_quantized(op.bits, op.groupSize):
         return None
     # constant slots: only the init chain, which runs at load, may write them
     if ctx.fixed_constant(op.w.idx) is None or any(s.idx >= ctx.num_constants for s in (op.scales, op.biases)):
         return None
-    return op.x.idx, op.bits, op.groupSize, ctx.interleaved.get(op.w.idx)
+    return op.x.idx, op.bits, op.groupSize, ctx.layouts.get(op.w.idx, Layout.MLX)
 
 
 def plan_group(ctx, instructions: list, i: int, taken) -> tuple | None:
@@ -70,8 +64,7 @@ def plan_quantized_group(ctx, instructions: list, i: int, taken) -> tuple | None
     """For a quantized matmul at ``i`` with partners later in the chain:
     ``(first_run, {j: later_run})``; else None. ``taken``: instruction
     indices other plans already replace."""
-    kernels = ctx.kernels
-    if node_name(instructions[i]) != NODE or kernels is None or not kernels.gemv.on or not on_cpu():
+    if node_name(instructions[i]) != NODE or ctx.plan.products is None:
         return None
     try:
         first = instructions[i].op
@@ -100,12 +93,12 @@ def plan_quantized_group(ctx, instructions: list, i: int, taken) -> tuple | None
 
 def _runs(ctx, members, ops, signature):
     x, bits, group, layout = signature
-    interleaved, int8 = layout is not None, bool(layout)
-    gemvs = ctx.kernels.extension.quantized_gemvs
+    interleaved, int8 = layout is not Layout.MLX, layout is Layout.INT8
+    gemvs = ctx.plan.products.quantized_gemvs
     weights = [(op.w.idx, op.scales.idx, op.biases.idx) for op in ops]
-    own = [build_quantized_matmul(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
+    own = [build_quantized_matmul(op, ctx) for op in ops]  # each node's route when the products do not take x
     operands = [GemvOperands(group, bits) for _ in ops]
-    most = math.inf if int8 else INTERLEAVED_GEMV_ROWS if interleaved else QUANTIZED_GEMV_ROWS
+    most = ctx.plan.quantized_rows(layout)
 
     def products(f):
         xs = f[x]
@@ -164,8 +157,7 @@ DENSE_NODE = "AddmmNode"
 def plan_dense_group(ctx, instructions: list, i: int, taken) -> tuple | None:
     """As ``plan_quantized_group``, for an ``AddmmNode`` at ``i`` whose
     weight is a constant's transpose (a linear layer's fp32 or bf16 weight)."""
-    kernels = ctx.kernels
-    if node_name(instructions[i]) != DENSE_NODE or kernels is None or not kernels.gemv.on or not on_cpu():
+    if node_name(instructions[i]) != DENSE_NODE or ctx.plan.products is None:
         return None
     try:
         first = instructions[i].op
@@ -215,13 +207,13 @@ def _dense_weight(ctx, instructions, j, op) -> mx.array | None:
 
 
 def _dense_runs(ctx, members, ops, weights):
-    gemvs = ctx.kernels.extension.gemvs
-    fp32_rows = fp32_gemv_rows(ctx.kernels)
+    gemvs = ctx.plan.products.gemvs
+    most = dense_rows(ctx.plan)
     x = ops[0].mat1.idx
-    own = [build_addmm(op, ctx) for op in ops]  # each node's route when the GEMV does not take x
+    own = [build_addmm(op, ctx) for op in ops]  # each node's route when the products do not take x
 
     def products(f):
         xs = f[x]
-        return gemvs(xs, weights) if few_rows(xs, weights[0], fp32_rows) else None
+        return gemvs(xs, weights) if few_rows(xs, weights[0], most) else None
 
     return _group_runs(ctx, members, ops, own, products, [ctx.t_opt(op.bias) for op in ops])

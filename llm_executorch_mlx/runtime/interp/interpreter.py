@@ -18,9 +18,10 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ..dtypes import mlx_dtype, scalar_type_name
+from ..dtypes import mlx_dtype, on_cpu, scalar_type_name
 from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
+from ..plan import Plan
 from ..pte.graph import node_name, tensor_fields
 from .fusion import GROUP, plan_residual_add, plan_swiglu, try_fuse
 from .grouping import plan_group
@@ -40,15 +41,14 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), kernels=None,
-                 interleaved=None):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), plan=None, layouts=None):
         self.graph = graph
         self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
-        self.kernels = kernels  # the program's cpu.CpuKernels; None: MLX ops and BLAS only
-        # quantized weight slots only the extension's products read: {slot: int8},
-        # int8 where they multiply int8 activations (program.py decides)
-        self.interleaved = interleaved or {}
+        self.plan = plan or Plan(on_cpu())  # which route each op takes (plan.py)
+        # {slot: Layout} for the quantized weights held in another layout than
+        # MLX's, which only the extension's products read (program.py)
+        self.layouts = layouts or {}
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
         self.num_constants = graph.numConstantTensors
         self.num_tensors = (
@@ -393,21 +393,20 @@ class GraphExecutor:
         cache: the off-graph cache ``UpdateAndAttendNode`` uses, if any.
         dtype_map: dtype substitutions of the compute route (constants must
             already be converted).
-        kernels: the CPU kernels to build nodes with (``cpu.kernels()``, as
-            the program decided at load); None: MLX ops and BLAS only.
-        interleaved: ``{slot: int8}`` for the quantized weights stored
-            interleaved (``interp/layout.py``), with their scales and biases;
-            int8: in the layout the int8-activation products read.
+        plan: the program's ``Plan``: which route each op takes; by default
+            MLX ops and BLAS only.
+        layouts: ``{slot: Layout}`` for the quantized weights held in
+            another layout than MLX's, with their scales and biases.
     """
 
     def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None,
-                 kernels=None, interleaved=None):
+                 plan=None, layouts=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache, dtype_map, constants, kernels, interleaved)
+        ctx = BuildContext(graph, cache, dtype_map, constants, plan, layouts)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):
@@ -462,7 +461,7 @@ class GraphExecutor:
 
     def set_constants(self, arrays: dict[int, mx.array]) -> None:
         """Replace constant slots (a layout only this program's builders read:
-        ``interleaved`` above)."""
+        ``layouts`` above)."""
         for tid, array in arrays.items():
             self._template[tid] = array
 

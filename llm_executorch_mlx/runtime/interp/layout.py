@@ -19,8 +19,8 @@ which ``cpu/sgemm_route.c`` sends one-row products to::
 
 so for both a weight with ``out >= in`` is stored column-major and the
 others stay as they are. This applies only where one-row products do reach
-BLAS: with the extension's GEMV in use (``cpu.kernels()``), a decode
-step's products are its ``gemv``, whose dot loops read each output's weights
+BLAS (the plan's ``stores_for_blas``): with the extension's products in use,
+a decode step's products are its ``gemv``, whose dot loops read each output's weights
 as one contiguous row, so weights stay row-major as exported
 (``program.py``). Many-row products (prefill) run at the same speed either way. Only
 the strides change: every reader sees the same logical tensor, so nothing
@@ -149,10 +149,11 @@ def read_before_written(rest: list, slots: set[int]) -> bool:
     return False
 
 
-def interleavable_quantized(graph: md.MLXGraphT, bits_taken, groups_taken) -> dict[int, tuple[int, int, int, int]]:
+def interleavable_quantized(graph: md.MLXGraphT, takes) -> dict[int, tuple[int, int, int, int]]:
     """``{w: (scales, biases, group_size, bits)}`` for the constant quantized
     weights that only ``QuantizedMatmulNode`` s the extension's products run
-    read (transposed, affine, with biases, ``bits_taken``, ``groups_taken``),
+    read (transposed, affine, with biases, of a width and group size
+    ``takes(bits, group_size)``),
     always with the same scales, biases and parameters, which nothing else
     reads or writes but the init chain (which may compute the biases from
     the scales, as torchao's exports do, before they are interleaved), and
@@ -179,7 +180,7 @@ def interleavable_quantized(graph: md.MLXGraphT, bits_taken, groups_taken) -> di
             op = instr.op
             if node_name(instr) != "QuantizedMatmulNode" or not (
                 op.transpose and op.biases is not None and _text(op.mode) == "affine"
-                and op.bits in bits_taken and op.groupSize in groups_taken
+                and takes(op.bits, op.groupSize)
             ):
                 plain_reads |= reads
                 continue

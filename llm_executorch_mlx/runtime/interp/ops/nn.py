@@ -2,32 +2,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import mlx.core as mx
 
-from ...cpu.fastmath import attention
-from ...dtypes import on_cpu
 from ...errors import PteError
 from .table import op
-
-# Most rows of x the extension's dense GEMV takes (cpu/gemv.cpp's kDenseRows):
-# a decode step's one, a chat turn's short chunk, a prefill chunk of the
-# exports' default size. BLAS's sgemm repacks the whole weight for every
-# call, which costs a few-row product as much as a 128-row one, and needs a
-# bf16 weight widened first; the GEMV reads it once as stored (fp32 or bf16),
-# shared with the host thread (benchmarks/bench_rows.py: bf16 BLAS / ours
-# 1.2-2 at 128 rows). Against an fp32 weight it depends on the machine:
-# fp32_gemv_rows.
-DENSE_GEMV_ROWS = 128
-
-
-def fp32_gemv_rows(kernels) -> int:
-    """Most rows of x the dense GEMV takes against an fp32 weight in a program
-    run with ``kernels`` (whose GEMV is on): up to where BLAS's sgemm is
-    faster on this machine (``cpu/crossover.py``), all it can take until
-    that is measured."""
-    return min(kernels.fp32_gemv_rows or DENSE_GEMV_ROWS, DENSE_GEMV_ROWS)
 
 
 @op("AddmmNode")
@@ -46,11 +24,10 @@ def _addmm(n, ctx, rows):
     a, b, out = ctx.t(n.mat1), ctx.t(n.mat2), ctx.out(n.out)
     bias = ctx.t_opt(n.bias)
     # on the CPU, a decode step's or a short chunk's products may be the
-    # extension's GEMV, run with the host thread's help (runtime/steps.py)
-    kernels = ctx.kernels
-    extension = kernels.extension if kernels is not None and kernels.gemv.on else None
+    # extension's, run with the host thread's help (runtime/steps.py)
+    extension = ctx.plan.products
     gemv = extension.gemv if extension else None
-    fp32_rows = fp32_gemv_rows(kernels) if extension else DENSE_GEMV_ROWS
+    most = dense_rows(ctx.plan)
     alpha, beta = float(n.alpha), float(n.beta)
 
     def as_x(w, x):
@@ -63,10 +40,10 @@ def _addmm(n, ctx, rows):
         return w.astype(x.dtype)
 
     def product(x_in, x, w):
-        """The GEMV's product, or None where BLAS's is better."""
-        if few_rows(x_in, w, fp32_rows):
+        """The extension's product, or None where BLAS's is better."""
+        if few_rows(x_in, w, most):
             return gemv(x, w)
-        if w.dtype == mx.bfloat16 and few_rows(x, w) and x.size == x.shape[-1]:
+        if w.dtype == mx.bfloat16 and few_rows(x, w, most) and x.size == x.shape[-1]:
             # a long chunk's bf16 LM head row: read as stored (widening would
             # cost more), by the stream thread alone (the host would take a
             # core from BLAS's threads for the rest of the chunk)
@@ -91,20 +68,23 @@ def _addmm(n, ctx, rows):
     return run
 
 
-def few_rows(x, w, fp32_rows: int | None = None) -> bool:
-    """At most ``DENSE_GEMV_ROWS`` fp32 rows (``fp32_rows`` against an fp32
-    weight, where given) against a 2-D fp32 weight of as
+def dense_rows(plan) -> dict:
+    """``{weight dtype: most rows of x}`` the plan's products take against
+    a dense weight (``few_rows``' ``most``)."""
+    return {dtype: plan.dense_rows(dtype) for dtype in (mx.float32, mx.bfloat16)}
+
+
+def few_rows(x, w, most: dict) -> bool:
+    """At most ``most[w.dtype]`` fp32 rows against a 2-D fp32 weight of as
     many rows as ``x`` has columns, or a bf16 one kept as stored (program.py);
     anything else (a corrupt program's shapes) is left to MLX's checks.
     ``x`` is taken before any last-row slice, so a long prefill chunk's LM
-    head stays a BLAS product: no host thread helps a long chunk. A bf16 weight meets more rows only when this
-    GEMV is in use, and is then widened per call for BLAS."""
-    rows = DENSE_GEMV_ROWS if fp32_rows is None or w.dtype != mx.float32 else min(fp32_rows, DENSE_GEMV_ROWS)
-    return (x.dtype == mx.float32 and w.dtype in _GEMV_WEIGHTS and w.ndim == 2 and 0 < x.shape[-1] == w.shape[0]
+    head stays a BLAS product: no host thread helps a long chunk. A bf16
+    weight meets more rows only when the products are in use, and is then
+    widened per call for BLAS."""
+    rows = most.get(w.dtype, 0)
+    return (x.dtype == mx.float32 and w.ndim == 2 and 0 < x.shape[-1] == w.shape[0]
             and x.size <= rows * x.shape[-1] and x.size == x.shape[-1] * (x.shape[-2] if x.ndim > 1 else 1))
-
-
-_GEMV_WEIGHTS = (mx.float32, mx.bfloat16)
 
 
 class _BatchedWeight:
@@ -134,58 +114,12 @@ class _BatchedWeight:
 @op("RMSNormNode")
 def build_rms_norm(n, ctx):
     x, w, out, eps = ctx.t(n.x), ctx.t_opt(n.weight), ctx.out(n.out), float(n.eps)
-    rms_norm = mx.fast.rms_norm
-    if on_cpu():
-        extension = ctx.kernels.extension if ctx.kernels is not None else None
-        rms_norm = _cpu_rms_norm(eps) if extension is None else _extension_rms_norm(extension, eps)
+    rms_norm = ctx.plan.rms_norm(eps)
 
     def run(f):
         f[out] = rms_norm(f[x], None if w is None else f[w], eps)
 
     return run
-
-
-_FEW_ROWS = 4  # a decode step's RMSNorm input has one
-
-
-@functools.cache
-def _cpu_rms_norm(eps: float):
-    """``mx.fast.rms_norm`` (same signature) for the CPU, where MLX runs its
-    fallback as ten nodes, a broadcast before every product. For a few fp32
-    rows (decode) a compiled version is three: the ops after the reduction
-    fuse into one. Only there: other dtypes keep MLX's own promotion rules
-    and checks, and a compiled function is traced once per input shape, so
-    prefill chunks of every length keep the fallback."""
-
-    def normalise(x):
-        return x * mx.rsqrt(mx.mean(mx.square(x), axis=-1, keepdims=True) + eps)
-
-    plain = mx.compile(normalise)
-    weighted = mx.compile(lambda x, weight: normalise(x) * weight)
-
-    def rms_norm(x, weight, eps):
-        short = x.ndim > 0 and 0 < x.size <= _FEW_ROWS * x.shape[-1]
-        fits = weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])
-        if x.dtype != mx.float32 or not fits or not short:
-            return mx.fast.rms_norm(x, weight, eps)
-        return plain(x) if weight is None else weighted(x, weight)
-
-    return rms_norm
-
-
-def _extension_rms_norm(extension, eps: float):
-    """``mx.fast.rms_norm`` (same signature) as the extension's one op for
-    fp32 rows and weight, of any count; MLX's own op otherwise, so other
-    dtypes keep its promotion rules and checks."""
-    fallback = _cpu_rms_norm(eps)
-
-    def rms_norm(x, weight, eps):
-        if x.dtype == mx.float32 and x.ndim > 0 and x.size and (
-                weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])):
-            return extension.rms_norm(x, weight, eps)
-        return fallback(x, weight, eps)
-
-    return rms_norm
 
 
 @op("LayerNormNode")
@@ -225,7 +159,7 @@ def build_rope(n, ctx):
 def build_sdpa(n, ctx):
     q, k, v, out = ctx.t(n.q), ctx.t(n.k), ctx.t(n.v), ctx.out(n.out)
     mask, scale = ctx.t_opt(n.mask), float(n.scale)
-    sdpa = attention if on_cpu() else mx.fast.scaled_dot_product_attention
+    sdpa = ctx.plan.sdpa()
     if mask is None:
         mode = "causal" if n.causal else None
 

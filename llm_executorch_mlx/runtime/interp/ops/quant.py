@@ -4,24 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ...dtypes import on_cpu
 from ...errors import PteError
+from ...plan import MLX_QMM_ROWS, Layout
 from ..layout import quantized_gather_at
 from .shape import text
 from .table import op
 
-# What the extension's quantized GEMV takes (cpu/quantized_rows.h): rows of
-# x, bits, group sizes; K a multiple of 256 / bits (one block of 8 words).
-# More rows than it takes dequantize the weight for BLAS.
-QUANTIZED_GEMV_ROWS = 16
-# The same for weights stored interleaved (cpu/quantized_interleaved.h),
-# whose rows cost about half as much (gemv.cpp's kInterleavedQuantizedRows).
-INTERLEAVED_GEMV_ROWS = 128
-# Without the extension, rows above which MLX's own dequantize + BLAS beats
-# its scalar quantized_matmul (~10 ms a row on the 135M model).
-MLX_QMM_ROWS = 4
-QUANTIZED_GEMV_BITS = (4, 8)
-QUANTIZED_GEMV_GROUPS = (32, 64, 128)
 # What MLX's quantized kernels run, by mode: (group sizes, bits). They check
 # none of it, and divide by the bits and the group size: a corrupt file's 0
 # killed the process (SIGFPE), so anything else is refused at load.
@@ -123,17 +111,18 @@ def build_quantized_matmul_last_row(n, ctx):
 
 
 def _quantized_matmul(n, ctx, last_row: bool):
-    """On the CPU, MLX's ``quantized_matmul`` is scalar code (~10x slower than
-    an fp32 product): up to 16 rows (decode, a chat turn's short chunk) run
-    as the extension's quantized GEMV, reading the weights as stored; more
-    rows dequantize the weight and use BLAS, whose cost the rows share."""
+    """On the CPU, MLX's ``quantized_matmul`` is scalar code: a few rows
+    (decode, a chat turn's short chunk) run as the extension's products,
+    reading the weights as stored; more rows dequantize the weight and use
+    BLAS, whose cost the rows share. How many is the plan's."""
     x, w, scales, out = ctx.t(n.x), ctx.t(n.w), ctx.t(n.scales), ctx.out(n.out)
     biases = ctx.t_opt(n.biases)
     transpose = bool(n.transpose)
     group_size, bits, mode = _quantization(n, ctx)
     _check_weight(ctx, w, scales, biases, group_size, bits)
     qmm = mx.quantized_matmul
-    if not (on_cpu() and transpose and mode == "affine" and biases is not None):
+    plan = ctx.plan
+    if not (plan.cpu and transpose and mode == "affine" and biases is not None):
         def run(f):  # the decode hot path: no helper calls
             xs = f[x]
             if last_row and xs.shape[-2] > 1:
@@ -144,14 +133,12 @@ def _quantized_matmul(n, ctx, last_row: bool):
             )
 
         return run
-    if n.w.idx in ctx.interleaved:
-        return _interleaved_matmul(ctx.kernels.extension, x, w, scales, biases, out, group_size, bits, last_row,
-                                   ctx.current_node, int8=ctx.interleaved[n.w.idx])
-    kernels = ctx.kernels
-    extension = kernels.extension if kernels is not None and kernels.gemv.on else None
-    if bits not in QUANTIZED_GEMV_BITS or group_size not in QUANTIZED_GEMV_GROUPS:
-        extension = None
+    if n.w.idx in ctx.layouts:
+        return _interleaved_matmul(plan, x, w, scales, biases, out, group_size, bits, last_row,
+                                   ctx.current_node, ctx.layouts[n.w.idx])
+    extension = plan.products if plan.takes_quantized(bits, group_size) else None
     gemv, dequantize = (extension.quantized_gemv, extension.dequantize) if extension else (None, None)
+    most = plan.quantized_rows(Layout.MLX)
     operands = GemvOperands(group_size, bits)
 
     def run(f):
@@ -163,14 +150,14 @@ def _quantized_matmul(n, ctx, last_row: bool):
             # a chunk's LM head, its last row only; a long chunk's without the
             # host's help, which would take a core from BLAS (steps.py)
             last = xs[..., -1:, :]
-            if ours and m <= QUANTIZED_GEMV_ROWS and last.size == k:
+            if ours and m <= most and last.size == k:
                 f[out] = gemv(last, ws, s, b, group_size, bits)
             else:
                 f[out] = qmm(last, ws, s, b, True, group_size, bits, mode)
         elif ours:
             # the GEMV takes rows in the last two axes only
             f[out] = (gemv(xs, ws, s, b, group_size, bits)
-                      if m <= QUANTIZED_GEMV_ROWS and (xs.ndim <= 2 or m == xs.shape[-2])
+                      if m <= most and (xs.ndim <= 2 or m == xs.shape[-2])
                       else xs @ dequantize(ws, s, b, group_size, bits).T)
         else:
             f[out] = (qmm(xs, ws, s, b, True, group_size, bits, mode) if m <= MLX_QMM_ROWS
@@ -179,14 +166,15 @@ def _quantized_matmul(n, ctx, last_row: bool):
     return run
 
 
-def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, last_row, where, int8):
-    """A weight stored interleaved (``program.py``) is read by the extension
-    alone: int8, its int8-activation products for every row count; else its
-    products of up to ``INTERLEAVED_GEMV_ROWS`` rows, and for more rows its
-    dequantized transpose (``[K, N]``) with BLAS. Another x dtype computes
-    in fp32. ``where`` names the node in the error an x of the wrong width
-    gets."""
+def _interleaved_matmul(plan, x, w, scales, biases, out, group_size, bits, last_row, where, layout):
+    """A weight held in another ``layout`` than MLX's (``program.py``) is
+    read by the extension alone: its products up to the plan's rows for the
+    layout, and for more rows its dequantized transpose (``[K, N]``) with
+    BLAS. Another x dtype computes in fp32. ``where`` names the node in the
+    error an x of the wrong width gets."""
+    extension = plan.products
     gemv, dequantize = extension.quantized_gemv, extension.dequantize
+    most, int8 = plan.quantized_rows(layout), layout is Layout.INT8
 
     def run(f):
         xs, ws, s, b = f[x], f[w], f[scales], f[biases]
@@ -201,7 +189,7 @@ def _interleaved_matmul(extension, x, w, scales, biases, out, group_size, bits, 
         if last_row and m > 1:
             xs = xs[..., -1:, :]
             m = xs.size // xs.shape[-1]
-        if m > INTERLEAVED_GEMV_ROWS and not int8:
+        if m > most:
             y = xs @ dequantize(ws, s, b, group_size, bits, interleaved=True)
         elif xs.ndim > 2 and m != xs.shape[-2]:  # rows in more axes than the last two: the GEMV's view
             y = gemv(xs.reshape(m, xs.shape[-1]), ws, s, b, group_size, bits, interleaved=True, int8=int8)
@@ -237,7 +225,7 @@ def build_gather_mm(n, ctx):
     is_sorted = _sorted_flag(n, ctx)
     # MLX's CPU GatherMM runs float32 only: half operands are widened for
     # it (products summed in fp32, as a GPU does) and the result rounded back.
-    widen = on_cpu()
+    widen = ctx.plan.cpu
 
     def run(f):
         x, y = f[a], f[b]
@@ -275,14 +263,14 @@ def plan_quantized_gather(ctx, instructions: list, i: int):
     LM head multiplies with it (``program.py``): the extension reads the rows
     from that layout (``take_interleaved``) in place of the three takes and
     the dequantize, which would read it as MLX's. Else None."""
-    if not ctx.interleaved:
+    if not ctx.layouts:
         return None
     gather = quantized_gather_at(ctx.graph, instructions, i)
-    if gather is None or gather.w not in ctx.interleaved:
+    if gather is None or gather.w not in ctx.layouts:
         return None
-    take = ctx.kernels.extension.take_interleaved
+    take = ctx.plan.products.take_interleaved
     w, scales, biases, group, bits = gather.w, gather.scales, gather.biases, gather.group, gather.bits
-    int8 = ctx.interleaved[w]
+    int8 = ctx.layouts[w] is Layout.INT8
     index, dq = ctx.t(instructions[i].op.index.tid), instructions[i + 3].op
     out = ctx.out(dq.out)
     dtype = None if dq.dtype is None else ctx.dtype(dq.dtype)

@@ -1,0 +1,90 @@
+"""The extension's element-wise and attention ops as drop-ins for MLX's.
+
+Each function here takes the loaded extension and a fallback with the same
+signature, and returns a function that runs the extension's kernel on what
+that kernel takes (fp32 activations, the shapes it reads) and hands anything
+else (another dtype, a corrupt program's shapes) to the fallback, whose
+checks name the problem. Which of them a program uses is its plan's
+decision (``runtime/plan.py``); the products, whose routes depend on the
+row count, are the op builders' (``interp/ops/nn.py``, ``quant.py``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# What the attention kernel reads: fp32 queries over fp32, bf16 or fp16 keys and values.
+KERNEL_KV_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def rms_norm(extension, fallback):
+    """``mx.fast.rms_norm`` for fp32 rows and weight (or none), of any count."""
+
+    def extension_rms_norm(x, weight, eps):
+        if x.dtype == mx.float32 and x.ndim > 0 and x.size and (
+                weight is None or (weight.dtype == mx.float32 and weight.shape == x.shape[-1:])):
+            return extension.rms_norm(x, weight, eps)
+        return fallback(x, weight, eps)
+
+    return extension_rms_norm
+
+
+def swiglu(extension, fallback):
+    """``silu(gate) * up`` for fp32 gate and up of one shape."""
+
+    def extension_swiglu(gate, up):
+        if gate.dtype == up.dtype == mx.float32 and gate.shape == up.shape:
+            return extension.silu_mul(gate, up)
+        return fallback(gate, up)
+
+    return extension_swiglu
+
+
+def attention(extension, fallback, window: int = 0):
+    """Attention (``fastmath.attention``'s signature) for fp32 queries over
+    fp32, bf16 or fp16 keys and values, read as stored: a half-precision
+    cache under fp32 compute needs no widened copy of the history.
+
+    ``window`` is the layer's sliding window (0: none). The cache spells it
+    out as a band mask when it cuts into the keys; the kernel takes the
+    window itself, so a band mask without one goes to the fallback.
+    """
+
+    def extension_attention(Q, K, V, scale, mask):
+        # the cache's masks: None (one query), "causal", or the window's band
+        if (Q.dtype == mx.float32 and K.dtype in KERNEL_KV_DTYPES
+                and (window > 0 or not isinstance(mask, mx.array)) and kernel_takes(Q, K, V, mask is not None)):
+            return extension.attention(Q, K, V, scale, mask is not None, window=window, stream=mx.cpu)
+        return fallback(Q, K, V, scale=scale, mask=mask)
+
+    return extension_attention
+
+
+def update_and_attend(extension, scale: float):
+    """A flat layer's step as one op: the cache write and the attention
+    (``in_op(Q, Kn, Vn, K, V, position)``, for what ``in_op_takes``). Five
+    MLX nodes a layer fewer than writing the pools with ``__setitem__``,
+    slicing them and attending."""
+
+    def in_op(Q, Kn, Vn, K, V, position):
+        return extension.update_and_attend(Q, Kn, Vn, K, V, position, scale, stream=mx.cpu)
+
+    return in_op
+
+
+def in_op_takes(Q, Kn, Vn) -> bool:
+    """Whether ``update_and_attend`` takes this step's queries, keys and values
+    (fp32, one batch, as many queries as keys; the cache checks the heads and
+    head size against its pools): anything else takes the MLX route."""
+    return (Q.dtype == Kn.dtype == Vn.dtype == mx.float32 and Q.ndim == Kn.ndim == 4 and Kn.shape == Vn.shape
+            and Q.shape[0] == Kn.shape[0] == 1 and Q.shape[2:] == Kn.shape[2:]
+            and 0 < Kn.shape[1] and Q.shape[1] % Kn.shape[1] == 0)
+
+
+def kernel_takes(Q, K, V, causal: bool) -> bool:
+    """The shapes the attention kernel attends over (``attention.cpp``)."""
+    if Q.ndim != 4 or K.ndim != 4 or K.shape != V.shape:
+        return False
+    B, H, T, D = Q.shape
+    _, H_kv, S, D_kv = K.shape
+    return B == K.shape[0] and D == D_kv and 0 < H_kv and H % H_kv == 0 and 0 < S and (not causal or T <= S)

@@ -1,0 +1,222 @@
+"""A program's plan: which route each op takes on this machine, decided once at load.
+
+``Program`` makes one ``Plan`` from the CPU kernels this machine offers
+(``cpu.kernels()``, whose limits the built extension states itself) and the
+program's options, and hands it to everything that chooses: the weight
+layout at load, the op builders and load-time rewrites (``ctx.plan``), the
+way a step is submitted. None of them reads a flag, a device or a kernel
+limit of its own. ``llm pte info`` prints ``summary()`` of the same object.
+
+Per op, one version per device, plus MLX's own op as the fallback for what
+a version does not take:
+
+==============  ==========================  ================================
+op              CPU                         GPU
+==============  ==========================  ================================
+linear layers   the extension's products    MLX (``quantized_matmul``, GEMM)
+                up to their rows, BLAS
+                above
+attention       the extension's kernel      ``mx.fast`` SDPA
+RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
+SwiGLU          the extension's kernel      one compiled MLX kernel
+==============  ==========================  ================================
+
+Without the extension (no compiler, ``LLM_PTE_CPU_KERNELS=0``) the CPU runs
+``fastmath``'s MLX-op versions, which avoid MLX's slow scalar CPU paths.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import mlx.core as mx
+
+from .cpu import CpuKernels, Limits, extension_ops, fastmath
+from .steps import PLAIN, Steps, helped
+
+# Without the extension's products: MLX's quantized_matmul is scalar code on
+# the CPU, so above a few rows its dequantize and one BLAS product, whose
+# cost the rows share, is faster.
+MLX_QMM_ROWS = 4
+
+
+class Layout(enum.Enum):
+    """How a quantized weight is held (``program.py`` converts it at load)."""
+
+    MLX = "mlx"  # MLX's affine layout, as the file stores it
+    INTERLEAVED = "interleaved"  # blocks of rows interleaved (cpu/quantized_interleaved.h)
+    INT8 = "int8"  # interleaved four bytes a row at a time, read with int8 activations (cpu/quantized_int8.h)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which route each op of a program takes here."""
+
+    cpu: bool  # MLX runs on the CPU
+    kernels: CpuKernels | None = None  # what the extension offers; None: nothing
+    int8_activations: bool = True  # 4/8-bit products round activations to int8 where the build can
+
+    # -- the extension's parts ---------------------------------------------
+
+    @property
+    def extension(self) -> ModuleType | None:
+        """The loaded extension (its RMSNorm and SwiGLU run), on a CPU."""
+        return self.kernels.extension if self.cpu and self.kernels is not None else None
+
+    @property
+    def products(self) -> ModuleType | None:
+        """The extension, where its products run the linear layers."""
+        return self.extension if self.extension is not None and self.kernels.products.on else None
+
+    @property
+    def limits(self) -> Limits | None:
+        """What the products take, where they run."""
+        return self.kernels.limits if self.products is not None else None
+
+    # -- linear layers -----------------------------------------------------
+
+    def dense_rows(self, weight_dtype: mx.Dtype) -> int:
+        """Most rows of x the products take against a dense weight: against
+        fp32, up to where BLAS's sgemm is faster here (``cpu/crossover.py``);
+        against bf16, all they can (BLAS would need it widened first)."""
+        if self.products is None:
+            return 0
+        most = self.limits.dense_rows
+        return min(self.kernels.fp32_rows or most, most) if weight_dtype == mx.float32 else most
+
+    def takes_quantized(self, bits: int, group: int) -> bool:
+        """Whether the products take weights of this width and group size."""
+        return self.products is not None and bits in self.limits.quantized_bits and group in self.limits.quantized_groups
+
+    def quantized_rows(self, layout: Layout) -> float:
+        """Most rows of x the products take against a weight held in
+        ``layout``; more rows dequantize it for BLAS. Int8 activations take
+        any number: no dequantized copy beats integer dot products."""
+        if self.products is None:
+            return 0
+        return {Layout.MLX: self.limits.quantized_rows, Layout.INTERLEAVED: self.limits.interleaved_rows,
+                Layout.INT8: math.inf}[layout]
+
+    def quantized_layout(self, bits: int, group: int, n: int, k: int) -> Layout:
+        """The layout a quantized linear weight of ``n`` rows of ``k`` values
+        that only the products read is held in: interleaved where this build
+        has that layout and the shape fits its blocks, for int8 activations
+        where the program and the build allow them at this width."""
+        lanes = self.limits.interleave_lanes if self.takes_quantized(bits, group) else 0
+        if not lanes or n % lanes or k % max(group, 256 // bits):
+            return Layout.MLX
+        return Layout.INT8 if self.int8_activations and bits in self.limits.int8_bits else Layout.INTERLEAVED
+
+    @property
+    def stores_for_blas(self) -> bool:
+        """Whether dense linear weights are stored the way BLAS reads one row
+        fastest (``interp/layout.py``): where BLAS runs a decode step's
+        products. The extension's read rows as exported."""
+        return self.cpu and self.products is None
+
+    def keeps_bf16(self, widened: bool) -> bool:
+        """Whether a program whose bf16 computes ``widened`` to fp32 keeps its
+        linear weights in bf16: the products widen them as they read them,
+        half the memory and half a decode step's reads."""
+        return widened and self.products is not None
+
+    # -- the other ops -----------------------------------------------------
+
+    def rms_norm(self, eps: float):
+        """``mx.fast.rms_norm``'s signature, as this device runs it."""
+        if not self.cpu:
+            return mx.fast.rms_norm
+        fallback = fastmath.rms_norm(eps)
+        return fallback if self.extension is None else extension_ops.rms_norm(self.extension, fallback)
+
+    def swiglu(self):
+        """``silu(gate) * up``, as this device runs it."""
+        if not self.cpu:
+            return _compiled_swiglu
+        if self.extension is None:
+            return fastmath.swiglu
+        return extension_ops.swiglu(self.extension, fastmath.swiglu)
+
+    def sdpa(self):
+        """Attention for an ``SdpaNode`` (keys and values in the queries' dtype)."""
+        return fastmath.attention if self.cpu else mx.fast.scaled_dot_product_attention
+
+    def cache_attention(self, window: int = 0):
+        """Attention over an off-graph cache layer's keys and values, which
+        may be stored in another dtype than the queries (``kv_storage_dtype``)."""
+        if not self.cpu:
+            return in_query_dtype(mx.fast.scaled_dot_product_attention)
+        fallback = in_query_dtype(fastmath.attention)
+        if self.extension is None or not self.kernels.attention.on:
+            return fallback
+        return extension_ops.attention(self.extension, fallback, window)
+
+    def update_and_attend(self, scale: float):
+        """A flat cache layer's write and attention as one op, or None."""
+        if self.extension is None or not self.kernels.attention.on:
+            return None
+        return extension_ops.update_and_attend(self.extension, scale)
+
+    @property
+    def steps(self) -> Steps:
+        """How a step is submitted: with the host thread helping the
+        extension's products, or plainly."""
+        return PLAIN if self.products is None else helped(self.products)
+
+    # -- what llm pte info says --------------------------------------------
+
+    def summary(self) -> dict[str, str]:
+        """How attention and the linear layers run on a CPU, in words."""
+        k = self.kernels
+        if k is None:
+            return {"attention": "MLX ops", "decode_products": "BLAS", "quantized_products": _mlx_quantized("")}
+        facts = {"attention": (f"compiled kernel ({k.attention.why})" if k.attention.on
+                               else f"compiled kernel, {k.attention.why}" if k.attention.needs_build
+                               else f"MLX ops ({k.attention.why})")}
+        if k.products.needs_build:
+            facts["decode_products"] = f"the compiled kernel's products, {k.products.why}"
+            facts["quantized_products"] = f"the compiled kernel's, as its build for this CPU allows, {k.products.why}"
+            return facts
+        if self.products is None:
+            facts["decode_products"] = f"BLAS ({k.products.why})"
+            facts["quantized_products"] = _mlx_quantized(f" ({k.products.why})")
+            return facts
+        limits = k.limits
+        facts["decode_products"] = "the compiled kernel's products, the host thread helping"
+        facts["fp32_chunk_products"] = (
+            f"the compiled kernel's products up to {self.dense_rows(mx.float32)} rows, BLAS's sgemm above"
+            if k.fp32_rows else "the compiled kernel's products or BLAS's sgemm, as measured on the first prompt")
+        exact = (f"activations within 2^-16 for up to {limits.interleaved_rows} rows (up to {limits.quantized_rows} "
+                 "for weights it cannot interleave), dequantized for BLAS above")
+        if not limits.int8_bits:
+            facts["quantized_products"] = f"the compiled kernel, {exact} (no integer dot products here)"
+        elif self.int8_activations:
+            facts["quantized_products"] = (
+                f"{'/'.join(map(str, limits.int8_bits))}-bit weights: int8 activations and integer dot products "
+                f"at every row count (-o int8_activations false: {exact})")
+        else:
+            facts["quantized_products"] = f"the compiled kernel, {exact} (-o int8_activations false)"
+        return facts
+
+
+def _mlx_quantized(why: str) -> str:
+    return f"MLX's quantized_matmul (up to {MLX_QMM_ROWS} rows), MLX's dequantize + BLAS (more){why}"
+
+
+def in_query_dtype(sdpa):
+    """``sdpa`` over keys and values cast to the queries' dtype, for a cache
+    stored in another one."""
+
+    def cast_then_sdpa(Q, K, V, scale, mask):
+        if K.dtype != Q.dtype:
+            K, V = K.astype(Q.dtype), V.astype(Q.dtype)
+        return sdpa(Q, K, V, scale=scale, mask=mask)
+
+    return cast_then_sdpa
+
+
+# one kernel where the GPU would launch three (sigmoid, two multiplies), as mlx-lm does
+_compiled_swiglu = mx.compile(lambda gate, up: gate * mx.sigmoid(gate) * up, shapeless=True)
