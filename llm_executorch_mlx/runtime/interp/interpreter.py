@@ -13,7 +13,7 @@ here waits on the device except the nodes whose semantics need a host value
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -274,63 +274,82 @@ class BuildContext:
         return lambda f: run_ops(ops, f)
 
 
+class Rewrite(NamedTuple):
+    """Nodes from one chain position on replaced at load by fewer MLX ops."""
+
+    op: tuple[str, Run]  # replaces the node here and the ``size - 1`` after it
+    size: int = 1
+    later: dict[int, tuple[str, Run]] = {}  # replacements claimed for later nodes, by instruction index
+
+
+def _quantized_lookup(ctx, instructions, i, claimed):
+    found = plan_quantized_gather(ctx, instructions, i)
+    return None if found is None else Rewrite(found, len(GATHER))
+
+
+def _rope(ctx, instructions, i, claimed):
+    found = try_fuse(ctx, instructions, i)
+    return None if found is None else Rewrite(found, len(GROUP))
+
+
+def _head_pair(ctx, instructions, i, claimed):
+    found = try_fuse_pair(ctx, instructions, i)
+    return None if found is None else Rewrite(found, 2)
+
+
+def _swiglu(ctx, instructions, i, claimed):
+    found = plan_swiglu(ctx, instructions, i)
+    if found is None:
+        return None
+    silu_run, j, multiply_run = found
+    return Rewrite(("SiluNode", silu_run), later={j: ("SwiGLUFused", multiply_run)})
+
+
+def _residual_add(ctx, instructions, i, claimed):
+    found = plan_residual_add(ctx, instructions, i)
+    return None if found is None else Rewrite(("ResidualAddFused", found))
+
+
+def _shared_x_products(ctx, instructions, i, claimed):
+    found = plan_group(ctx, instructions, i, claimed)
+    if found is None:
+        return None
+    kind, first_run, later = found
+    return Rewrite((f"{kind}Group", first_run), later={j: (f"{kind}Grouped", run) for j, run in later.items()})
+
+
+# The main chain's load-time rewrites, tried at each node in this order, each
+# ``(ctx, instructions, i, claimed) -> Rewrite | None``; the first that
+# applies wins. Runs of several nodes come first (an embedding's
+# quantized lookup, RoPE's seven nodes, a head split or merge), then
+# rewrites of one node that may claim later ones (SwiGLU's multiply, the
+# products that read the same x); a node an earlier rewrite claimed runs as
+# claimed. None changes what the chain computes beyond rounding (fusion.py,
+# pairs.py, grouping.py say where).
+REWRITES = (_quantized_lookup, _rope, _head_pair, _swiglu, _residual_add, _shared_x_products)
+
+
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     ops = []
     instructions = ctx.graph.instructionChains[index].instructions or []
-    deferred: dict[int, tuple[str, Run]] = {}  # instruction index -> its fused replacement
-    # Fusions drop intermediates that only later nodes of this chain could
+    claimed: dict[int, tuple[str, Run]] = {}  # instruction index -> its replacement, claimed by an earlier rewrite
+    # Rewrites drop intermediates that only later nodes of this chain could
     # read; the init chain and sub-chains share the frame with other chains.
-    fusing = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
+    rewriting = index == ctx.graph.mainChainIdx and not ctx.in_init_chain
     i = 0
     while i < len(instructions):
-        # a run of nodes rewritten as one: an embedding's lookup, RoPE
-        fused = None
-        for plan, size in ((plan_quantized_gather, len(GATHER)), (try_fuse, len(GROUP))) if fusing else ():
-            fused = plan(ctx, instructions, i)
-            if fused is not None:
-                break
-        if fused is not None:
-            ops.append(fused)
-            for instr in instructions[i : i + size]:
-                ctx.record_write(node_name(instr), instr.op)
-            i += size
-            continue
-        pair = None
-        if fusing and not {i, i + 1} & deferred.keys():
-            pair = try_fuse_pair(ctx, instructions, i)
-        if pair is not None:
-            ops.append(pair)
-            for instr in instructions[i : i + 2]:
-                ctx.record_write(node_name(instr), instr.op)
-            i += 2
-            continue
         instr = instructions[i]
-        swiglu = plan_swiglu(ctx, instructions, i) if fusing else None
-        if swiglu is not None:
-            silu_run, j, multiply_run = swiglu
-            deferred[j] = ("SwiGLUFused", multiply_run)
-            ops.append(("SiluNode", silu_run))
-            ctx.record_write("SiluNode", instr.op)
-            i += 1
-            continue
-        if i in deferred:
-            ops.append(deferred.pop(i))
-            ctx.record_write(node_name(instr), instr.op)
-            i += 1
-            continue
-        residual = plan_residual_add(ctx, instructions, i) if fusing else None
-        if residual is not None:
-            ops.append(("ResidualAddFused", residual))
-            ctx.record_write("AddNode", instr.op)
-            i += 1
-            continue
-        group = plan_group(ctx, instructions, i, deferred.keys()) if fusing else None
-        if group is not None:
-            kind, first_run, later = group
-            deferred.update((j, (f"{kind}Grouped", run)) for j, run in later.items())
-            ops.append((f"{kind}Group", first_run))
-            ctx.record_write(node_name(instr), instr.op)
-            i += 1
+        rewrite = None
+        if i in claimed:
+            rewrite = Rewrite(claimed.pop(i))
+        elif rewriting:
+            rewrite = _first_rewrite(ctx, instructions, i, claimed)
+        if rewrite is not None:
+            ops.append(rewrite.op)
+            claimed.update(rewrite.later)
+            for done in instructions[i : i + rewrite.size]:
+                ctx.record_write(node_name(done), done.op)
+            i += rewrite.size
             continue
         i += 1
         name = node_name(instr)
@@ -350,6 +369,16 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
         finally:
             ctx.current_node = outer
     return ops
+
+
+def _first_rewrite(ctx, instructions, i, claimed) -> Rewrite | None:
+    """The first of ``REWRITES`` that applies at ``i`` without taking over a
+    node another rewrite claimed."""
+    for plan in REWRITES:
+        rewrite = plan(ctx, instructions, i, claimed)
+        if rewrite is not None and not claimed.keys() & range(i, i + rewrite.size):
+            return rewrite
+    return None
 
 
 _LAYOUT_NODES = {
