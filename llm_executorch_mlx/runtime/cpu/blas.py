@@ -1,7 +1,7 @@
 """Give MLX's CPU matmuls an optimized BLAS when the machine has one.
 
-The Linux ``mlx-cpu`` wheel links the slow reference BLAS (~4 GFLOP/s for an
-fp32 GEMM on our 2-core test machine; OpenBLAS or MKL reach 90-130). MLX
+The Linux ``mlx-cpu`` wheel links the slow reference BLAS (scalar loops, a
+few percent of an optimized GEMM's speed). MLX
 calls only ``cblas_sgemm``/``cblas_dgemm``/``cblas_cgemm``, as plain
 unversioned symbols that the dynamic linker binds when ``mlx.core`` loads. A
 library opened with ``RTLD_GLOBAL`` before that joins the global lookup scope,
@@ -12,12 +12,9 @@ Where a C compiler can build ``sgemm_route.c``, the library goes behind it:
 MLX sends one-row products through sgemm, and OpenBLAS's sgemm is slow at
 them, so the route hands those to the library's sgemv. Which library depends
 on the CPU's maker: MKL's kernels are Intel's own and take slower paths on
-other CPUs. On a 2-core AMD EPYC OpenBLAS made fp32 prefill 1.16-1.21x and
-decode 1.04-1.13x faster than MKL (whose sgemm and sgemv read 6-12 GB/s
-there); on a 2-core Intel Xeon (AVX-512) a 512-token fp32 prefill took
-698-720 ms with MKL, 843-950 with OpenBLAS (``benchmarks/bench_formats.py
---formats fp32``: 1.12-1.16x llama.cpp against 0.99). So an Intel CPU gets MKL (the `cpu` extra's wheel) first,
-any other OpenBLAS.
+other CPUs, where OpenBLAS is faster; on Intel's, MKL's sgemm is ahead
+(``benchmarks/bench_formats.py --formats fp32`` shows either). So an Intel
+CPU gets MKL (the `cpu` extra's wheel) first, any other OpenBLAS.
 
 This runs at import (``runtime/cpu/__init__.py`` calls it before anything
 imports mlx.core), so that on every path into the package's MLX code libmlx
@@ -48,14 +45,13 @@ from . import got, sgemm_route
 ENV_VAR = "LLM_PTE_BLAS"
 # OpenBLAS's threads spin for 2^n cycles after a product before they sleep
 # (n = 28 by default: ~0.1 s). After a prefill that is a core taken from the
-# decode step's host-helped products: a 16-token chat turn right after a
-# 300-token prefill took 137 ms against 83 after a decode step. 2^22 cycles
-# (~1.5 ms) still spans the gap between a prefill's products (prefill within
-# ~3%, at 20 ~10% slower) and ends the stall; a value already set is kept.
+# decode step's host-helped products for a whole short turn. 2^22 cycles
+# (~1.5 ms) still spans the gap between a prefill's products, so the prefill
+# keeps its speed, and ends the stall; a value already set is kept
+# (``benchmarks/bench_hit_turn.py`` measures the turn).
 THREAD_TIMEOUT_VAR, THREAD_TIMEOUT = "OPENBLAS_THREAD_TIMEOUT", "22"
-# MKL's OpenMP threads do the same for KMP_BLOCKTIME ms (200 by default): the
-# 16-token turn after a 300-token fp32 prefill took 157 ms against 52 at 1 ms,
-# which keeps the prefill's speed (3 and 10 ms: no faster).
+# MKL's OpenMP threads do the same for KMP_BLOCKTIME ms (200 by default); 1 ms
+# ends the stall and keeps the prefill's speed.
 BLOCKTIME_VAR, BLOCKTIME = "KMP_BLOCKTIME", "1"
 REBOUND = ("cblas_sgemm", "cblas_dgemm", "cblas_cgemm")  # what MLX's CPU backend calls
 KEEP_REFERENCE = "reference"

@@ -5,20 +5,18 @@ These are the CPU's routes where the extension is not loaded (no compiler,
 not take. The rest of this docstring is about ``exp``, which they share.
 
 MLX's CPU ``exp`` is Cephes' polynomial, but the x86-64 wheel evaluates it one
-element at a time with six out-of-line ``fmaf`` calls (libmlx imports ``fmaf``
-from glibc) and an out-of-line ``floor``: 16-25 ns an element on this project's
-2-core EPYC, against 0.8 ns for an add. ``sigmoid`` and ``softmax`` inherit
-it. In a 128-token prefill chunk of the 135M Llama, softmax and SiLU took ~45%
-of the time.
+element at a time with out-of-line ``fmaf`` and ``floor`` calls (libmlx
+imports ``fmaf`` from glibc): about twenty times an add's cost, which
+``sigmoid`` and ``softmax`` inherit, so a prefill chunk spent much of its
+time in softmax and SiLU.
 
-``exp`` below is the same kind of polynomial (Cephes ``expf``; measured max
-relative error 8e-8 against float64, ``mx.exp`` 3e-6) written as plain adds
+``exp`` below is the same kind of polynomial (Cephes ``expf``, within 2e-7
+relative of float64's, ``tests/test_fastmath.py``) written as plain adds
 and multiplies under ``mx.compile``, which MLX's CPU backend turns into
-generated SSE loops: ~3 ns an element, clamp and padding included. Such a
-loop vectorises only while every input is a contiguous array of the output's
-shape and the chain has no max/min/select; MLX also cuts a fused chain after
-~11 dependent ops, and a cut turns scalar constants into broadcast inputs,
-so the pieces below are kept shallow (a chain cut that way ran at 7 ns).
+generated SSE loops. Such a loop vectorises only while every input is a
+contiguous array of the output's shape and the chain has no max/min/select;
+MLX also cuts a fused chain after ~11 dependent ops, and a cut turns scalar
+constants into broadcast inputs, so the pieces below are kept shallow.
 
 ``2**k`` is built from bits: adding 1.5 * 2**23 rounds ``x * log2(e)`` to
 the integer ``k``, held in the low mantissa bits, so no ``floor`` is needed;
@@ -68,8 +66,8 @@ def _two_to_the(t_bits):
 
 
 # The clamps are not inside a compiled kernel: MLX's generated max/min/select
-# loops branch on NaN and run scalar (~4 ns an element); its own clip takes
-# ~0.9 ns, its maximum ~0.5.
+# loops branch on NaN and run scalar, several times slower than its own clip
+# and maximum.
 def _clamped(x):
     return mx.clip(x, -87.0, 88.0)
 
@@ -80,7 +78,7 @@ def _clamped_below(x):
 
 # Compiled for fixed shapes: MLX's shapeless CPU kernels ran these twice as
 # slowly, and cannot contain a view. ``exp`` pads its input to one of a few
-# sizes so that a new shape (a ~13 ms trace) is rare. Each compiled function
+# sizes so that a new shape (a trace of milliseconds) is rare. Each compiled function
 # below becomes one or two generated SSE loops (the view splits them).
 _reduce_c = mx.compile(_reduce)
 _exp_c = mx.compile(lambda t_bits, r: _two_to_the(t_bits) * _exp_small(r))
@@ -119,7 +117,7 @@ def _exp(x, clamp):
 
 
 # Up to this many elements (a decode step's MLP row), one kernel with MLX's
-# own sigmoid (~20 ns an element) beats the ~10 small kernels below (a few
+# own sigmoid (slow per element) beats the ~10 small kernels below (a few
 # microseconds of scheduling each, on the host and on the CPU stream).
 _FEW = 4096
 

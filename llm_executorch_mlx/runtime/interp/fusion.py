@@ -145,8 +145,8 @@ class _RopeTables:
     by every layer that reads the same tables (kept in a frame slot).
 
     On the CPU, ``mx.fast.rope`` falls back to a dozen small ops with MLX's
-    slow ``cos``/``sin`` for every q and k of every layer (~8 ms of a 135M
-    decode step); the angles are the same for all of them. They are computed
+    slow ``cos``/``sin`` for every q and k of every layer (a large part
+    of a small model's decode step); the angles are the same for all of them. They are computed
     like transformers does (fp32 ``positions * inv_freq``), with numpy's
     ``cos``/``sin`` on the host, where the positions already are.
     """

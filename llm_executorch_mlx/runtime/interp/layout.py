@@ -6,19 +6,10 @@ product to BLAS as one SGEMM; at decode it has one row, so BLAS runs a
 matrix-vector product, which streams the weight once and is as fast as its
 longest contiguous run. Storing ``W`` row-major makes the ``in`` dimension
 contiguous; storing it column-major (``W^T`` contiguous) makes ``out``
-contiguous. GB/s of weight read on the 135M Llama's shapes (2-core EPYC,
-row-major / column-major), for MKL's one-row SGEMM and for OpenBLAS's SGEMV,
-which ``cpu/sgemm_route.c`` sends one-row products to::
-
-                          MKL          OpenBLAS 0.3.21
-    q, o   576 x 576      6.4 /  8.0   10.0-11.4 /  9.6-12.1
-    k, v   192 x 576      5.8 /  4.1    9.1-10.2 /  5.8-6.5
-    gate   1536 x 576     6.8 / 12.6   14.2-15.8 / 16.8-17.6
-    down   576 x 1536    10.9 /  6.7   17.4-21.3 / 13.4-13.5
-    head   49152 x 576    6.6 / 13.6   14.9-15.4 / 20.6-22.9
-
-so for both a weight with ``out >= in`` is stored column-major and the
-others stay as they are. This applies only where one-row products do reach
+contiguous. For MKL's one-row SGEMM and OpenBLAS's SGEMV (which
+``cpu/sgemm_route.c`` sends one-row products to) alike, a weight with
+``out >= in`` streams faster column-major and the others row-major, so
+``for_blas`` stores each that way. This applies only where one-row products do reach
 BLAS (the plan's ``stores_for_blas``): with the extension's products in use,
 a decode step's products are its ``gemv``, whose dot loops read each output's weights
 as one contiguous row, so weights stay row-major as exported
