@@ -105,6 +105,14 @@ _DECLARED = (
     Option("seed", int, None,
            "Random seed for sampling, for reproducible runs at temperature > 0",
            rule="an integer in [0, 2**64) or None", valid=lambda v: _integer(v) and 0 <= v < 2**64),
+    Option("draft", str, "none",
+           "Speculative decoding: none (default) or ngram, which proposes the tokens that followed the "
+           "reply's last few earlier in the conversation (prompt lookup) and checks them all in one step; "
+           "the output is what decoding without it gives. Pays where the reply copies from the prompt",
+           choices=("none", "ngram")),
+    Option("draft_tokens", int, 5,
+           "Most tokens a draft proposes a step (default {default}; also capped by the model's chunk)",
+           rule="between 1 and 32", valid=lambda v: _integer(v) and 1 <= v <= 32),
     Option("stop", str | list[str], (),
            "Stop when this text appears (a string, or a JSON list of strings); not printed",
            rule="a string or a JSON list of non-empty strings", valid=_stop_valid, parse=_stop_strings),

@@ -37,6 +37,8 @@ class Timings:
     decode_tokens: int = 0
     decode_seconds: float = 0.0
     first_token_seconds: float | None = None
+    drafted_tokens: int = 0  # proposed by the draft (speculative decoding)
+    accepted_tokens: int = 0  # of those, kept
 
 
 def prefill(forward, cache, tokens: list[int], start: int, chunk: int) -> mx.array:
@@ -84,6 +86,7 @@ def generate_tokens(
     max_tokens: int,
     timings: Timings,
     constraint=None,
+    speculation=None,
 ) -> Iterator[Step]:
     """Prefill ``prompt[start:]`` (the part the cache does not hold yet), then
     decode up to ``max_tokens`` tokens.
@@ -97,6 +100,8 @@ def generate_tokens(
         constraint: a ``Constraint`` (constrained.py) or None. It takes
             each token once it is read on the host and masks the logits of
             the next sample: a host array, so no extra device sync.
+        speculation: a ``Speculation`` (draft and verify several tokens a
+            step, ``speculate``) or None; not with a constraint.
 
     The first token is read and yielded before the step that feeds it is
     queued (its ``Step.fed`` is False; asking for the next token feeds it):
@@ -124,6 +129,10 @@ def generate_tokens(
     yield Step(token, False)
     if max_tokens < 2 or not cache.can_extend(1):
         return
+    if speculation is not None:
+        history.append(token)
+        yield from speculate(forward, cache, history, max_tokens - 1, timings, t_first, speculation)
+        return
     position = len(prompt)
     logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
     position += 1
@@ -148,3 +157,63 @@ def generate_tokens(
         yield Step(token, fed)
         if not fed:
             return
+
+
+@dataclass
+class Speculation:
+    """Speculative decoding: ``drafter`` proposes up to ``tokens`` ids a step
+    (drafting.py); ``verify(logits, history, proposed)`` and ``sample``
+    choose each position's token as ``Sampler.verify`` and ``sample_next``."""
+
+    drafter: object
+    tokens: int
+    verify: Callable[[mx.array, list[int], int], mx.array]
+    sample: Callable[[mx.array, list[int]], mx.array]
+
+
+def speculate(forward, cache, history: list[int], max_tokens: int, timings: Timings, t_first: float,
+              speculation: Speculation) -> Iterator[Step]:
+    """Up to ``max_tokens`` tokens after ``history``, whose last token is
+    sampled and yielded but not fed; several a step where the draft guesses
+    them.
+
+    Each step feeds the unfed token and the draft's proposals in one forward
+    call, whose logits choose the token at every position: the proposals up
+    to the first one not chosen are kept, and the token chosen in its place
+    (or after the last, when all were) is the next unfed one. The cache is
+    rewound past what was not kept, so between steps it holds exactly the
+    tokens yielded but the last, as without speculation; a step may
+    have fed a few more when the caller stops reading (``stream_reply``
+    rewinds them).
+    """
+    drafter = speculation.drafter
+    drafter.extend(history[len(drafter.ids):])
+    token, position = history[-1], len(history) - 1  # the unfed token, and where it goes
+    produced = 0
+    while produced < max_tokens and cache.can_extend(1):
+        room = min(speculation.tokens, max_tokens - produced - 1, cache.capacity - cache.length - 1)
+        draft = drafter.propose(room)
+        ids = np.asarray([[token, *draft]], dtype=np.int64)
+        rows = forward.execute([ids, np.arange(position, position + ids.shape[1], dtype=np.int64)])[0][0]
+        chosen = [speculation.verify(rows[i], history + draft[:i], d) for i, d in enumerate(draft)]
+        chosen.append(speculation.sample(rows[len(draft)], history + draft))
+        forward.submit(*chosen)
+        forward.wait(chosen[-1])
+        chosen = mx.stack(chosen).tolist()
+        kept = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
+        position += 1 + kept
+        # the unfed token and the kept proposals; a ring layer allows it, since
+        # one call writes at most its max write (speculation.tokens + 1)
+        if not cache.rewind(position):
+            raise RuntimeError(f"the cache cannot rewind to {position} after a speculative step")
+        timings.drafted_tokens += len(draft)
+        timings.accepted_tokens += kept
+        new = chosen[: kept + 1]
+        history.extend(new)
+        drafter.extend(new)
+        token = new[-1]
+        for n, t in enumerate(new):
+            produced += 1
+            timings.decode_tokens += 1
+            timings.decode_seconds = time.perf_counter() - t_first
+            yield Step(t, n < kept)

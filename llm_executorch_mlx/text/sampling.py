@@ -58,6 +58,23 @@ class Sampler:
             recent = mx.array(history[-REPETITION_CONTEXT:])
         return self.sample(logits, recent)
 
+    def verify(self, logits: mx.array, history: list[int], proposed: int) -> mx.array:
+        """The token after ``history`` given that a draft proposed ``proposed``
+        there, as an unevaluated scalar: ``proposed`` itself when it is
+        accepted. Greedy: the argmax, which accepts it only if it is that.
+        Sampling: accepted with its probability, else a draw from the rest
+        renormalized; a proposal made with certainty (prompt lookup's) then
+        leaves the distribution exactly what ``sample_next`` draws from
+        (speculative sampling, Leviathan et al. 2023)."""
+        recent = mx.array(history[-REPETITION_CONTEXT:]) if self.repetition_penalty != 1.0 else None
+        logits = self.process(logits, recent)
+        if self.temperature == 0:
+            return mx.argmax(logits)
+        self._key, accept_key, draw_key = mx.random.split(self._key, 3)
+        accepted = mx.random.uniform(key=accept_key) < mx.softmax(logits)[proposed]
+        others = mx.where(mx.arange(logits.size) == proposed, -mx.inf, logits)
+        return mx.where(accepted, proposed, mx.random.categorical(others, key=draw_key))
+
     def process(self, logits: mx.array, recent: mx.array | Sequence[int] | None = None) -> mx.array:
         """The logits ``sample`` draws from: penalized, divided by the temperature
         and filtered, excluded tokens at -inf. Greedy: only penalized."""

@@ -21,6 +21,8 @@ def turn_stats(result, timings: Timings, cache, program) -> dict:
         "time_to_first_token_s": round(t.first_token_seconds or 0.0, 4),
         "prefill_tokens_per_s": round(t.prefill_tokens / t.prefill_seconds, 2) if t.prefill_seconds else None,
         "decode_tokens_per_s": round(t.decode_tokens / t.decode_seconds, 2) if t.decode_seconds else None,
+        "drafted_tokens": t.drafted_tokens,
+        "accepted_tokens": t.accepted_tokens,
         "finish_reason": result.finish_reason,
         "cache_path": result.cache_path,
         "cache_length": cache.length,

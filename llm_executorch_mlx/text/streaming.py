@@ -37,6 +37,7 @@ def stream_reply(
     matcher: StopMatcher,
     decoder: StreamDecoder,
     constraint=None,
+    speculation=None,
 ) -> Generator[str, None, Reply]:
     """Generate after ``prompt``, of which the session's cache holds ``cached``
     ids; yield the text, return the ``Reply``.
@@ -47,6 +48,7 @@ def stream_reply(
         matcher: the stop strings, fresh for this reply.
         max_tokens: most tokens to generate; the room left in the cache caps it too.
         constraint: what the reply may be (``generate_tokens``), or None.
+        speculation: how to draft and verify tokens (``generate_tokens``), or None.
     """
     cache = session.cache
     budget = min(max_tokens, cache.capacity - len(prompt))
@@ -58,7 +60,8 @@ def stream_reply(
     stop_string = False
     yielded: list[int] = []  # every token generated, a stop token included
     try:
-        steps = generate_tokens(session.forward, cache, prompt, cached, chunk, sample, budget, timings, constraint)
+        steps = generate_tokens(session.forward, cache, prompt, cached, chunk, sample, budget, timings, constraint,
+                                speculation)
         step = None
         for step in steps:
             yielded.append(step.token)
@@ -79,10 +82,11 @@ def stream_reply(
             if tail_text:
                 text_parts.append(tail_text)
                 yield tail_text
-        if (finish_reason == "stop" and not stop_string and step.token != stops.turn_end
-                and cache.length == len(prompt) + len(yielded)):
-            # the stop token was fed; only the turn-end token is kept: it closes the assistant turn
-            cache.rewind(cache.length - 1)
+        through_stop = len(prompt) + len(yielded)
+        if finish_reason == "stop" and not stop_string and cache.length >= through_stop:
+            # the stop token was fed (and, speculating, maybe proposals after
+            # it); only the turn-end token is kept: it closes the assistant turn
+            cache.rewind(through_stop - (step.token != stops.turn_end))
     finally:
         # the cache holds the prompt, then the first of the yielded tokens
         # (generate_tokens), which the session records

@@ -19,6 +19,8 @@ from . import store
 from .constrained import Constraint
 from .conversation import assistant_message, calls_as_text, encode_conversation, message_key, reply_start
 from .detokenize import StreamDecoder
+from .drafting import NgramDrafter
+from .generate import Speculation
 from .errors import TextError
 from .reasoning import opens_reasoning, think_tags, thinking_context
 from .reply_parts import ReplySplitter, split_reply
@@ -117,12 +119,22 @@ class Turn:
         call = None if forced is None else (self.tool_format, forced)
         return Constraint(schema, self.tokenizer, n_vocab, self.stops.ids, call=call)
 
+    def _speculation(self, session, prompt: list[int], chunk: int) -> Speculation | None:
+        """How ``-o draft`` speculates in this turn, or None: not under a
+        constraint (its mask follows each token in turn), nor with a forward
+        that returns one position's logits only, nor with one-token calls."""
+        if self.opts.draft == "none" or self.constraint is not None or session.forward.n_inputs != 2 or chunk < 2:
+            return None
+        return Speculation(NgramDrafter(prompt), min(self.opts.draft_tokens, chunk - 1),
+                           self.sampler.verify, self.sampler.sample_next)
+
     def _disk_key(self) -> tuple[dict, dict]:
         """The model identity and cache policy a saved state must match."""
         policy = {
             "capacity": self.policy.capacity, "dtype": self.policy.dtype,
             "windows": [g.window for g in self.program.cache_geometry(self.policy.windows)],
             "compute": self.program.compute_dtype, "device": mx.default_device().type.name,
+            "int8_activations": self.opts.int8_activations,  # the route changes the cached keys and values
         }
         return model_identity(self.program.path), policy
 
@@ -220,9 +232,10 @@ class Turn:
         mx.reset_peak_memory()
         # a narrowed window lowers the cache's max write below the export's chunk
         chunk = session.cache.max_write or self.program.metadata.prefill_chunk
+        speculation = self._speculation(session, prompt, chunk)
         reply = yield from stream_reply(
             session, prompt, cached, chunk, self.sampler.sample_next, self.opts.max_tokens,
-            self.stops, matcher, decoder, self.constraint,
+            self.stops, matcher, decoder, self.constraint, speculation,
         )
         if self.constraint is not None and not self.constraint.complete:
             raise TextError(_cut_document(reply.finish_reason, self.opts.max_tokens, self.constraint.what))
@@ -235,6 +248,7 @@ class Turn:
             finish_reason=reply.finish_reason, cache_path=path,
         )
         result.stats = turn_stats(result, reply.timings, session.cache, self.program)
+        result.stats["draft"] = self.opts.draft if speculation is not None else "none"
         if self.disk:
             result.stats["disk_loaded_tokens"] = loaded if path == "disk" else 0
             result.stats["disk_load_s"] = round(load_s, 4)
