@@ -604,10 +604,9 @@ def markdown(args, vs, summary, plugins_seen, imports, paths, prompt_top, diff, 
 
 
 def machine_info(python: str) -> dict:
-    """bench_decode's machine info (via bench_memory), gathered in a child:
-    it imports mlx."""
-    code = ("import json, sys; sys.path.insert(0, %r); import bench_memory; "
-            "print(json.dumps(bench_memory.machine_info(), default=str))") % str(HERE)
+    """``harness.machine``'s machine info, gathered in a child: it imports mlx."""
+    code = ("import json, sys; sys.path.insert(0, %r); from harness import machine; "
+            "print(json.dumps(machine.machine_info(machine.bind_blas_and_import_mlx()), default=str))") % str(HERE)
     done = subprocess.run([python, "-c", code], capture_output=True, text=True)
     try:
         info = json.loads(done.stdout)
@@ -617,7 +616,7 @@ def machine_info(python: str) -> dict:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "note": "bench_decode.machine_info() failed: " + done.stderr[-300:],
+            "note": "harness.machine.machine_info() failed: " + done.stderr[-300:],
         }
     for dist in ("llm", "pluggy", "click", "pydantic"):
         try:

@@ -20,13 +20,15 @@ import os
 import pathlib
 import sys
 
+from harness import cli, models
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Build (or reuse) bench_startup.py's small model.")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work")
+    p.add_argument("--workdir", type=pathlib.Path, default=cli.WORKDIR)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -34,12 +36,8 @@ def main(argv=None) -> None:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
-    sys.path.insert(0, str(HERE))
-    import bench_memory  # its decode_artifacts copes with bench_decode's changing shape
-
-    _, ptes = bench_memory.decode_artifacts([
-        "--shape", "tiny", "--seed", str(args.seed), "--dtypes", "fp32", "--workdir", str(args.workdir),
-    ])
+    model_dir, base = models.model_source(args.workdir, "tiny", args.seed)
+    pte = models.cached_export(base, model_dir, "fp32", 1024, 128)
 
     tok_dir = args.workdir / "startup-tokenizer"
     tokenizer = tok_dir / "tokenizer.json"
@@ -48,7 +46,7 @@ def main(argv=None) -> None:
         from models import make_tokenizer
 
         make_tokenizer(tok_dir)
-    json.dump({"pte": str(ptes["fp32"].resolve()), "tokenizer": str(tokenizer.resolve())}, out)
+    json.dump({"pte": str(pte.resolve()), "tokenizer": str(tokenizer.resolve())}, out)
     out.write("\n")
     out.close()
 
