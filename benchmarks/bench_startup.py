@@ -351,7 +351,7 @@ plugin.register_commands(llm.cli.cli)
 t2 = time.perf_counter()
 after_commands = set(sys.modules)
 models = []
-plugin.register_models(lambda model, aliases=(): models.append(model.model_id))
+plugin.register_models(lambda model, async_model=None, aliases=(): models.append(model.model_id))
 t3 = time.perf_counter()
 after_models = set(sys.modules)
 print(json.dumps({
