@@ -3,8 +3,10 @@
 Reuses ``bench_decode.py``'s tiny random Llama (2 layers, hidden 64, vocab
 2048, exported to fp32 with max context 1024 and prefill chunk 128, cached
 under the workdir) and the tests' small BPE tokenizer (``tests/models.py``
-``make_tokenizer``: 200 ids, a Llama 3 chat template). Prints one JSON object,
-``{"pte": ..., "tokenizer": ...}``, to stdout; progress goes to stderr.
+``make_tokenizer``: 200 ids and a Llama 3 chat template), padded with extra
+tokens to the model's 2048 ids, as ``llm pte register`` asks. Prints one
+JSON object, ``{"pte": ..., "tokenizer": ...}``, to stdout; progress goes to
+stderr.
 
     python benchmarks/startup_fixture.py --workdir benchmarks/.work
 
@@ -39,13 +41,14 @@ def main(argv=None) -> None:
     model_dir, base = models.model_source(args.workdir, "tiny", args.seed)
     pte = models.cached_export(base, model_dir, "fp32", 1024, 128)
 
-    tok_dir = args.workdir / "startup-tokenizer"
+    tok_dir = args.workdir / "startup-tokenizer-padded"
     tokenizer = tok_dir / "tokenizer.json"
     if not tokenizer.exists():
         sys.path.insert(0, str(REPO / "tests"))
         from models import make_tokenizer
 
-        make_tokenizer(tok_dir)
+        vocab = models.SHAPES["tiny"]["vocab_size"]
+        make_tokenizer(tok_dir, extra_tokens=vocab - 200)
     json.dump({"pte": str(pte.resolve()), "tokenizer": str(tokenizer.resolve())}, out)
     out.write("\n")
     out.close()
