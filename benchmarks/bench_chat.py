@@ -65,7 +65,7 @@ from dataclasses import asdict, dataclass, field
 from harness import cli, machine, models
 from harness.conversation import register_pte
 from harness.engines import load_mlx_lm
-from harness.report import fmt, log, spread, table
+from harness.report import fmt, log, spread, table, write_json
 from harness.timing import common_prefix, settle
 
 MODEL_NAME = "chat-bench"
@@ -464,8 +464,7 @@ def main(argv=None) -> None:
     if args.json:
         report = {"args": vars(args), "model_dir": model_dir, "pte": pte, "compute_dtype": compute_dtype,
                   "machine": info, "reps": reps, "summary": rows}
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

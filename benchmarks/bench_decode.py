@@ -35,20 +35,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import pathlib
 import sys
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 import xnnpack_peer  # imports neither torch nor executorch until used
 from harness import cli, machine, models
 from harness.engines import MlxLm, Ours
 from harness.models import DTYPE_BYTES, DTYPES, in_child, model_shape, pte_info
-from harness.report import fmt, log, spread, summarize_runs, table
+from harness.report import fmt, log, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle, timed
 
 ENGINES = ("ours", "ours-native", "mlx-lm", "xnnpack")
@@ -208,7 +205,7 @@ def bench_dtype(dtype: str, art: Artifacts, args, bandwidth: float) -> dict:
         sys.exit(f"{pte} is {meta.activation_dtype}, expected {dtype}")
     engines = make_engines(dtype, art, args, meta)
     names = [e.name for e in engines]
-    prompt = np.random.default_rng(args.seed).integers(0, meta.vocab_size, args.prompt_len).tolist()
+    prompt = models.random_prompt(args.seed, meta.vocab_size, args.prompt_len)
 
     def one(engine) -> Run:
         settle()
@@ -323,8 +320,7 @@ def main(argv=None) -> None:
             "bandwidth": bandwidth,
             "results": results,
         }
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ import numpy as np
 from harness import cli, machine
 from harness.engines import LLAMA_KV_TYPES, LlamaCpp, MlxLm, Ours
 from harness.models import in_child
-from harness.report import fmt, log, ratio_spread, spread, summarize_runs, table
+from harness.report import fmt, log, ratio_spread, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle
 
 
@@ -459,8 +459,7 @@ def main(argv=None) -> None:
     if args.json:
         report = {"args": vars(args), "artifacts": vars(art), "prompt": prompt, "machine": info,
                   "results": results}
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

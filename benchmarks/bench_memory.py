@@ -43,7 +43,7 @@ import sys
 
 from harness import cli, machine, models
 from harness.models import DTYPE_BYTES, DTYPES, kv_bytes_per_token
-from harness.report import fmt, log, ratio_spread, spread, table
+from harness.report import fmt, log, ratio_spread, spread, table, write_json
 
 PROBE = pathlib.Path(__file__).resolve().parent / "memory_probe.py"
 ENGINES = ("ours", "mlx-lm")
@@ -322,8 +322,7 @@ def main(argv=None) -> None:
             "summary": summarize(result, args),
             "runs": {f"{d}/{e}": rs for (d, e), rs in result["runs"].items()},
         }
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

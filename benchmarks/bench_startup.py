@@ -54,7 +54,7 @@ import tempfile
 import time
 
 from harness import cli
-from harness.report import fmt, log, row, spread, table
+from harness.report import fmt, log, row, spread, table, write_json
 
 HERE = pathlib.Path(__file__).resolve().parent
 PLUGIN_DIST = "llm-executorch-mlx"
@@ -650,8 +650,7 @@ def main(argv=None) -> None:
             "sys_modules": diff,
             "runtime_native": native,
         }
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

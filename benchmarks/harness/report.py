@@ -66,3 +66,11 @@ def summarize_runs(reps: list[dict], names: list[str]) -> dict:
         name: spread([r["same_tokens"][name] for r in reps]) for name in names if name != "ours"
     }
     return out
+
+
+def write_json(path, raw: dict) -> None:
+    """Every raw number of a run, for ``--json``."""
+    import json
+
+    path.write_text(json.dumps(raw, indent=2, default=str) + "\n")
+    log(f"wrote {path}")
