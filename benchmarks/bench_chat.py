@@ -53,23 +53,20 @@ one would find the plugin's cache of the last run. Replies that stop early
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import json
 import os
 import pathlib
-import statistics
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
-HERE = pathlib.Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))  # for bench_decode
-
-import bench_decode  # noqa: E402  (shapes, artifacts, machine info)
-from bench_decode import common_prefix  # noqa: E402
+from harness import cli, machine, models
+from harness.conversation import register_pte
+from harness.engines import load_mlx_lm
+from harness.report import fmt, log, spread, table, write_json
+from harness.timing import common_prefix, settle
 
 MODEL_NAME = "chat-bench"
 SPECIALS = ["<unk>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -80,9 +77,6 @@ LLAMA3_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
 )
 ENGINES = ("ours", "re-prefill", "mlx-lm cached")
-# Seconds between two engines' turns, so thread pools that spin after their
-# work (OpenMP's 200 ms block time under MKL) are quiet before the next clock starts.
-SETTLE_S = 0.3
 GOALS = {"re-prefill": 0.15, "mlx-lm cached": 1.1}  # most ours/engine TTFT at the last turn
 
 
@@ -92,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Per-turn tokens sent to forward and time to first token over a chat: "
                     "llm-executorch-mlx vs full re-prefill vs mlx-lm with a reused prompt cache.",
     )
-    bench_decode.add_model_arguments(p, max_ctx_len=2048)
+    cli.add_model_arguments(p, max_ctx_len=2048)
     p.add_argument("--pte", type=pathlib.Path,
                    help="reuse this .pte exported from --model-dir (its dtype must be --dtype)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help=".pte dtype (default: bf16)")
@@ -102,11 +96,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=8, help="user turns (default: 8)")
     p.add_argument("--user-tokens", type=int, default=150, help="words (= tokens) per user message (default: 150)")
     p.add_argument("--reply-tokens", type=int, default=64, help="greedy tokens per reply (default: 64)")
-    p.add_argument("--reps", type=int, default=1, help="whole chats to time (default: 1)")
-    p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
+    cli.add_reps(p, 1, "whole chats to time")
+    cli.add_json(p)
     args = p.parse_args(argv)
-    if args.pte and args.model_dir is None:
-        p.error("--pte needs --model-dir: mlx-lm runs the Hugging Face weights the .pte came from")
+    cli.check_pte_needs_model_dir(p, args)
     if min(args.turns, args.user_tokens, args.reply_tokens, args.reps) < 1:
         p.error("--turns, --user-tokens, --reply-tokens and --reps must be at least 1")
     return args
@@ -116,33 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def prepare_pte(args) -> tuple[pathlib.Path, pathlib.Path]:
-    """The HF model dir and the .pte, built and exported by bench_decode's
-    helpers when missing.
-
-    Cached under ``--workdir`` with bench_decode's names (the random model by
-    shape and seed, a ``--model-dir``'s exports by its path, each export by
-    dtype, context and chunk), so the two scripts share what they build.
-    """
-
-    model_dir = args.model_dir
-    if model_dir is not None:
-        resolved = model_dir.resolve()
-        base = args.workdir / f"{resolved.name}-{hashlib.sha1(str(resolved).encode()).hexdigest()[:8]}"
-    else:
-        base = args.workdir / f"{args.shape}-seed{args.seed}"
-        model_dir = base / "hf"
-        if not (model_dir / "config.json").exists():
-            base.mkdir(parents=True, exist_ok=True)
-            log(f"building random {args.shape} model in {model_dir}")
-            bench_decode.in_child(bench_decode.build_random_model, args.shape, args.seed, model_dir)
-    if args.pte:
-        return model_dir, args.pte
-    pte = base / f"{args.dtype}-ctx{args.max_ctx_len}-chunk{args.prefill_chunk}.pte"
-    if not pte.exists():
-        base.mkdir(parents=True, exist_ok=True)
-        log(f"exporting {args.dtype} to {pte}")
-        bench_decode.in_child(bench_decode.export_pte, model_dir, pte, args.dtype, args.max_ctx_len,
-                              args.prefill_chunk)
+    """The HF model dir and the .pte, cached under ``--workdir`` with
+    bench_decode's names, so the two scripts share what they build."""
+    model_dir, base = models.model_source(args.workdir, args.shape, args.seed, args.model_dir)
+    pte = args.pte or models.cached_export(base, model_dir, args.dtype, args.max_ctx_len, args.prefill_chunk)
     return model_dir, pte
 
 
@@ -183,22 +153,6 @@ def write_tokenizer(directory: pathlib.Path, vocab_size: int) -> pathlib.Path:
     return directory / "tokenizer.json"
 
 
-def register_pte(pte: pathlib.Path, tokenizer: pathlib.Path) -> str:
-    """Register ``pte`` with the plugin's ``llm pte register``; its model id.
-
-    ``LLM_USER_PATH`` must already point at a throwaway directory.
-    """
-    from click.testing import CliRunner
-    from llm.cli import cli
-
-    result = CliRunner().invoke(
-        cli, ["pte", "register", str(pte), "--tokenizer", str(tokenizer), "--name", MODEL_NAME],
-    )
-    if result.exit_code:
-        sys.exit(f"llm pte register failed: {result.output}{result.exception or ''}")
-    return f"pte:{MODEL_NAME}"
-
-
 def user_messages(vocab_words: list[str], n_turns: int, n_words: int, seed: int, stream: int) -> list[str]:
     """``n_turns`` messages of ``n_words`` pseudo-words each, one seeded stream per chat."""
     import numpy as np
@@ -233,7 +187,7 @@ class TurnRun:
     stats: dict = field(default_factory=dict)  # ours: the plugin's response_json
 
 
-class Ours:
+class OursChat:
     """The plugin, through llm's conversation API."""
 
     name = "ours"
@@ -270,18 +224,7 @@ class Ours:
         )
 
 
-def load_mlx_lm(model_dir: pathlib.Path, dtype: str):
-    """mlx-lm's model of ``model_dir``, its weights cast to ``dtype``."""
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(model_dir)
-    model.set_dtype({"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}[dtype])
-    mx.eval(model.parameters())
-    return model
-
-
-class MlxLm:
+class MlxLmChat:
     """mlx-lm's ``generate_step`` over the whole history rendered by its own
     tokenizer wrapper; with ``reuse``, one prompt cache kept across turns."""
 
@@ -350,10 +293,9 @@ class MlxLm:
 # -- the chat -----------------------------------------------------------------
 
 
-def chat(ours: Ours, reprefill: MlxLm, cached: MlxLm, texts: list[str], reply_tokens: int) -> list[dict]:
+def chat(ours: OursChat, reprefill: MlxLmChat, cached: MlxLmChat, texts: list[str],
+         reply_tokens: int) -> list[dict]:
     """One conversation, the engines interleaved per turn; a record per turn."""
-    import mlx.core as mx
-
     for engine in (ours, reprefill, cached):
         engine.start()
     messages, records, context = [], [], 0
@@ -361,8 +303,7 @@ def chat(ours: Ours, reprefill: MlxLm, cached: MlxLm, texts: list[str], reply_to
         messages.append({"role": "user", "content": text})
         runs = {}
         for engine in (ours, reprefill, cached):
-            mx.clear_cache()
-            time.sleep(SETTLE_S)
+            settle()
             runs[engine.name] = engine.turn(messages, reply_tokens)
         reply = runs["ours"].text
         messages.append({"role": "assistant", "content": reply})
@@ -401,10 +342,10 @@ def run_all(args, model_id: str, model_dir: pathlib.Path, tokenizer_dir: pathlib
     if (pte_meta.max_context or 0) < needed:
         sys.exit(f"the .pte holds {pte_meta.max_context} tokens; the chat needs {needed}: "
                  f"leave out --pte, or export with --max-ctx-len {needed} or more")
-    ours = Ours(model_id, args.compute)
+    ours = OursChat(model_id, args.compute)
     model = load_mlx_lm(model_dir, compute_dtype)
-    reprefill = MlxLm(model, tokenizer, pte_meta.prefill_chunk, reuse=False)
-    cached = MlxLm(model, tokenizer, pte_meta.prefill_chunk, reuse=True)
+    reprefill = MlxLmChat(model, tokenizer, pte_meta.prefill_chunk, reuse=False)
+    cached = MlxLmChat(model, tokenizer, pte_meta.prefill_chunk, reuse=True)
     log("warmup chat (2 turns, 4-token replies)")
     chat(ours, reprefill, cached, user_messages(words, 2, args.user_tokens, args.seed, 0), 4)
     reps = []
@@ -418,18 +359,6 @@ def run_all(args, model_id: str, model_dir: pathlib.Path, tokenizer_dir: pathlib
 
 
 # -- reporting ----------------------------------------------------------------
-
-
-def spread(values: list[float]) -> dict:
-    """Median, min and max of a list of numbers."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def cell(s: dict, pattern: str) -> str:
-    """One number, or ``median [min–max]`` when the repetitions differ."""
-    if s["min"] == s["max"]:
-        return pattern.format(s["median"])
-    return f"{pattern.format(s['median'])} [{pattern.format(s['min'])}–{pattern.format(s['max'])}]"
 
 
 def summarize(reps: list[list[dict]]) -> list[dict]:
@@ -447,26 +376,28 @@ def summarize(reps: list[list[dict]]) -> list[dict]:
 
 def markdown(rows: list[dict], args, compute_dtype: str) -> str:
     """The per-turn table and the goals of the last turn."""
+    def cell(s: dict, pattern: str) -> str:
+        return fmt(s, pattern, collapse=True)
+
+    header = ["turn", "prompt tokens", "new tokens", "ours sent", "ours cache path", "ours TTFT"]
+    header += [f"{name} {what}" for name in ENGINES[1:] for what in ("sent", "TTFT")]
+    header += [f"ours/{name} TTFT" for name in ENGINES[1:]]
+    cells = [
+        [r["turn"], cell(r["ours"]["prompt_tokens"], "{:.0f}"), cell(r["new_tokens"], "{:.0f}"),
+         cell(r["ours"]["sent"], "{:.0f}"), "/".join(r["ours"]["cache_path"]), cell(r["ours"]["ttft_s"], "{:.3f}")]
+        + [cell(r[name][key], pattern) for name in ENGINES[1:] for key, pattern in (("sent", "{:.0f}"),
+                                                                                      ("ttft_s", "{:.3f}"))]
+        + [cell(r["ours_ttft_ratio"][name], "{:.2f}") for name in ENGINES[1:]]
+        for r in rows
+    ]
     lines = [
         f"{args.turns} turns of {args.user_tokens}-word user messages and {args.reply_tokens}-token greedy "
         f"replies; {args.dtype} .pte, all engines computing in {compute_dtype} (compute_dtype {args.compute}); "
         f"{args.reps} chat(s) after 1 warmup chat; TTFT in seconds"
         + (", median [min–max]" if args.reps > 1 else ""),
         "",
-        "| turn | prompt tokens | new tokens | ours sent | ours cache path | ours TTFT | re-prefill sent "
-        "| re-prefill TTFT | mlx-lm cached sent | mlx-lm cached TTFT | ours/re-prefill TTFT "
-        "| ours/mlx-lm cached TTFT |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table(header, cells),
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['turn']} | {cell(r['ours']['prompt_tokens'], '{:.0f}')} | {cell(r['new_tokens'], '{:.0f}')} | "
-            f"{cell(r['ours']['sent'], '{:.0f}')} | {'/'.join(r['ours']['cache_path'])} | "
-            f"{cell(r['ours']['ttft_s'], '{:.3f}')} | "
-            + " | ".join(f"{cell(r[name]['sent'], '{:.0f}')} | {cell(r[name]['ttft_s'], '{:.3f}')}"
-                         for name in ENGINES[1:])
-            + " | " + " | ".join(cell(r["ours_ttft_ratio"][name], "{:.2f}") for name in ENGINES[1:]) + " |"
-        )
     return "\n".join(lines + ["", goals(rows[-1])])
 
 
@@ -504,15 +435,11 @@ def notes(reps: list[list[dict]]) -> list[str]:
     return out
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
 
-    blas = bench_decode.bind_blas_and_import_mlx("auto")  # the runtime's BLAS, before mlx.core loads
-    if note := bench_decode.blas_note(blas):
+    blas = machine.bind_blas_and_import_mlx("auto")  # the runtime's BLAS, before mlx.core loads
+    if note := machine.blas_note(blas):
         log(note)
     from llm_executorch_mlx.runtime import load_program
 
@@ -522,13 +449,13 @@ def main(argv=None) -> None:
     del program
     if meta.activation_dtype != args.dtype:
         sys.exit(f"{pte} is {meta.activation_dtype}, not --dtype {args.dtype}")
-    machine = bench_decode.machine_info(blas)
+    info = machine.machine_info(blas)
     with tempfile.TemporaryDirectory(prefix="bench-chat-") as tmp:
         os.environ["LLM_USER_PATH"] = tmp
         tokenizer_dir = pathlib.Path(tmp) / "tokenizer"
-        model_id = register_pte(pte, write_tokenizer(tokenizer_dir, meta.vocab_size))
+        model_id = register_pte(pte, write_tokenizer(tokenizer_dir, meta.vocab_size), MODEL_NAME)
         reps = run_all(args, model_id, model_dir, tokenizer_dir, meta, compute_dtype)
-    machine["loadavg_end"] = os.getloadavg()
+    info["loadavg_end"] = os.getloadavg()
     rows = summarize(reps)
     print(markdown(rows, args, compute_dtype))
     remarks = notes(reps)
@@ -536,9 +463,8 @@ def main(argv=None) -> None:
         print("\nNotes:\n" + "\n".join(f"- {note}" for note in remarks))
     if args.json:
         report = {"args": vars(args), "model_dir": model_dir, "pte": pte, "compute_dtype": compute_dtype,
-                  "machine": machine, "reps": reps, "summary": rows}
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+                  "machine": info, "reps": reps, "summary": rows}
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

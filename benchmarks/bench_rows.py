@@ -36,6 +36,9 @@ import argparse
 import statistics
 import time
 
+from harness import cli
+from harness.report import fmt, ratio_spread, row, table
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the weights' dtype (default: fp32)")
     p.add_argument("--weights", type=int, default=60, help="weights per pass (default: 60)")
     p.add_argument("--shape", default="1536x576", help="each weight's [N, K], quantized formats (default: 1536x576)")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (default: 5)")
+    cli.add_reps(p, 5, "repetitions")
     return p.parse_args(argv)
 
 
@@ -72,16 +75,14 @@ def main(argv=None) -> None:
 
     mb = sum(w.nbytes for w in weights) / 1e6
     print(f"{args.weights} weights [1536, 576] {args.dtype}, {mb:.0f} MB a pass; {found.blas.library}")
-    print("| rows | BLAS ms | ours ms | BLAS / ours |")
-    print("|---|---|---|---|")
+    print("\n".join(table(["rows", "BLAS ms", "ours ms", "BLAS / ours"])))
     for m in (int(r) for r in args.rows.split(",")):
         x = mx.random.normal((1, m, 576))
         timed(blas, x), timed(kernel.gemv, x)  # warm
         pairs = [(timed(blas, x), timed(kernel.gemv, x)) for _ in range(args.reps)]
-        ratios = [b / o for b, o in pairs]
-        b, o = (1000 * statistics.median(p[i] for p in pairs) for i in (0, 1))
-        print(f"| {m} | {b:.1f} | {o:.1f} | {statistics.median(ratios):.2f} "
-              f"[{min(ratios):.2f}–{max(ratios):.2f}] |", flush=True)
+        b, o = ([p[i] for p in pairs] for i in (0, 1))
+        print(row([m, f"{1000 * statistics.median(b):.1f}", f"{1000 * statistics.median(o):.1f}",
+                   fmt(ratio_spread(b, o), "{:.2f}")]), flush=True)
 
 
 def helped_pass(kernel, product, x, weights) -> float:
@@ -121,9 +122,8 @@ def quantized(args, kernel, library: str) -> None:
 
     mb = sum(a.nbytes for q in stored for a in q) / 1e6
     print(f"{args.weights} weights [{n}, {k}] {bits}-bit, group {group}, {mb:.0f} MB a pass; {library}")
-    print("| rows | BLAS ms | stored ms | interleaved ms | int8 ms | BLAS / interleaved | stored / interleaved "
-          "| interleaved / int8 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(table(["rows", "BLAS ms", "stored ms", "interleaved ms", "int8 ms", "BLAS / interleaved",
+                           "stored / interleaved", "interleaved / int8"])))
     for m in (int(r) for r in args.rows.split(",")):
         x = mx.random.normal((1, m, k))
         wanted = [r for r in routes if r != "stored" or m <= 16]  # the stored layout's GEMV takes 16 rows
@@ -135,11 +135,10 @@ def quantized(args, kernel, library: str) -> None:
         def ratio(a, b="interleaved"):
             if a not in ms:
                 return "–"
-            rs = [t[a] / t[b] for t in times]
-            return f"{statistics.median(rs):.2f} [{min(rs):.2f}–{max(rs):.2f}]"
+            return fmt(ratio_spread([t[a] for t in times], [t[b] for t in times]), "{:.2f}")
 
-        print(f"| {m} | {ms['blas']:.1f} | {ms.get('stored', float('nan')):.1f} | {ms['interleaved']:.1f} | "
-              f"{ms['int8']:.1f} | {ratio('blas')} | {ratio('stored')} | {ratio('interleaved', 'int8')} |", flush=True)
+        print(row([m, f"{ms['blas']:.1f}", f"{ms.get('stored', float('nan')):.1f}", f"{ms['interleaved']:.1f}",
+                   f"{ms['int8']:.1f}", ratio("blas"), ratio("stored"), ratio("interleaved", "int8")]), flush=True)
 
 
 if __name__ == "__main__":

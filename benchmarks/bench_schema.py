@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import time
+
+from harness import cli
 
 SCHEMA = {  # what `llm --schema 'name, age int, bio'` sends
     "type": "object",
@@ -75,8 +76,7 @@ def run(program, tokenizer, prompt, max_tokens, stops, constraint=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("pte", type=pathlib.Path)
-    ap.add_argument("--tokenizer", type=pathlib.Path, help="default: tokenizer.json beside the .pte")
+    cli.add_pte_and_tokenizer(ap)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tool-choice", action="store_true", help="a forced call of TOOLS instead of the schema")
@@ -92,7 +92,7 @@ def main():
 
     program = load_program(args.pte)
     program.prepare_cpu_kernels()
-    tokenizer = load_tokenizer(args.tokenizer or args.pte.parent / "tokenizer.json")
+    tokenizer = load_tokenizer(cli.tokenizer_of(args))
     template = resolve_template("auto", tokenizer)
     call = None
     if args.tool_choice:

@@ -48,11 +48,13 @@ import platform
 import re
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from harness import cli
+from harness.report import fmt, log, row, spread, table, write_json
 
 HERE = pathlib.Path(__file__).resolve().parent
 PLUGIN_DIST = "llm-executorch-mlx"
@@ -77,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         description="Start-up time the llm-executorch-mlx plugin adds to llm, and what a "
                     "prompt imports (fresh subprocesses, interleaved).",
     )
-    p.add_argument("--reps", type=int, default=15, help="timed repetitions of each command (default: 15)")
+    cli.add_reps(p, 15, "timed repetitions of each command")
     p.add_argument("--importtime-reps", type=int, default=3,
                    help="-X importtime runs per command, medians taken (default: 3)")
     p.add_argument("--top", type=int, default=12, help="rows in the import top lists (default: 12)")
@@ -85,13 +87,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the llm executable (default: the one beside this Python, else on PATH)")
     p.add_argument("--pte", type=pathlib.Path, help="prompt this .pte instead of building the tiny model")
     p.add_argument("--tokenizer", type=pathlib.Path, help="its tokenizer (with --pte)")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work",
-                   help="where the tiny model is cached (default: benchmarks/.work)")
+    cli.add_workdir(p, "the tiny model's files")
     p.add_argument("--bytecode", choices=("cached", "as-is"), default="cached",
                    help="cached (default): children write and reuse bytecode in a private "
                         "PYTHONPYCACHEPREFIX (warmed up before timing), as an installed package has "
                         "it, even where PYTHONDONTWRITEBYTECODE is set; as-is: the environment's setting")
-    p.add_argument("--json", type=pathlib.Path, help="also write every raw number here")
+    cli.add_json(p)
     args = p.parse_args(argv)
     if (args.pte is None) != (args.tokenizer is None):
         p.error("--pte and --tokenizer go together")
@@ -104,10 +105,6 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error("no llm executable found: pass --llm")
         args.llm = pathlib.Path(found)
     return args
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def llm_python(llm: pathlib.Path) -> str:
@@ -354,7 +351,7 @@ plugin.register_commands(llm.cli.cli)
 t2 = time.perf_counter()
 after_commands = set(sys.modules)
 models = []
-plugin.register_models(lambda model, aliases=(): models.append(model.model_id))
+plugin.register_models(lambda model, async_model=None, aliases=(): models.append(model.model_id))
 t3 = time.perf_counter()
 after_models = set(sys.modules)
 print(json.dumps({
@@ -454,16 +451,6 @@ def sys_modules_diff(runner: Runner, python: str, reps: int) -> dict:
 # -- reporting ----------------------------------------------------------------
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt(s: dict | None, pattern: str = "{:.0f}") -> str:
-    if s is None:
-        return "–"
-    return f"{pattern.format(s['median'])} [{pattern.format(s['min'])}–{pattern.format(s['max'])}]"
-
-
 def ms(values: list[float]) -> dict:
     return spread([v * 1e3 for v in values])
 
@@ -511,22 +498,21 @@ def markdown(args, vs, summary, plugins_seen, imports, paths, prompt_top, diff, 
         f"{args.reps} interleaved repetitions of each command, each a fresh process after one warmup; "
         f"{bytecode}; ms, median [min–max]; CPU = user + system",
         "",
-        "| command | plugins loaded | wall ms | CPU ms |",
-        "|---|---|---|---|",
+        *table(["command", "plugins loaded", "wall ms", "CPU ms"], [
+            [f"`{v['label']}`", v["plugins"], fmt(summary["commands"][v["key"]]["wall_ms"], "{:.0f}"),
+             fmt(summary["commands"][v["key"]]["cpu_ms"], "{:.0f}")] for v in vs
+        ]),
+        "",
     ]
-    for v in vs:
-        c = summary["commands"][v["key"]]
-        lines.append(f"| `{v['label']}` | {v['plugins']} | {fmt(c['wall_ms'])} | {fmt(c['cpu_ms'])} |")
-    lines += ["", "| difference (within each repetition) | wall ms | CPU ms |", "|---|---|---|"]
-    for d in summary["deltas"].values():
-        lines.append(f"| {d['label']}{verdict(d)} | {fmt(d['wall_ms'], '{:+.0f}')} | {fmt(d['cpu_ms'], '{:+.0f}')} |")
     l = diff["in_llm"]
-    lines += [
-        f"| in-process: import + `register_commands` (what `llm --version` runs of ours) | "
-        f"{fmt(l['version_path_ms'], '{:+.1f}')} | |",
-        f"| in-process: import + both hooks (what `llm models` runs of ours) | "
-        f"{fmt(l['models_path_ms'], '{:+.1f}')} | |",
+    deltas = [[f"{d['label']}{verdict(d)}", fmt(d["wall_ms"], "{:+.0f}"), fmt(d["cpu_ms"], "{:+.0f}")]
+              for d in summary["deltas"].values()]
+    deltas += [
+        ["in-process: import + `register_commands` (what `llm --version` runs of ours)",
+         fmt(l["version_path_ms"], "{:+.1f}"), ""],
+        ["in-process: import + both hooks (what `llm models` runs of ours)", fmt(l["models_path_ms"], "{:+.1f}"), ""],
     ]
+    lines += table(["difference (within each repetition)", "wall ms", "CPU ms"], deltas)
     lines += [
         "",
         f"Plugins loaded (`llm plugins`): none = {plugins_seen['none']}, ours only = "
@@ -535,8 +521,7 @@ def markdown(args, vs, summary, plugins_seen, imports, paths, prompt_top, diff, 
         f"Modules each command imports (PYTHONPROFILEIMPORTTIME=1, {args.importtime_reps} runs; cumulative "
         "import ms, median [min–max]; – = not imported; importtime itself slows imports):",
         "",
-        "| module | `llm --version` (ours) | `llm models` (ours) | prompt (ours) | imported via (prompt) |",
-        "|---|---|---|---|---|",
+        *table(["module", "`llm --version` (ours)", "`llm models` (ours)", "prompt (ours)", "imported via (prompt)"]),
     ]
     for name in WATCHED:
         cells = [
@@ -547,7 +532,7 @@ def markdown(args, vs, summary, plugins_seen, imports, paths, prompt_top, diff, 
         if not any(paths[k][name]["imported"] for k in paths):
             continue
         via = " → ".join(paths["prompt-ours"][name]["via"]) or ("(top level)" if paths["prompt-ours"][name]["imported"] else "")
-        lines.append(f"| {name} | {' | '.join(cells)} | {via} |")
+        lines.append(row([name, *cells, via]))
     absent = [n for n in WATCHED if not any(paths[k][n]["imported"] for k in paths)]
     on_prompt = [h for h in HEAVY if paths["prompt-ours"].get(h, {}).get("imported")]
     lines += [
@@ -559,28 +544,20 @@ def markdown(args, vs, summary, plugins_seen, imports, paths, prompt_top, diff, 
         "",
         f"Native libraries on the prompt path (invisible to -X importtime): `import "
         f"llm_executorch_mlx.runtime` in a bare interpreter (numpy and mlx included) takes "
-        f"{fmt(native['import_runtime_ms'])} ms wall, {fmt(native['import_runtime_cpu_ms'])} ms CPU, and "
+        f"{fmt(native['import_runtime_ms'], '{:.0f}')} ms wall, {fmt(native['import_runtime_cpu_ms'], '{:.0f}')} ms CPU, and "
         f"binds BLAS `{native['blas']}` into MLX; the first 256×256 matmul then takes "
-        f"{fmt(native['first_matmul_ms'])} ms wall, {fmt(native['first_matmul_cpu_ms'])} ms CPU. "
+        f"{fmt(native['first_matmul_ms'], '{:.0f}')} ms wall, {fmt(native['first_matmul_cpu_ms'], '{:.0f}')} ms CPU. "
         f"Resident afterwards: {native_libs(native)}.",
         "",
-        f"Slowest top-level imports on the prompt path (lazy imports made while running included):",
+        "Slowest top-level imports on the prompt path (lazy imports made while running included):",
         "",
-        "| module | cumulative ms |",
-        "|---|---|",
-    ]
-    for r in prompt_top:
-        lines.append(f"| {r['name']} | {fmt(r['cum_ms'], '{:.1f}')} |")
-    lines += [
+        *table(["module", "cumulative ms"], [[r["name"], fmt(r["cum_ms"], "{:.1f}")] for r in prompt_top]),
         "",
         f"`python -X importtime -c 'import {PLUGIN_MODULE}'`: {fmt(imports['total_ms'], '{:.1f}')} ms, "
         f"{imports['modules']} modules; slowest by self time:",
         "",
-        "| module | self ms |",
-        "|---|---|",
+        *table(["module", "self ms"], [[r["name"], fmt(r["self_ms"], "{:.2f}")] for r in imports["top_self"]]),
     ]
-    for r in imports["top_self"]:
-        lines.append(f"| {r['name']} | {fmt(r['self_ms'], '{:.2f}')} |")
     b, l = diff["bare"], diff["in_llm"]
     if imports["site_hooks"]:
         hooks = ", ".join(f"`{k}` {fmt(v, '{:.1f}')} ms" for k, v in imports["site_hooks"].items())
@@ -604,10 +581,9 @@ def markdown(args, vs, summary, plugins_seen, imports, paths, prompt_top, diff, 
 
 
 def machine_info(python: str) -> dict:
-    """bench_decode's machine info (via bench_memory), gathered in a child:
-    it imports mlx."""
-    code = ("import json, sys; sys.path.insert(0, %r); import bench_memory; "
-            "print(json.dumps(bench_memory.machine_info(), default=str))") % str(HERE)
+    """``harness.machine``'s machine info, gathered in a child: it imports mlx."""
+    code = ("import json, sys; sys.path.insert(0, %r); from harness import machine; "
+            "print(json.dumps(machine.machine_info(machine.bind_blas_and_import_mlx()), default=str))") % str(HERE)
     done = subprocess.run([python, "-c", code], capture_output=True, text=True)
     try:
         info = json.loads(done.stdout)
@@ -617,7 +593,7 @@ def machine_info(python: str) -> dict:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
-            "note": "bench_decode.machine_info() failed: " + done.stderr[-300:],
+            "note": "harness.machine.machine_info() failed: " + done.stderr[-300:],
         }
     for dist in ("llm", "pluggy", "click", "pydantic"):
         try:
@@ -674,8 +650,7 @@ def main(argv=None) -> None:
             "sys_modules": diff,
             "runtime_native": native,
         }
-        args.json.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        log(f"wrote {args.json}")
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import json
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 
 # Llama-3.2-1B's shape (transformers LlamaConfig fields), random weights.
@@ -54,8 +53,7 @@ def pack(out: pathlib.Path, max_ctx_len: int, chunk: int, quantize: str | None =
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.initialization import no_init_weights
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from bench_decode import export_pte, in_child
+    from harness.models import export_pte, in_child
 
     config = LlamaConfig(**shape)
     with no_init_weights():

@@ -28,6 +28,9 @@ import pathlib
 
 import numpy as np
 
+from harness.report import row, table
+from harness.timing import common_prefix
+
 HERE = pathlib.Path(__file__).resolve().parent
 PROMPTS = ("What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.",
            "Explain what a hash table is.")
@@ -109,26 +112,22 @@ def main(argv=None) -> None:
     text_ids = tokenizer.encode(args.text.read_text()).ids[: args.text_tokens]
     prompts = [tokenizer.encode(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n").ids for p in PROMPTS]
     print(f"fixed text: {len(text_ids)} tokens of {args.text.name}; {len(prompts)} prompts, {args.new_tokens} greedy tokens each\n")
-    print("| model | logit error / range, median [max] | perplexity, int8 | perplexity, within 2^-16 | "
-          "greedy tokens matching |")
-    print("|---|---|---|---|---|")
+    print("\n".join(table(["model", "logit error / range, median [max]", "perplexity, int8",
+                           "perplexity, within 2^-16", "greedy tokens matching"])))
     for pte in args.pte:
         other, int8 = (route(pte, flag, text_ids, prompts, args.new_tokens) for flag in (False, True))
         span = other["logits"].max(-1) - other["logits"].min(-1)
         error = np.abs(int8["logits"] - other["logits"]).max(-1) / span
-        agree = []
-        for a, b in zip(int8["replies"], other["replies"]):
-            same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-            agree.append(f"{same}/{len(a)}")
-        print(f"| {pte.name} | {np.median(error):.4f} [{error.max():.4f}] | {int8['perplexity']:.3f} | "
-              f"{other['perplexity']:.3f} | {', '.join(agree)} |")
+        agree = [f"{common_prefix(a, b)}/{len(a)}" for a, b in zip(int8["replies"], other["replies"])]
+        print(row([pte.name, f"{np.median(error):.4f} [{error.max():.4f}]", f"{int8['perplexity']:.3f}",
+                   f"{other['perplexity']:.3f}", ", ".join(agree)]))
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         return
-    print("\n| llama.cpp GGUF | perplexity |\n|---|---|")
+    print("\n" + "\n".join(table(["llama.cpp GGUF", "perplexity"])))
     for gguf in args.gguf:
-        print(f"| {gguf.name} | {llama_cpp_perplexity(gguf, text_ids):.3f} |")
+        print(row([gguf.name, f"{llama_cpp_perplexity(gguf, text_ids):.3f}"]))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import pathlib
 import sys
 import time
 
+from harness.models import random_prompt
+
 STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 
 
@@ -105,47 +107,18 @@ class Recorder:
         return snap
 
 
-def prompt_ids(seed: int, vocab: int, n: int) -> list[int]:
-    import numpy as np
-
-    return np.random.default_rng(seed).integers(0, vocab, n).tolist()
-
-
-def stored_weight_bytes(program) -> int:
-    """Bytes of the constants as the file stores them (before any widening)."""
-    try:
-        return program.weight_bytes(as_stored=True)
-    except TypeError:  # a runtime without compute routes holds what it stores
-        return program.weight_bytes()
-
-
-def bound_blas() -> str | None:
-    """The optimized BLAS the runtime bound into MLX, if this runtime binds one."""
-    try:
-        from llm_executorch_mlx.runtime.cpu import blas
-    except ImportError:
-        try:  # a runtime from before the cpu/ folder
-            from llm_executorch_mlx.runtime import blas
-        except ImportError:
-            return None
-    return blas.global_sgemm_library()
-
-
 def run_ours(args) -> dict:
     from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.runtime.cpu import blas
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
     from llm_executorch_mlx.text.sampling import Sampler
 
     rec = Recorder(mapped_path=str(args.pte))
     rec.snap("start")
 
-    # The library's default compute route unless --compute names one (older
-    # runtimes have no such argument).
-    program = load_program(args.pte, **({"compute": args.compute} if args.compute else {}))
-    if hasattr(program, "prepare_cpu_kernels"):  # as the plugin does before a generation
-        program.prepare_cpu_kernels()
+    program = load_program(args.pte, compute=args.compute)
+    program.prepare_cpu_kernels()  # as the plugin does before a generation
     meta = program.metadata
-    compute_dtype = getattr(program, "compute_dtype", None) or meta.activation_dtype
     # As the plugin's Turn builds it: capacity = max context, the model's
     # activation dtype, the default initial capacity (flat pools grow by
     # doubling).
@@ -158,7 +131,7 @@ def run_ours(args) -> dict:
 
     rec.snap("load", **kv(cache))
     sampler = Sampler(temperature=0.0)
-    prompt = prompt_ids(args.seed, meta.vocab_size, args.prompt_len)
+    prompt = random_prompt(args.seed, meta.vocab_size, args.prompt_len)
     steps = generate_tokens(
         forward, cache, prompt, 0, meta.prefill_chunk,
         lambda logits, history: sampler.sample(logits), args.new_tokens, Timings(),
@@ -177,12 +150,12 @@ def run_ours(args) -> dict:
 
     return {
         "engine": "ours",
-        "blas": bound_blas(),
+        "blas": blas.global_sgemm_library(),
         "dtype": meta.activation_dtype,
         "kv_dtype": cache.dtype,
-        "compute_dtype": compute_dtype,
+        "compute_dtype": program.compute_dtype,
         "weight_bytes": program.weight_bytes(),
-        "weight_bytes_stored": stored_weight_bytes(program),
+        "weight_bytes_stored": program.weight_bytes(as_stored=True),
         "kv_bytes_per_token": cache.bytes_per_token(),
         "prefill_chunk": meta.prefill_chunk,
         "max_context": meta.max_context,
@@ -197,22 +170,22 @@ def run_ours(args) -> dict:
 
 
 def run_mlx_lm(args) -> dict:
-    # The runtime binds an optimized BLAS into MLX when imported before
-    # mlx.core (as bench_decode.py does), so both engines use the same one.
-    blas = bound_blas()
+    from harness import machine
+    from harness.engines import load_mlx_lm
+    from harness.models import model_shape
+
+    # bound before mlx.core loads, so both engines use the same BLAS
+    blas = machine.bind_blas_and_import_mlx()["global_sgemm_library"]
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.generate import generate_step, generation_stream
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
 
-    dtypes = {"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}
     rec = Recorder()
     rec.snap("start")
 
-    model, config = load_model(pathlib.Path(args.model_dir))
-    model.set_dtype(dtypes[args.dtype])
-    mx.eval(model.parameters())
+    model_dir = pathlib.Path(args.model_dir)
+    model = load_mlx_lm(model_dir, args.dtype)
     cache = make_prompt_cache(model)
 
     def kv(caches) -> dict:
@@ -226,7 +199,7 @@ def run_mlx_lm(args) -> dict:
 
     rec.snap("load", **kv(cache))
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    prompt = prompt_ids(args.seed, config["vocab_size"], args.prompt_len)
+    prompt = random_prompt(args.seed, model_shape(model_dir)["vocab"], args.prompt_len)
     steps = generate_step(
         mx.array(prompt), model, max_tokens=args.new_tokens,
         prefill_step_size=args.prefill_chunk, prompt_cache=cache,
@@ -258,7 +231,7 @@ def main(argv=None) -> None:
     p.add_argument("--model-dir", help="Hugging Face model dir (mlx-lm)")
     p.add_argument("--dtype", default="fp32", help="dtype to cast to (mlx-lm)")
     p.add_argument("--prefill-chunk", type=int, default=128, help="prefill step size (mlx-lm)")
-    p.add_argument("--compute", help="compute route for load_program (ours; default: the library's)")
+    p.add_argument("--compute", default="auto", help="compute route for load_program (ours; default: auto)")
     p.add_argument("--kv-dtype", help="KV storage dtype (ours; default: the model's activation dtype, as the plugin)")
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)

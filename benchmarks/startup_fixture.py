@@ -3,8 +3,10 @@
 Reuses ``bench_decode.py``'s tiny random Llama (2 layers, hidden 64, vocab
 2048, exported to fp32 with max context 1024 and prefill chunk 128, cached
 under the workdir) and the tests' small BPE tokenizer (``tests/models.py``
-``make_tokenizer``: 200 ids, a Llama 3 chat template). Prints one JSON object,
-``{"pte": ..., "tokenizer": ...}``, to stdout; progress goes to stderr.
+``make_tokenizer``: 200 ids and a Llama 3 chat template), padded with extra
+tokens to the model's 2048 ids, as ``llm pte register`` asks. Prints one
+JSON object, ``{"pte": ..., "tokenizer": ...}``, to stdout; progress goes to
+stderr.
 
     python benchmarks/startup_fixture.py --workdir benchmarks/.work
 
@@ -20,13 +22,15 @@ import os
 import pathlib
 import sys
 
+from harness import cli, models
+
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description="Build (or reuse) bench_startup.py's small model.")
-    p.add_argument("--workdir", type=pathlib.Path, default=HERE / ".work")
+    p.add_argument("--workdir", type=pathlib.Path, default=cli.WORKDIR)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -34,21 +38,18 @@ def main(argv=None) -> None:
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
 
-    sys.path.insert(0, str(HERE))
-    import bench_memory  # its decode_artifacts copes with bench_decode's changing shape
+    model_dir, base = models.model_source(args.workdir, "tiny", args.seed)
+    pte = models.cached_export(base, model_dir, "fp32", 1024, 128)
 
-    _, ptes = bench_memory.decode_artifacts([
-        "--shape", "tiny", "--seed", str(args.seed), "--dtypes", "fp32", "--workdir", str(args.workdir),
-    ])
-
-    tok_dir = args.workdir / "startup-tokenizer"
+    tok_dir = args.workdir / "startup-tokenizer-padded"
     tokenizer = tok_dir / "tokenizer.json"
     if not tokenizer.exists():
         sys.path.insert(0, str(REPO / "tests"))
         from models import make_tokenizer
 
-        make_tokenizer(tok_dir)
-    json.dump({"pte": str(ptes["fp32"].resolve()), "tokenizer": str(tokenizer.resolve())}, out)
+        vocab = models.SHAPES["tiny"]["vocab_size"]
+        make_tokenizer(tok_dir, extra_tokens=vocab - 200)
+    json.dump({"pte": str(pte.resolve()), "tokenizer": str(tokenizer.resolve())}, out)
     out.write("\n")
     out.close()
 

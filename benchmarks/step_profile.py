@@ -28,9 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 import sys
 import time
+
+from harness import cli
+from harness.models import random_prompt
+from harness.report import fmt, spread, table
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,9 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pte", type=pathlib.Path, required=True, help="the .pte to decode with")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default: 512)")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens to generate, at least 3 (default: 128)")
-    p.add_argument("--reps", type=int, default=3, help="generations to time (default: 3)")
+    cli.add_reps(p, 3, "generations to time")
     p.add_argument("--compute", default="auto", help="load_program's compute route (default: auto)")
-    p.add_argument("--json", type=pathlib.Path, help="also write the results here")
+    cli.add_json(p)
     args = p.parse_args(argv)
     if args.new_tokens < 3:
         p.error("--new-tokens must be at least 3 (the first and last tokens are not timed steps)")
@@ -117,25 +120,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt(s: dict, pattern: str) -> str:
-    return f"{pattern.format(s['median'])} [{pattern.format(s['min'])}–{pattern.format(s['max'])}]"
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     from llm_executorch_mlx.runtime import load_program  # binds MLX's BLAS first
 
     import mlx.core as mx
-    import numpy as np
 
     program = load_program(args.pte, compute=args.compute)
     program.prepare_cpu_kernels()  # as the plugin does before a generation
     vocab = program.metadata.vocab_size or 1000
-    prompt = np.random.default_rng(0).integers(0, vocab, args.prompt_tokens).tolist()
+    prompt = random_prompt(0, vocab, args.prompt_tokens)
     profile_once(program, prompt, 8)  # warm-up: kernels compiled, shapes traced
     runs = [profile_once(program, prompt, args.new_tokens) for _ in range(args.reps)]
     keys = ("decode_tps", "step_ms", "build_ms", "submit_ms", "rest_ms")
@@ -145,11 +139,10 @@ def main(argv=None) -> None:
     print(f"# Decode step profile: {args.pte.name} on {device}, {ops} interpreted ops a step\n")
     print(f"{args.prompt_tokens}-token prompt, {args.new_tokens} greedy tokens, "
           f"{args.reps} generations, median [min–max]\n")
-    print("| decode tok/s | step ms | build ms (host) | submit ms (host) | rest ms (sampling, waiting for the device) |")
-    print("|---|---|---|---|---|")
-    print("| " + " | ".join(
-        [fmt(summary["decode_tps"], "{:.1f}")] + [fmt(summary[k], "{:.2f}") for k in keys[1:]]
-    ) + " |")
+    print("\n".join(table(
+        ["decode tok/s", "step ms", "build ms (host)", "submit ms (host)", "rest ms (sampling, waiting for the device)"],
+        [[fmt(summary["decode_tps"], "{:.1f}")] + [fmt(summary[k], "{:.2f}") for k in keys[1:]]],
+    )))
     first = runs[0]["tokens"]
     parts = [first_difference(first, r["tokens"]) for r in runs[1:]]
     if all(p is None for p in parts):
