@@ -42,8 +42,8 @@ def main(argv=None) -> None:
     from llm_executorch_mlx.runtime import cpu
 
     kernels = cpu.kernels(build=True)
-    if not kernels.gemv.on:
-        raise SystemExit(f"the shared GEMV is not in use here: {kernels.gemv.why}")
+    if not kernels.products.on:
+        raise SystemExit(f"the extension's products are not in use here: {kernels.products.why}")
     kernel = kernels.extension
     rng = np.random.default_rng(0)
     ups = [mx.array(rng.standard_normal((args.inner, args.hidden)).astype(np.float32) * args.hidden**-0.5)

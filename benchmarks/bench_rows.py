@@ -9,8 +9,8 @@ long chunk). This times both on the SmolLM2-135M MLP's shapes (a few hundred
 MB of weights, more than the caches hold), the GEMV submitted with the host
 helping as a step is, and reports ``blas / ours`` per repetition as
 ``median [min–max]``: above 1, ours is faster. For bf16 weights the row
-count where it falls below 1 is where ``DENSE_GEMV_ROWS``
-(``runtime/interp/ops/nn.py``) belongs; for fp32 it depends on the CPU and
+count where it falls below 1 is where the extension's ``dense_rows``
+(``kernels.h``'s ``Limits``) belongs; for fp32 it depends on the CPU and
 the BLAS, and the runtime measures it once per machine
 (``runtime/cpu/crossover.py``, shown by ``llm pte info``).
 
@@ -20,8 +20,8 @@ quantized GEMV on MLX's layout, on the interleaved one
 (``cpu/quantized_interleaved.h``), and the int8-activation products
 (``cpu/quantized_int8.h``, the ``int8_activations`` route); the ratios are
 ``blas / interleaved``, ``stored / interleaved`` and ``interleaved / int8``.
-Where the first falls below 1 is where ``INTERLEAVED_GEMV_ROWS``
-(``runtime/interp/ops/quant.py``) belongs. ``--shape 8192x2048 --weights 6``
+Where the first falls below 1 is where the extension's
+``interleaved_rows`` (``kernels.h``'s ``Limits``) belongs. ``--shape 8192x2048 --weights 6``
 runs a 1B model's MLP shape.
 
     python benchmarks/bench_rows.py --reps 5
@@ -58,8 +58,8 @@ def main(argv=None) -> None:
     from llm_executorch_mlx.runtime import cpu
 
     found = cpu.kernels(build=True)
-    if not found.gemv.on:
-        raise SystemExit(f"the extension's GEMV is not in use: {found.gemv.why}")
+    if not found.products.on:
+        raise SystemExit(f"the extension's products are not in use: {found.products.why}")
     kernel = found.extension
     if args.dtype in ("q4", "q8"):
         return quantized(args, kernel, found.blas.library)

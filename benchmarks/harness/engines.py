@@ -79,7 +79,7 @@ class Ours:
         kernels = self.program.cpu_kernels
         return {
             "cpu_attention_kernel": "in use" if kernels.attention.on else kernels.attention.why,
-            "cpu_gemv": "in use" if kernels.gemv.on else kernels.gemv.why,
+            "cpu_products": "in use" if kernels.products.on else kernels.products.why,
             "compute_route": self.route,
             "compute_dtype": self.compute_dtype,
             "stored_dtype": self.program.metadata.activation_dtype,
