@@ -31,9 +31,8 @@
 #include <vector>
 
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
+#include "primitive.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -496,10 +495,12 @@ const KV* kv_data(const mx::array& a) {
   return static_cast<const KV*>(a.data<void>());
 }
 
-class FusedAttention : public SharedPrimitive {
+class FusedAttention : public CpuPrimitive<FusedAttention, SharedPrimitive> {
  public:
+  static constexpr const char* kName = "FusedAttention";
   FusedAttention(mx::Stream stream, float scale, bool causal, int window, bool few_queries)
-      : SharedPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries) {}
+      : CpuPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries) {}
+  auto params() const { return std::tuple(scale_, causal_, window_, few_queries_); }
 
   // A few queries (a decode step) go row by row, shared with the host; a
   // prefill chunk's tiles are shared only where the host helps anyway
@@ -508,13 +509,8 @@ class FusedAttention : public SharedPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    auto& encoder = bind(inputs, outputs);
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(q);
-    encoder.set_input_array(k);
-    encoder.set_input_array(v);
-    encoder.set_output_array(out);
     auto started = read_ahead_later(k, nullptr, 0);  // nothing to read ahead: a step still has it to help with
     Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
                causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
@@ -528,19 +524,8 @@ class FusedAttention : public SharedPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("FusedAttention runs on the CPU only");
-  }
-
-  const char* name() const override { return "FusedAttention"; }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const FusedAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && few_queries_ == o.few_queries_;
   }
 
  private:
@@ -591,10 +576,12 @@ void copy_pool(const char* src, const mx::Strides& strides, const mx::Shape& sha
 // pools' first position + T slots, causally when T > 1. The cache hands on
 // the output pools as the layer's, so the next step's op reads them: the
 // dependency MLX schedules by, as with slice_update.
-class UpdateAndAttend : public SharedPrimitive {
+class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
  public:
+  static constexpr const char* kName = "UpdateAndAttend";
   UpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries)
-      : SharedPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries) {}
+      : CpuPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries) {}
+  auto params() const { return std::tuple(scale_, position_, few_queries_); }
 
   bool shares_work() const override { return few_queries_; }  // as FusedAttention's
 
@@ -637,19 +624,8 @@ class UpdateAndAttend : public SharedPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("UpdateAndAttend runs on the CPU only");
-  }
-
-  const char* name() const override { return "UpdateAndAttend"; }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[3].shape(), inputs[4].shape()};
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const UpdateAndAttend&>(other);
-    return scale_ == o.scale_ && position_ == o.position_ && few_queries_ == o.few_queries_;
   }
 
  private:
@@ -666,7 +642,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     err = "q, k and v must be 4-D, got " + text(q.shape()) + ", " + text(k.shape()) + ", " + text(v.shape());
   } else if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
-             (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16 && k.dtype() != mx::float16)) {
+             !is_one_of(k.dtype(), {mx::float32, mx::bfloat16, mx::float16})) {
     err = "q must be float32, k and v both float32, bfloat16 or float16";
   } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
              k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
@@ -678,9 +654,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   } else if (window < 0) {
     err = "window must be 0 (none) or positive, got " + std::to_string(window);
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);  // the CPU unless asked otherwise
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("attention: " + err);
+  const auto stream = cpu_stream("attention", err, s);
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<FusedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries),
                    {q, k, v});
@@ -694,7 +668,7 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
     err = "q, k, v and the pools must be 4-D";
   } else if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
              k_pool.dtype() != v_pool.dtype() ||
-             (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::bfloat16 && k_pool.dtype() != mx::float16)) {
+             !is_one_of(k_pool.dtype(), {mx::float32, mx::bfloat16, mx::float16})) {
     err = "q, k and v must be float32, the pools both float32, bfloat16 or float16";
   } else if (q.shape(0) != 1 || k.shape() != v.shape() || k_pool.shape() != v_pool.shape() ||
              k.shape(0) != 1 || k_pool.shape(0) != 1 || k.shape(1) != k_pool.shape(1) ||
@@ -706,9 +680,7 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
     err = "writing " + std::to_string(q.shape(2)) + " positions at " + std::to_string(position) + " overruns a pool of " +
           std::to_string(k_pool.shape(2));
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("update_and_attend: " + err);
+  const auto stream = cpu_stream("update_and_attend", err, s);
   return mx::array::make_arrays({q.shape(), k_pool.shape(), v_pool.shape()},
                                 {mx::float32, k_pool.dtype(), v_pool.dtype()},
                                 std::make_shared<UpdateAndAttend>(stream, scale, position, q.shape(2) < kTiledMinQueries), {q, k, v, k_pool, v_pool});

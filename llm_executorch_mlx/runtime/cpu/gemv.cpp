@@ -21,10 +21,9 @@
 #include "quantized_interleaved.h"
 #include "quantized_rows.h"
 #include "mlx/backend/common/utils.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "primitive.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -316,12 +315,14 @@ void add_into(float* y, const mx::array& a) {
 // op's operand), or affine-quantized as MLX stores it (bits > 0: W [N, K]
 // packed, with scales and biases). adds: one product, plus its last input
 // (of the product's shape) added once the product is done.
-class SharedGemv : public SharedPrimitive {
+class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
  public:
+  static constexpr const char* kName = "SharedGemv";
   SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false,
              bool int8 = false, bool adds = false)
-      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
+      : CpuPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
         adds_(adds) {}
+  auto params() const { return std::tuple(bits_, group_, helped_, interleaved_, int8_, adds_); }
 
   bool adds() const { return adds_; }
   std::shared_ptr<SharedGemv> adding() {
@@ -335,8 +336,7 @@ class SharedGemv : public SharedPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     if (bits_) return eval_quantized(inputs, outputs);
     const auto& x = inputs[0];
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
+    auto& encoder = bind(inputs, outputs);
     const int n = int(outputs.size());
     const int64_t K = x.shape(-1), M = x.size() / K;
     std::vector<Product> each(n);
@@ -344,8 +344,6 @@ class SharedGemv : public SharedPrimitive {
     for (int i = 0; i < n; ++i) {
       const auto& w = inputs[1 + i];
       auto& out = outputs[i];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
       const int64_t N = w.shape(1), w_row = w.strides(1), w_col = w.strides(0);
       each[i] = Product{nullptr, w.data<void>(), out.data<float>(), K, N, w_row, w_col, int(M), {}, 0};
       // rows contiguous: the weights are one span, which the host may read ahead
@@ -388,12 +386,6 @@ class SharedGemv : public SharedPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SharedGemv runs on the CPU only");
-  }
-
-  const char* name() const override { return "SharedGemv"; }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes;
     for (size_t i = 1; i < inputs.size() - (adds_ ? 1 : 0); i += bits_ ? 3 : 1) {
@@ -404,31 +396,21 @@ class SharedGemv : public SharedPrimitive {
     return shapes;
   }
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const SharedGemv&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_ && interleaved_ == o.interleaved_ &&
-           int8_ == o.int8_ && adds_ == o.adds_;
-  }
-
  private:
   int bits_, group_;
   bool helped_, interleaved_, int8_, adds_;
 
-  // The encoder's inputs and outputs of a quantized op (inputs: x, then w,
-  // scales, biases per product), each output allocated and handed to
-  // `describe(i, w, scales, biases, out)`; each weight's read-ahead flag.
+  // A quantized op's operands (inputs: x, then w, scales, biases per
+  // product) bound, each output allocated and handed to `describe(i, w,
+  // scales, biases, out)`; each weight's read-ahead flag.
   template <typename Describe>
   std::vector<std::shared_ptr<std::atomic<bool>>> bind_quantized(const std::vector<mx::array>& inputs,
                                                                  std::vector<mx::array>& outputs, Describe describe) {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
+    bind(inputs, outputs);
     std::vector<std::shared_ptr<std::atomic<bool>>> started;
     for (size_t i = 0; i < outputs.size(); ++i) {
       const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
-      auto& out = outputs[i];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
-      describe(int(i), w, scales, biases, out);
+      describe(int(i), w, scales, biases, outputs[i]);
       started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
     }
     return started;
@@ -531,15 +513,13 @@ std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& w
   }
   for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
     const auto& w = ws[i];
-    if ((w.dtype() != mx::float32 && w.dtype() != mx::bfloat16) || w.dtype() != ws[0].dtype()) {
+    if (!is_one_of(w.dtype(), {mx::float32, mx::bfloat16}) || w.dtype() != ws[0].dtype()) {
       err = "the weights must be all float32 or all bfloat16";
     } else if (w.ndim() != 2 || w.shape(0) != K) {
       err = "needs each w [K, N] with K " + std::to_string(K) + " (x's last axis), got " + text(w.shape());
     }
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("gemv: " + err);
+  const auto stream = cpu_stream("gemv", err, s);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (const auto& w : ws) {
@@ -624,9 +604,7 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
     err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits);
     if (err.empty() && (interleaved || int8)) err = check_interleaved(ws[i]);
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("quantized_gemv: " + err);
+  const auto stream = cpu_stream("quantized_gemv", err, s);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -648,17 +626,17 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
 
 // MLX's affine dequantization (4 or 8 bits, fp32 scales and biases) on the
 // CPU, vectorised: what a prefill chunk's quantized products multiply with BLAS.
-class Dequantize : public mx::UnaryPrimitive {
+class Dequantize : public CpuPrimitive<Dequantize> {
  public:
+  static constexpr const char* kName = "Dequantize";
   Dequantize(mx::Stream stream, int bits, int group, bool interleaved)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {}
+  auto params() const { return std::tuple(bits_, group_, interleaved_); }
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const bool interleaved = interleaved_;  // out is then W^T [K, N]
     const int64_t K = interleaved ? out.shape(0) : out.shape(1), N = interleaved ? out.shape(1) : out.shape(0);
     QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
@@ -678,17 +656,6 @@ class Dequantize : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("Dequantize runs on the CPU only");
-  }
-
-  const char* name() const override { return "Dequantize"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const Dequantize&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && interleaved_ == o.interleaved_;
-  }
-
  private:
   int bits_, group_;
   bool interleaved_;
@@ -699,9 +666,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
                                     group_size, bits);
   if (err.empty() && interleaved) err = check_interleaved(w);
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("dequantize: " + err);
+  const auto stream = cpu_stream("dequantize", err, s);
   const int N = w.shape(0), K = int(w.shape(1) * 32 / bits);
   return mx::array(interleaved ? mx::Shape{K, N} : mx::Shape{N, K}, mx::float32,
                    std::make_shared<Dequantize>(stream, bits, group_size, interleaved), {w, scales, biases});
@@ -711,17 +676,17 @@ namespace {
 
 // Rows of an interleaved quantized table, dequantized: a quantized
 // embedding's lookup when the table is also the (interleaved) LM head.
-class TakeInterleaved : public mx::UnaryPrimitive {
+class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
  public:
+  static constexpr const char* kName = "TakeInterleaved";
   TakeInterleaved(mx::Stream stream, int bits, int group, bool int8)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
+  auto params() const { return std::tuple(bits_, group_, int8_); }
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2], &ids = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const int64_t K = out.shape(-1), N = w.shape(0), count = ids.size();
     QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
                     nullptr, K, N, group_, true};
@@ -758,17 +723,6 @@ class TakeInterleaved : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("TakeInterleaved runs on the CPU only");
-  }
-
-  const char* name() const override { return "TakeInterleaved"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const TakeInterleaved&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && int8_ == o.int8_;
-  }
-
  private:
   int bits_, group_;
   bool int8_;
@@ -781,12 +735,10 @@ mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
                                     group_size, bits);
   if (err.empty()) err = check_interleaved(w);
-  if (err.empty() && indices.dtype() != mx::int32 && indices.dtype() != mx::int64 && indices.dtype() != mx::uint32)
+  if (err.empty() && !is_one_of(indices.dtype(), {mx::int32, mx::int64, mx::uint32}))
     err = "indices must be int32, int64 or uint32";
   if (err.empty() && w.shape(0) == 0) err = "an empty table";
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("take_interleaved: " + err);
+  const auto stream = cpu_stream("take_interleaved", err, s);
   auto shape = indices.shape();
   shape.push_back(int(w.shape(1) * 32 / bits));
   return mx::array(shape, mx::float32, std::make_shared<TakeInterleaved>(stream, bits, group_size, int8),
@@ -835,16 +787,15 @@ namespace {
 // weights multiply with BLAS. MLX's own astype does this several times
 // slower on the CPU, which made a bf16 prefill chunk a third slower than an
 // fp32 one.
-class WidenBf16 : public mx::UnaryPrimitive {
+class WidenBf16 : public CpuPrimitive<WidenBf16> {
  public:
-  explicit WidenBf16(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  static constexpr const char* kName = "WidenBf16";
+  using CpuPrimitive::CpuPrimitive;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& w = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const uint16_t* src = w.data<uint16_t>();
     float* dst = out.data<float>();
     const int64_t rows = w.shape(0), cols = w.shape(1), row_step = w.strides(0), col_step = w.strides(1);
@@ -868,14 +819,6 @@ class WidenBf16 : public mx::UnaryPrimitive {
       for (; i < n; ++i) dst[i] = widen(src[i]);
     });
   }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("WidenBf16 runs on the CPU only");
-  }
-
-  const char* name() const override { return "WidenBf16"; }
-
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 }  // namespace
@@ -883,9 +826,7 @@ class WidenBf16 : public mx::UnaryPrimitive {
 mx::array widen_bf16(const mx::array& w, mx::StreamOrDevice s) {
   std::string err;
   if (w.dtype() != mx::bfloat16 || w.ndim() != 2) err = "w must be a 2-D bfloat16 array";
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("widen_bf16: " + err);
+  const auto stream = cpu_stream("widen_bf16", err, s);
   return mx::array(w.shape(), mx::float32, std::make_shared<WidenBf16>(stream), {w});
 }
 
