@@ -113,4 +113,9 @@ void submit_helping(const std::vector<mx::array>& outputs);
 // Wait until the queued array `a` is computed, running posted gemv chunks meanwhile.
 void wait_helping(const mx::array& a);
 
+// For tests only: arange(chunks) as float32, computed by a shared job of
+// `chunks` chunks of which chunk `throwing` throws (-1: every one), so that a
+// test can see a chunk's error reach the caller, whichever thread ran it.
+mx::array debug_throwing_job(int chunks, int throwing, mx::StreamOrDevice s);
+
 }  // namespace llm_pte
