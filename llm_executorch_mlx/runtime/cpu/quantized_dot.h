@@ -106,7 +106,9 @@ inline int integer_span(int bits, int group) { return std::max(group, integer_bl
 
 // The x side of a product (M rows of K): per row, xh as described above, K
 // int16; d per int32 lane of every span, M * (K / span) * kLanes32 floats;
-// and the fp32 sums per group, M * (K / group).
+// and the fp32 sums per group, M * (K / group). A group whose largest |x| is
+// not finite gets d = NaN, so its products come out NaN as MLX's would
+// (quantized_int8.h's prepare_x8 does the same).
 template <int BITS>
 void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int group, int16_t* xq,
                float* xd, float* xsum) {
@@ -124,10 +126,11 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
       alignas(32) int32_t h[kMaxGroup];
       for (int k = 0; k < group; ++k) v[k] = xm[(g * group + k) * x_col];
       const __m256 sign = _mm256_set1_ps(-0.f);
-      __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps();
+      __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps(), bad8 = _mm256_setzero_ps();
       for (int k = 0; k < group; k += 8) {
-        const __m256 a = _mm256_load_ps(v + k);
-        top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, a));
+        const __m256 a = _mm256_load_ps(v + k), size = _mm256_andnot_ps(sign, a);
+        top8 = _mm256_max_ps(top8, size);
+        bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(size, size, _CMP_UNORD_Q));  // NaN: max would drop it
         sum8 = _mm256_add_ps(sum8, a);
       }
       alignas(32) float lanes[8];
@@ -135,8 +138,9 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
       const float top = *std::max_element(lanes, lanes + 8);
       _mm256_store_ps(lanes, sum8);
       xsum[m * groups + g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-      d[g] = top / 32767.f;
-      const float inverse = top > 0.f ? 32767.f / top : 0.f;  // |h| <= 32767
+      const bool finite = _mm256_movemask_ps(bad8) == 0 && std::isfinite(top);
+      d[g] = finite ? top / 32767.f : NAN;
+      const float inverse = finite && top > 0.f ? 32767.f / top : 0.f;  // |h| <= 32767
       const __m256 to_high = _mm256_set1_ps(inverse);
       constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       for (int k = 0; k < group; k += 8) {
