@@ -159,3 +159,31 @@ def test_every_kernel_gives_nan_and_infinity_where_mlx_does(ext, name, value):
                                   want[infinite] if not rounds_x else want[infinite & ~np.isnan(got)])
     finite = np.isfinite(want)  # within the roughest route's rounding (int8)
     np.testing.assert_allclose(got[finite], want[finite], rtol=0, atol=0.05 * np.abs(want[finite]).max())
+
+
+@pytest.mark.parametrize("holder", ["the pool itself", "a lazy reader", "a queued reader"])
+def test_a_pool_something_else_holds_is_copied_and_the_step_is_still_right(ext, holder):
+    """update_and_attend writes a pool in place only where MLX would donate
+    it (attention.cpp's take_pools): an extra reference to the pool across a
+    step keeps what it saw, and the step's pools and attention are right."""
+    rng = np.random.default_rng(5)
+    K, V = (mx.array(rng.standard_normal((1, 2, 16, 8)).astype(np.float32)) for _ in range(2))
+    mx.eval(K, V)
+    before = np.array(K).copy()
+    q = mx.array(rng.standard_normal((1, 4, 1, 8)).astype(np.float32))
+    k, v = (mx.array(rng.standard_normal((1, 2, 1, 8)).astype(np.float32)) for _ in range(2))
+    if holder == "the pool itself":
+        held, want_held = K, before
+    else:
+        held, want_held = K * 2, before * 2
+        if holder == "a queued reader":  # queued before the step, computed on the stream before it
+            mx.async_eval(held)
+    out, K, V = ext.update_and_attend(q, k, v, K, V, 4, 0.5)  # the cache's names move on to the step's pools
+    mx.eval(out, K, V)
+    np.testing.assert_array_equal(np.array(held), want_held)
+    want_K = before.copy()
+    want_K[:, :, 4:5] = np.array(k)
+    np.testing.assert_array_equal(np.array(K), want_K)
+    with mx.stream(mx.cpu):
+        reference = sdpa(q, K[:, :, :5], V[:, :, :5], 0.5, False)
+    np.testing.assert_allclose(np.array(out), np.array(reference), atol=1e-6, rtol=1e-5)

@@ -19,6 +19,7 @@
 // against MLX before use.
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -547,16 +548,38 @@ inline void store(Half* dst, float x) {
   std::memcpy(dst, &h, sizeof *dst);
 }
 
-// The pool an UpdateAndAttend writes into: the input's own buffer where
-// nothing else holds it (as MLX's slice_update takes it), else a row-major
-// copy made by the task. Returns whether the task must copy.
-bool take_pool(const mx::array& pool, mx::array& out) {
-  if (pool.is_donatable() && pool.flags().row_contiguous) {
-    out.copy_shared_buffer(pool);
-    return false;
+// The buffers of the pools an UpdateAndAttend writes (outputs 1 and 2, from
+// inputs 3 and 4): each input pool's own where MLX's rule would donate it,
+// else a new one the task copies the pool into. Returns whether each must
+// be copied.
+//
+// Why: MLX donates an input's buffer where nothing else holds the input
+// (is_donatable), as its slice_update does; that makes a decode step's write
+// a few rows, not a copy of the pool. But each output of an op holds its own
+// copy of the inputs (array::make_arrays), which MLX drops only after eval,
+// so a pool would never qualify: the other outputs' copies are dropped here
+// first. Only where MLX handed over the evaluated output's own inputs (they
+// keep the input buffers alive until the task has run) and no tracer
+// (mx.compile, a transform) keeps the graph. Then is_donatable decides:
+// whatever else holds a pool (the caller, a saved state's slice, an op
+// queued to read it) has it copied, slower but never written under its
+// reader. Should MLX come to hold the inputs otherwise, the pools are
+// copied; test_cpu_attention.py's in-place test notices that.
+std::array<bool, 2> take_pools(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const bool own = std::any_of(outputs.begin(), outputs.end(), [&](auto& o) { return &o.inputs() == &inputs; });
+  if (own && !outputs[0].is_tracer()) {
+    for (auto& o : outputs)
+      if (&o.inputs() != &inputs) o.inputs().clear();
   }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return true;
+  std::array<bool, 2> copy;
+  for (int i = 0; i < 2; ++i) {
+    const auto& pool = inputs[3 + i];
+    auto& out = outputs[1 + i];
+    copy[i] = !(pool.is_donatable() && pool.flags().row_contiguous);
+    if (copy[i]) out.set_data(mx::allocator::malloc(out.nbytes()));
+    else out.copy_shared_buffer(pool);
+  }
+  return copy;
 }
 
 // out = pool, element by element, for a pool some other array still holds
@@ -589,14 +612,7 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &kp = inputs[3], &vp = inputs[4];
     auto &out = outputs[0], &kout = outputs[1], &vout = outputs[2];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    // Each output holds its own copy of the inputs (array::make_arrays), so
-    // a pool would never be donatable; MLX detaches them all once this
-    // returns, and a tracer (mx.compile, a transform) keeps its graph.
-    if (!out.is_tracer()) {
-      for (auto& o : outputs)
-        if (&o.inputs() != &inputs) o.inputs().clear();
-    }
-    const bool copy_k = take_pool(kp, kout), copy_v = take_pool(vp, vout);
+    const auto [copy_k, copy_v] = take_pools(inputs, outputs);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& a : outputs) encoder.set_output_array(a);
