@@ -55,6 +55,19 @@ constexpr int kQuantizedRows = 16;
 // above ~32 rows (benchmarks/bench_rows.py --quantized).
 constexpr int kInterleavedQuantizedRows = 128;
 
+// The interleaved and int8 layouts exist only where the build has integer
+// dot products (quantized_interleaved.h). Without them an op of those layouts
+// is refused as it is made (check_interleaved with the factory's name, then
+// require_layout in each op's constructor), and the paths below that only
+// such an op would take raise rather than leave its output unwritten.
+constexpr const char* kNoInterleavedLayout = "this build has no interleaved layout (no integer dot products)";
+
+[[noreturn]] void refuse_interleaved() { throw std::invalid_argument(kNoInterleavedLayout); }
+
+void require_layout(bool interleaved) {
+  if (interleaved && kInterleavedRows == 0) refuse_interleaved();
+}
+
 // Most rows of x a dense product takes: a prefill chunk of the exports'
 // default size. BLAS's sgemm repacks every weight for each call, so a few-row
 // product costs it about what a whole chunk's does, and it reads a bf16
@@ -321,7 +334,9 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
   SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false,
              bool int8 = false, bool adds = false)
       : CpuPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
-        adds_(adds) {}
+        adds_(adds) {
+    require_layout(interleaved || int8);
+  }
   auto params() const { return std::tuple(bits_, group_, helped_, interleaved_, int8_, adds_); }
 
   bool adds() const { return adds_; }
@@ -422,6 +437,8 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
   void eval_quantized(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
 #if LLM_PTE_INTEGER_DOT
     if (int8_) return eval_int8(inputs, outputs);
+#else
+    if (interleaved_ || int8_) refuse_interleaved();
 #endif
     const auto& x = inputs[0];
     const int64_t K = x.shape(-1), M = x.size() / K;
@@ -576,7 +593,7 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
 
 // "" when w (N rows) can be or is interleaved here.
 std::string check_interleaved(const mx::array& w) {
-  if (kInterleavedRows == 0) return "this build has no interleaved layout (no integer dot products)";
+  if (kInterleavedRows == 0) return kNoInterleavedLayout;
   if (w.shape(0) % kInterleavedRows) {
     return "interleaved weights need a multiple of " + std::to_string(kInterleavedRows) + " rows, not " +
            std::to_string(w.shape(0));
@@ -630,7 +647,9 @@ class Dequantize : public CpuPrimitive<Dequantize> {
  public:
   static constexpr const char* kName = "Dequantize";
   Dequantize(mx::Stream stream, int bits, int group, bool interleaved)
-      : CpuPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {
+    require_layout(interleaved);
+  }
   auto params() const { return std::tuple(bits_, group_, interleaved_); }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -644,13 +663,15 @@ class Dequantize : public CpuPrimitive<Dequantize> {
     float* wp = out.data<float>();
     const int bits = bits_;
     encoder.dispatch([=]() {
-#if LLM_PTE_INTEGER_DOT
       if (interleaved) {
+#if LLM_PTE_INTEGER_DOT
         if (bits == 4) dequantize_interleaved<4>(r, wp, 0, r.N);
         else dequantize_interleaved<8>(r, wp, 0, r.N);
         return;
-      }
+#else
+        refuse_interleaved();
 #endif
+      }
       if (bits == 4) dequantize_rows<4>(r, wp, 0, r.N);
       else dequantize_rows<8>(r, wp, 0, r.N);
     });
@@ -680,7 +701,9 @@ class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
  public:
   static constexpr const char* kName = "TakeInterleaved";
   TakeInterleaved(mx::Stream stream, int bits, int group, bool int8)
-      : CpuPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), int8_(int8) {
+    require_layout(true);
+  }
   auto params() const { return std::tuple(bits_, group_, int8_); }
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
@@ -718,7 +741,7 @@ class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
         (bits == 4 ? take_interleaved<4> : take_interleaved<8>)(r, rows.data(), count, o);
       }
 #else
-      (void)int8, (void)quads, (void)group;
+      refuse_interleaved();
 #endif
     });
   }
@@ -761,6 +784,8 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
   interleave_rows(stored, scales.data<float>(), biases.data<float>(), N, K, group_size, bits, int8 ? nullptr : out,
                   s.data(), b.data());
   if (int8 && out) interleave_quads(stored, N, K, bits, out);
+#else
+  refuse_interleaved();
 #endif
   return {weight ? mx::array(wq.begin(), w.shape(), mx::uint32) : w, mx::array(s.begin(), scales.shape(), mx::float32),
           mx::array(b.begin(), biases.shape(), mx::float32)};
