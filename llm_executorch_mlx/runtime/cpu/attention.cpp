@@ -2,10 +2,9 @@
 // bf16 or fp16 keys and values (a half-precision cache is widened as it is read).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
-// them) with a BLAS call per kv head for each product and a scalar exp, which
-// for a decode step costs ~0.5 ms a layer on a 2-core x86 machine, ten times
-// the work, and for a 128-query prefill chunk 2-11 ms. This primitive does the
-// whole thing as one op, with a polynomial exp eight lanes wide:
+// them) with a BLAS call per kv head for each product and a scalar exp: for
+// a decode step's few scores, many times the work itself. This primitive
+// does the whole thing as one op, with a polynomial exp eight lanes wide:
 // - up to 63 queries a head (a decode step, a chat turn's short chunk): the
 //   query heads of a kv head score its keys together, four keys at a time,
 //   each key widened once for them all, and accumulate the values in
@@ -317,15 +316,14 @@ inline void merge_parts(const PartsTask& task, float* out) {
 // multiplied into V 16 columns at a time. A block works on the keys from
 // its first row's first (a window) to its last row's last (causal). Shared
 // with the host only where it helps with the chunk anyway: beside BLAS's
-// products a second thread lost 10-20% of a 135M model's prefill to BLAS's
-// threads sharing the two cores (attend_tiles).
+// products a second thread would take a core from BLAS's own threads
+// (attend_tiles).
 
 constexpr int kRows = 6;
 constexpr int kPanel = 16;
 // From this many queries a head the tiled path is the faster: packing K
-// costs what the rows of up to ~48 queries do, and the row path is shared
-// with the host (one thread, fp16 keys, 316 of them: 101 against 220 us at
-// 8 queries, 205 against 305 at 16, 566 against 634 at 48).
+// costs what the rows of a few dozen queries do, and the row path is shared
+// with the host.
 constexpr int kTiledMinQueries = 64;
 
 // s[r][c] = q[r] . k_c for the R rows and the panel's 16 keys.

@@ -51,8 +51,8 @@ struct Product {
 // read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
 constexpr int kQuantizedRows = 16;
 // and of interleaved weights, whose products cost a row of x about half as
-// much (quantized_interleaved.h): BLAS's dequantized product is cheaper only
-// above ~32 rows (benchmarks/bench_rows.py --quantized).
+// much (quantized_interleaved.h): as many as a dense product takes; how many
+// of them the runtime hands over is its choice (interp/ops/quant.py).
 constexpr int kInterleavedQuantizedRows = 128;
 
 // The interleaved and int8 layouts exist only where the build has integer
@@ -79,10 +79,9 @@ constexpr int kDenseRows = 128;
 // Weight rows a pass over R rows of x takes: R * C accumulators, C weight
 // vectors and one of x must fit the vector registers, or the loop spills
 // accumulators to the stack on every step. With AVX-512's 32, 3 and 4 rows
-// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4; one
-// thread, weights in cache, 4-13% faster at 16 and 128 rows); with the 16 of
-// AVX2 and NEON, 3 (12 + 3 + 1, where 4 x 4 spilled: 1.3-1.5x). Fewer rows
-// of x take 4.
+// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4); with
+// the 16 of AVX2 and NEON, 3 (12 + 3 + 1, where 4 x 4 spills). Fewer rows of
+// x take 4.
 template <int R>
 constexpr int kWeightRows =
 #if defined(__AVX512F__)
@@ -118,8 +117,8 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
     }
   }
   // halves added into eight lanes, then summed four accumulators at a time
-  // (simd.h's sums): ~3 instructions a sum where _mm512_reduce_add_ps takes
-  // ~9, which at K = 576 cost ~15% of the pass
+  // (simd.h's sums): a few instructions a sum where _mm512_reduce_add_ps
+  // takes three times as many, a cost a short row pays on every pass
   f8 halves[R * C];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < C; ++i) {
@@ -150,10 +149,8 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
 
 // How far ahead the first pass over a chunk prefetches weight rows: about
 // four fp32 rows, or the same bytes of bf16 rows, in whole steps of C rows.
-// A decode step's one-row pass prefetches too: with products of one x
-// grouped (interp/grouping.py) that gained 4-5% fp32 and ~20% bf16 decode on
-// the 135M model (a bf16 row's stream is too short for the hardware
-// prefetcher alone).
+// A decode step's one-row pass prefetches too: a row's stream, a bf16 one
+// above all, is too short for the hardware prefetcher alone to ramp up.
 template <typename T, int C>
 constexpr int64_t kPrefetchRows = std::max<int64_t>(C, 4 * sizeof(float) / sizeof(T) / C * C);
 
@@ -239,9 +236,8 @@ struct Products {
   std::vector<int64_t> chunk_rows;  // per product
 
   // A quantized product's N rows in chunks of ~128 KB of packed weights, in
-  // whole `unit`s of rows: a longer stream for the prefetcher, as the fp32
-  // product's chunks (with 32 KB, step_profile.py on SmolLM2-135M: 8-bit
-  // decode 80.5-80.8 against 83.2-85.0 tok/s, 4-bit the same).
+  // whole `unit`s of rows: as the fp32 product's chunks, each a stream long
+  // enough for the prefetcher to pick up, and still several for each thread.
   void chunk_weights(int i, int64_t N, int64_t row_bytes, int64_t unit) {
     const int64_t rows = std::max<int64_t>(unit, 131072 / std::max<int64_t>(row_bytes, 1) / unit * unit);
     chunk_rows.push_back(rows);
@@ -382,13 +378,10 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
       Products task{each, {}, {}};
       // one row of x: ~64k weights (256 KB of fp32) a chunk, whole groups of
       // four rows: each chunk is a stream the hardware prefetcher must pick
-      // up anew, and with 8k a decode step ran at ~19 GB/s against ~23 now
-      // (SmolLM2-135M, step_profile.py: fp32 33.4-33.9 -> 42.7 tok/s, bf16
-      // 50-51 -> 61-63); still a few chunks for each thread in a 576-row
-      // product. More rows: 24 weight rows a chunk, which each pass over x's
-      // rows finds in cache and whose next rows the first pass prefetches
-      // (4 or 8 rows a chunk measured ~15% slower than 16 at 16 rows of x,
-      // benchmarks/bench_rows.py).
+      // up anew, so a chunk is as long as still leaves a few for each thread
+      // in a 576-row product. More rows: 24 weight rows a chunk, which each
+      // pass over x's rows finds in cache and whose next rows the first pass
+      // prefetches; fewer rows a chunk would spend the passes on restarts.
       const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 65536 / std::max<int64_t>(K, 1) / 4 * 4);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
@@ -809,9 +802,8 @@ namespace {
 
 // bf16 values widened to fp32 (exactly: a bf16 is the top half of an fp32),
 // sixteen or eight at a time: what a long chunk's products against bf16
-// weights multiply with BLAS. MLX's own astype does this several times
-// slower on the CPU, which made a bf16 prefill chunk a third slower than an
-// fp32 one.
+// weights multiply with BLAS. MLX's own astype converts one value at a time
+// on the CPU, a cost each prefill chunk would pay for every weight.
 class WidenBf16 : public CpuPrimitive<WidenBf16> {
  public:
   static constexpr const char* kName = "WidenBf16";

@@ -3,7 +3,7 @@
 // which is what other CPUs run.
 //
 // The float kernel spends a shift, mask, int-to-float convert and FMA on
-// every 8 weights, which made decode compute-bound (~6 G weights/s a core).
+// every 8 weights, which made decode compute-bound rather than memory-bound.
 // Here x is written once per product, per group of the weights, as int16:
 // x = d xh with d = max|x| / 32767 over the group, so each value is within
 // d / 2 = 2^-16 of the group's largest |x| (llama.cpp rounds x to 8 bits,
@@ -14,8 +14,7 @@
 // with sum_k x_k in fp32 from x itself. A 4-bit weight vector then costs one
 // widening load, one mask and one shift per 2 * lanes values, shared by every
 // row of x, and one dot instruction per row and lanes values. (Two int16
-// terms, exact to 2^-31, took twice the dot instructions and made a 4-bit
-// decode step ~10% slower.)
+// terms, exact to 2^-31, would take twice the dot instructions.)
 //
 // Lane order: a vector load of L16 bytes widens to L16 int16 lanes, lane j
 // byte j. 4 bits: byte j holds values 2j (low nibble) and 2j + 1, so a block
@@ -165,7 +164,7 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
 }
 
 // Weight rows read ahead of the one being summed: the hardware prefetcher
-// alone leaves this loop waiting on its loads (~5 GB/s a core of ~17).
+// alone leaves this loop waiting on its loads, far below what DRAM serves.
 constexpr int kRowsAhead = 4;
 
 inline void prefetch_span(const void* p, int64_t bytes) {
