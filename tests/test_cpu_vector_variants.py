@@ -104,6 +104,35 @@ for bits in list(ext.limits()["int8_bits"]):
             y = np.array(ext.quantized_gemv(mx.array(x), *laid, group, bits, int8=True))
             ref = int8_reference(x, q, s, b, bits, group)
             worst[f"int8 q{bits} g{group} M{M}"] = float(np.abs(y - ref).max() / (1e-5 * np.abs(ref).max()))
+# NaN in, NaN out (test_cpu_kernel_safety.py holds the default build to MLX's
+# own ops): a NaN in one row of x spoils that row of each product only
+x = rng.standard_normal((1, 3, 256)).astype(np.float32)
+x[0, 1, 9] = np.nan
+q, s, b = mx.quantize(mx.array(rng.standard_normal((16, 256)).astype(np.float32)), group_size=32, bits=4)
+products = {"quantized": lambda: ext.quantized_gemv(mx.array(x), q, s, b, 32, 4)}
+if lanes:
+    products["interleaved"] = lambda: ext.quantized_gemv(mx.array(x), *ext.interleave_quantized(q, s, b, 32, 4), 32, 4,
+                                                         interleaved=True)
+if ext.limits()["int8_bits"]:
+    products["int8"] = lambda: ext.quantized_gemv(mx.array(x), *ext.interleave_quantized(q, s, b, 32, 4, int8=True),
+                                                  32, 4, int8=True)
+products["attention"] = lambda: ext.attention(mx.array(x.reshape(1, 1, 3, 256)), *(mx.ones((1, 1, 5, 256)),) * 2,
+                                              0.1, True)
+for name, product in products.items():
+    spoilt = np.isnan(np.array(product())).reshape(3, -1)
+    only_row_1 = spoilt.all(1).tolist() == [False, True, False] and not spoilt[[0, 2]].any()
+    worst[f"NaN row, {name}"] = 0.0 if only_row_1 else 2.0
+# without integer dot products, the interleaved layout's ops are refused as they are made
+for name, make in () if lanes else (
+        ("interleave_quantized", lambda: ext.interleave_quantized(q, s, b, 32, 4)),
+        ("quantized_gemv", lambda: ext.quantized_gemv(mx.array(x), q, s, b, 32, 4, interleaved=True)),
+        ("dequantize", lambda: ext.dequantize(q, s, b, 32, 4, interleaved=True)),
+        ("take_interleaved", lambda: ext.take_interleaved(q, s, b, mx.array([0]), 32, 4))):
+    try:
+        make()
+        worst[f"refused: {name}"] = 2.0
+    except ValueError as refusal:
+        worst[f"refused: {name}"] = 0.0 if "no interleaved layout" in str(refusal) else 2.0
 print(json.dumps({"command": command, "worst": worst, "int8_bits": list(ext.limits()["int8_bits"])}))
 """
 

@@ -2,10 +2,9 @@
 // bf16 or fp16 keys and values (a half-precision cache is widened as it is read).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
-// them) with a BLAS call per kv head for each product and a scalar exp, which
-// for a decode step costs ~0.5 ms a layer on a 2-core x86 machine, ten times
-// the work, and for a 128-query prefill chunk 2-11 ms. This primitive does the
-// whole thing as one op, with a polynomial exp eight lanes wide:
+// them) with a BLAS call per kv head for each product and a scalar exp: for
+// a decode step's few scores, many times the work itself. This primitive
+// does the whole thing as one op, with a polynomial exp eight lanes wide:
 // - up to 63 queries a head (a decode step, a chat turn's short chunk): the
 //   query heads of a kv head score its keys together, four keys at a time,
 //   each key widened once for them all, and accumulate the values in
@@ -19,6 +18,7 @@
 // against MLX before use.
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -31,9 +31,8 @@
 #include <vector>
 
 #include "kernels.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
+#include "primitive.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -317,15 +316,14 @@ inline void merge_parts(const PartsTask& task, float* out) {
 // multiplied into V 16 columns at a time. A block works on the keys from
 // its first row's first (a window) to its last row's last (causal). Shared
 // with the host only where it helps with the chunk anyway: beside BLAS's
-// products a second thread lost 10-20% of a 135M model's prefill to BLAS's
-// threads sharing the two cores (attend_tiles).
+// products a second thread would take a core from BLAS's own threads
+// (attend_tiles).
 
 constexpr int kRows = 6;
 constexpr int kPanel = 16;
 // From this many queries a head the tiled path is the faster: packing K
-// costs what the rows of up to ~48 queries do, and the row path is shared
-// with the host (one thread, fp16 keys, 316 of them: 101 against 220 us at
-// 8 queries, 205 against 305 at 16, 566 against 634 at 48).
+// costs what the rows of a few dozen queries do, and the row path is shared
+// with the host.
 constexpr int kTiledMinQueries = 64;
 
 // s[r][c] = q[r] . k_c for the R rows and the panel's 16 keys.
@@ -496,10 +494,12 @@ const KV* kv_data(const mx::array& a) {
   return static_cast<const KV*>(a.data<void>());
 }
 
-class FusedAttention : public SharedPrimitive {
+class FusedAttention : public CpuPrimitive<FusedAttention, SharedPrimitive> {
  public:
+  static constexpr const char* kName = "FusedAttention";
   FusedAttention(mx::Stream stream, float scale, bool causal, int window, bool few_queries)
-      : SharedPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries) {}
+      : CpuPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries) {}
+  auto params() const { return std::tuple(scale_, causal_, window_, few_queries_); }
 
   // A few queries (a decode step) go row by row, shared with the host; a
   // prefill chunk's tiles are shared only where the host helps anyway
@@ -508,13 +508,8 @@ class FusedAttention : public SharedPrimitive {
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    auto& encoder = bind(inputs, outputs);
     auto& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(q);
-    encoder.set_input_array(k);
-    encoder.set_input_array(v);
-    encoder.set_output_array(out);
     auto started = read_ahead_later(k, nullptr, 0);  // nothing to read ahead: a step still has it to help with
     Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
                causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
@@ -528,19 +523,8 @@ class FusedAttention : public SharedPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("FusedAttention runs on the CPU only");
-  }
-
-  const char* name() const override { return "FusedAttention"; }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape()};
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const FusedAttention&>(other);
-    return scale_ == o.scale_ && causal_ == o.causal_ && window_ == o.window_ && few_queries_ == o.few_queries_;
   }
 
  private:
@@ -562,16 +546,38 @@ inline void store(Half* dst, float x) {
   std::memcpy(dst, &h, sizeof *dst);
 }
 
-// The pool an UpdateAndAttend writes into: the input's own buffer where
-// nothing else holds it (as MLX's slice_update takes it), else a row-major
-// copy made by the task. Returns whether the task must copy.
-bool take_pool(const mx::array& pool, mx::array& out) {
-  if (pool.is_donatable() && pool.flags().row_contiguous) {
-    out.copy_shared_buffer(pool);
-    return false;
+// The buffers of the pools an UpdateAndAttend writes (outputs 1 and 2, from
+// inputs 3 and 4): each input pool's own where MLX's rule would donate it,
+// else a new one the task copies the pool into. Returns whether each must
+// be copied.
+//
+// Why: MLX donates an input's buffer where nothing else holds the input
+// (is_donatable), as its slice_update does; that makes a decode step's write
+// a few rows, not a copy of the pool. But each output of an op holds its own
+// copy of the inputs (array::make_arrays), which MLX drops only after eval,
+// so a pool would never qualify: the other outputs' copies are dropped here
+// first. Only where MLX handed over the evaluated output's own inputs (they
+// keep the input buffers alive until the task has run) and no tracer
+// (mx.compile, a transform) keeps the graph. Then is_donatable decides:
+// whatever else holds a pool (the caller, a saved state's slice, an op
+// queued to read it) has it copied, slower but never written under its
+// reader. Should MLX come to hold the inputs otherwise, the pools are
+// copied; test_cpu_attention.py's in-place test notices that.
+std::array<bool, 2> take_pools(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  const bool own = std::any_of(outputs.begin(), outputs.end(), [&](auto& o) { return &o.inputs() == &inputs; });
+  if (own && !outputs[0].is_tracer()) {
+    for (auto& o : outputs)
+      if (&o.inputs() != &inputs) o.inputs().clear();
   }
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  return true;
+  std::array<bool, 2> copy;
+  for (int i = 0; i < 2; ++i) {
+    const auto& pool = inputs[3 + i];
+    auto& out = outputs[1 + i];
+    copy[i] = !(pool.is_donatable() && pool.flags().row_contiguous);
+    if (copy[i]) out.set_data(mx::allocator::malloc(out.nbytes()));
+    else out.copy_shared_buffer(pool);
+  }
+  return copy;
 }
 
 // out = pool, element by element, for a pool some other array still holds
@@ -591,10 +597,12 @@ void copy_pool(const char* src, const mx::Strides& strides, const mx::Shape& sha
 // pools' first position + T slots, causally when T > 1. The cache hands on
 // the output pools as the layer's, so the next step's op reads them: the
 // dependency MLX schedules by, as with slice_update.
-class UpdateAndAttend : public SharedPrimitive {
+class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
  public:
+  static constexpr const char* kName = "UpdateAndAttend";
   UpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries)
-      : SharedPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries) {}
+      : CpuPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries) {}
+  auto params() const { return std::tuple(scale_, position_, few_queries_); }
 
   bool shares_work() const override { return few_queries_; }  // as FusedAttention's
 
@@ -602,14 +610,7 @@ class UpdateAndAttend : public SharedPrimitive {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &kp = inputs[3], &vp = inputs[4];
     auto &out = outputs[0], &kout = outputs[1], &vout = outputs[2];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    // Each output holds its own copy of the inputs (array::make_arrays), so
-    // a pool would never be donatable; MLX detaches them all once this
-    // returns, and a tracer (mx.compile, a transform) keeps its graph.
-    if (!out.is_tracer()) {
-      for (auto& o : outputs)
-        if (&o.inputs() != &inputs) o.inputs().clear();
-    }
-    const bool copy_k = take_pool(kp, kout), copy_v = take_pool(vp, vout);
+    const auto [copy_k, copy_v] = take_pools(inputs, outputs);
     auto& encoder = mx::cpu::get_command_encoder(stream());
     for (const auto& a : inputs) encoder.set_input_array(a);
     for (auto& a : outputs) encoder.set_output_array(a);
@@ -637,19 +638,8 @@ class UpdateAndAttend : public SharedPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("UpdateAndAttend runs on the CPU only");
-  }
-
-  const char* name() const override { return "UpdateAndAttend"; }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     return {inputs[0].shape(), inputs[3].shape(), inputs[4].shape()};
-  }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    auto& o = static_cast<const UpdateAndAttend&>(other);
-    return scale_ == o.scale_ && position_ == o.position_ && few_queries_ == o.few_queries_;
   }
 
  private:
@@ -666,7 +656,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     err = "q, k and v must be 4-D, got " + text(q.shape()) + ", " + text(k.shape()) + ", " + text(v.shape());
   } else if (q.dtype() != mx::float32 || k.dtype() != v.dtype() ||
-             (k.dtype() != mx::float32 && k.dtype() != mx::bfloat16 && k.dtype() != mx::float16)) {
+             !is_one_of(k.dtype(), {mx::float32, mx::bfloat16, mx::float16})) {
     err = "q must be float32, k and v both float32, bfloat16 or float16";
   } else if (k.shape() != v.shape() || k.shape(0) != q.shape(0) || k.shape(3) != q.shape(3) ||
              k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
@@ -678,9 +668,7 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   } else if (window < 0) {
     err = "window must be 0 (none) or positive, got " + std::to_string(window);
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);  // the CPU unless asked otherwise
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("attention: " + err);
+  const auto stream = cpu_stream("attention", err, s);
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<FusedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries),
                    {q, k, v});
@@ -694,7 +682,7 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
     err = "q, k, v and the pools must be 4-D";
   } else if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32 ||
              k_pool.dtype() != v_pool.dtype() ||
-             (k_pool.dtype() != mx::float32 && k_pool.dtype() != mx::bfloat16 && k_pool.dtype() != mx::float16)) {
+             !is_one_of(k_pool.dtype(), {mx::float32, mx::bfloat16, mx::float16})) {
     err = "q, k and v must be float32, the pools both float32, bfloat16 or float16";
   } else if (q.shape(0) != 1 || k.shape() != v.shape() || k_pool.shape() != v_pool.shape() ||
              k.shape(0) != 1 || k_pool.shape(0) != 1 || k.shape(1) != k_pool.shape(1) ||
@@ -706,9 +694,7 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
     err = "writing " + std::to_string(q.shape(2)) + " positions at " + std::to_string(position) + " overruns a pool of " +
           std::to_string(k_pool.shape(2));
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("update_and_attend: " + err);
+  const auto stream = cpu_stream("update_and_attend", err, s);
   return mx::array::make_arrays({q.shape(), k_pool.shape(), v_pool.shape()},
                                 {mx::float32, k_pool.dtype(), v_pool.dtype()},
                                 std::make_shared<UpdateAndAttend>(stream, scale, position, q.shape(2) < kTiledMinQueries), {q, k, v, k_pool, v_pool});

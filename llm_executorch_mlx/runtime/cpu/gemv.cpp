@@ -21,10 +21,9 @@
 #include "quantized_interleaved.h"
 #include "quantized_rows.h"
 #include "mlx/backend/common/utils.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "mlx/primitives.h"
 #include "mlx/transforms.h"
+#include "primitive.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -52,9 +51,22 @@ struct Product {
 // read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
 constexpr int kQuantizedRows = 16;
 // and of interleaved weights, whose products cost a row of x about half as
-// much (quantized_interleaved.h): BLAS's dequantized product is cheaper only
-// above ~32 rows (benchmarks/bench_rows.py --quantized).
+// much (quantized_interleaved.h): as many as a dense product takes; how many
+// of them the runtime hands over is its choice (interp/ops/quant.py).
 constexpr int kInterleavedQuantizedRows = 128;
+
+// The interleaved and int8 layouts exist only where the build has integer
+// dot products (quantized_interleaved.h). Without them an op of those layouts
+// is refused as it is made (check_interleaved with the factory's name, then
+// require_layout in each op's constructor), and the paths below that only
+// such an op would take raise rather than leave its output unwritten.
+constexpr const char* kNoInterleavedLayout = "this build has no interleaved layout (no integer dot products)";
+
+[[noreturn]] void refuse_interleaved() { throw std::invalid_argument(kNoInterleavedLayout); }
+
+void require_layout(bool interleaved) {
+  if (interleaved && kInterleavedRows == 0) refuse_interleaved();
+}
 
 // Most rows of x a dense product takes: a prefill chunk of the exports'
 // default size. BLAS's sgemm repacks every weight for each call, so a few-row
@@ -67,10 +79,9 @@ constexpr int kDenseRows = 128;
 // Weight rows a pass over R rows of x takes: R * C accumulators, C weight
 // vectors and one of x must fit the vector registers, or the loop spills
 // accumulators to the stack on every step. With AVX-512's 32, 3 and 4 rows
-// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4; one
-// thread, weights in cache, 4-13% faster at 16 and 128 rows); with the 16 of
-// AVX2 and NEON, 3 (12 + 3 + 1, where 4 x 4 spilled: 1.3-1.5x). Fewer rows
-// of x take 4.
+// of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4); with
+// the 16 of AVX2 and NEON, 3 (12 + 3 + 1, where 4 x 4 spills). Fewer rows of
+// x take 4.
 template <int R>
 constexpr int kWeightRows =
 #if defined(__AVX512F__)
@@ -106,8 +117,8 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
     }
   }
   // halves added into eight lanes, then summed four accumulators at a time
-  // (simd.h's sums): ~3 instructions a sum where _mm512_reduce_add_ps takes
-  // ~9, which at K = 576 cost ~15% of the pass
+  // (simd.h's sums): a few instructions a sum where _mm512_reduce_add_ps
+  // takes three times as many, a cost a short row pays on every pass
   f8 halves[R * C];
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < C; ++i) {
@@ -138,10 +149,8 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
 
 // How far ahead the first pass over a chunk prefetches weight rows: about
 // four fp32 rows, or the same bytes of bf16 rows, in whole steps of C rows.
-// A decode step's one-row pass prefetches too: with products of one x
-// grouped (interp/grouping.py) that gained 4-5% fp32 and ~20% bf16 decode on
-// the 135M model (a bf16 row's stream is too short for the hardware
-// prefetcher alone).
+// A decode step's one-row pass prefetches too: a row's stream, a bf16 one
+// above all, is too short for the hardware prefetcher alone to ramp up.
 template <typename T, int C>
 constexpr int64_t kPrefetchRows = std::max<int64_t>(C, 4 * sizeof(float) / sizeof(T) / C * C);
 
@@ -227,9 +236,8 @@ struct Products {
   std::vector<int64_t> chunk_rows;  // per product
 
   // A quantized product's N rows in chunks of ~128 KB of packed weights, in
-  // whole `unit`s of rows: a longer stream for the prefetcher, as the fp32
-  // product's chunks (with 32 KB, step_profile.py on SmolLM2-135M: 8-bit
-  // decode 80.5-80.8 against 83.2-85.0 tok/s, 4-bit the same).
+  // whole `unit`s of rows: as the fp32 product's chunks, each a stream long
+  // enough for the prefetcher to pick up, and still several for each thread.
   void chunk_weights(int i, int64_t N, int64_t row_bytes, int64_t unit) {
     const int64_t rows = std::max<int64_t>(unit, 131072 / std::max<int64_t>(row_bytes, 1) / unit * unit);
     chunk_rows.push_back(rows);
@@ -316,12 +324,16 @@ void add_into(float* y, const mx::array& a) {
 // op's operand), or affine-quantized as MLX stores it (bits > 0: W [N, K]
 // packed, with scales and biases). adds: one product, plus its last input
 // (of the product's shape) added once the product is done.
-class SharedGemv : public SharedPrimitive {
+class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
  public:
+  static constexpr const char* kName = "SharedGemv";
   SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false,
              bool int8 = false, bool adds = false)
-      : SharedPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
-        adds_(adds) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
+        adds_(adds) {
+    require_layout(interleaved || int8);
+  }
+  auto params() const { return std::tuple(bits_, group_, helped_, interleaved_, int8_, adds_); }
 
   bool adds() const { return adds_; }
   std::shared_ptr<SharedGemv> adding() {
@@ -335,8 +347,7 @@ class SharedGemv : public SharedPrimitive {
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     if (bits_) return eval_quantized(inputs, outputs);
     const auto& x = inputs[0];
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
+    auto& encoder = bind(inputs, outputs);
     const int n = int(outputs.size());
     const int64_t K = x.shape(-1), M = x.size() / K;
     std::vector<Product> each(n);
@@ -344,8 +355,6 @@ class SharedGemv : public SharedPrimitive {
     for (int i = 0; i < n; ++i) {
       const auto& w = inputs[1 + i];
       auto& out = outputs[i];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
       const int64_t N = w.shape(1), w_row = w.strides(1), w_col = w.strides(0);
       each[i] = Product{nullptr, w.data<void>(), out.data<float>(), K, N, w_row, w_col, int(M), {}, 0};
       // rows contiguous: the weights are one span, which the host may read ahead
@@ -369,13 +378,10 @@ class SharedGemv : public SharedPrimitive {
       Products task{each, {}, {}};
       // one row of x: ~64k weights (256 KB of fp32) a chunk, whole groups of
       // four rows: each chunk is a stream the hardware prefetcher must pick
-      // up anew, and with 8k a decode step ran at ~19 GB/s against ~23 now
-      // (SmolLM2-135M, step_profile.py: fp32 33.4-33.9 -> 42.7 tok/s, bf16
-      // 50-51 -> 61-63); still a few chunks for each thread in a 576-row
-      // product. More rows: 24 weight rows a chunk, which each pass over x's
-      // rows finds in cache and whose next rows the first pass prefetches
-      // (4 or 8 rows a chunk measured ~15% slower than 16 at 16 rows of x,
-      // benchmarks/bench_rows.py).
+      // up anew, so a chunk is as long as still leaves a few for each thread
+      // in a 576-row product. More rows: 24 weight rows a chunk, which each
+      // pass over x's rows finds in cache and whose next rows the first pass
+      // prefetches; fewer rows a chunk would spend the passes on restarts.
       const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 65536 / std::max<int64_t>(K, 1) / 4 * 4);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
@@ -388,12 +394,6 @@ class SharedGemv : public SharedPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("SharedGemv runs on the CPU only");
-  }
-
-  const char* name() const override { return "SharedGemv"; }
-
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     std::vector<mx::Shape> shapes;
     for (size_t i = 1; i < inputs.size() - (adds_ ? 1 : 0); i += bits_ ? 3 : 1) {
@@ -404,31 +404,21 @@ class SharedGemv : public SharedPrimitive {
     return shapes;
   }
 
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const SharedGemv&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && helped_ == o.helped_ && interleaved_ == o.interleaved_ &&
-           int8_ == o.int8_ && adds_ == o.adds_;
-  }
-
  private:
   int bits_, group_;
   bool helped_, interleaved_, int8_, adds_;
 
-  // The encoder's inputs and outputs of a quantized op (inputs: x, then w,
-  // scales, biases per product), each output allocated and handed to
-  // `describe(i, w, scales, biases, out)`; each weight's read-ahead flag.
+  // A quantized op's operands (inputs: x, then w, scales, biases per
+  // product) bound, each output allocated and handed to `describe(i, w,
+  // scales, biases, out)`; each weight's read-ahead flag.
   template <typename Describe>
   std::vector<std::shared_ptr<std::atomic<bool>>> bind_quantized(const std::vector<mx::array>& inputs,
                                                                  std::vector<mx::array>& outputs, Describe describe) {
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
+    bind(inputs, outputs);
     std::vector<std::shared_ptr<std::atomic<bool>>> started;
     for (size_t i = 0; i < outputs.size(); ++i) {
       const auto &w = inputs[1 + 3 * i], &scales = inputs[2 + 3 * i], &biases = inputs[3 + 3 * i];
-      auto& out = outputs[i];
-      out.set_data(mx::allocator::malloc(out.nbytes()));
-      encoder.set_output_array(out);
-      describe(int(i), w, scales, biases, out);
+      describe(int(i), w, scales, biases, outputs[i]);
       started.push_back(read_ahead_later(w, w.data<void>(), w.nbytes()));
     }
     return started;
@@ -440,6 +430,8 @@ class SharedGemv : public SharedPrimitive {
   void eval_quantized(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
 #if LLM_PTE_INTEGER_DOT
     if (int8_) return eval_int8(inputs, outputs);
+#else
+    if (interleaved_ || int8_) refuse_interleaved();
 #endif
     const auto& x = inputs[0];
     const int64_t K = x.shape(-1), M = x.size() / K;
@@ -531,15 +523,13 @@ std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& w
   }
   for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
     const auto& w = ws[i];
-    if ((w.dtype() != mx::float32 && w.dtype() != mx::bfloat16) || w.dtype() != ws[0].dtype()) {
+    if (!is_one_of(w.dtype(), {mx::float32, mx::bfloat16}) || w.dtype() != ws[0].dtype()) {
       err = "the weights must be all float32 or all bfloat16";
     } else if (w.ndim() != 2 || w.shape(0) != K) {
       err = "needs each w [K, N] with K " + std::to_string(K) + " (x's last axis), got " + text(w.shape());
     }
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("gemv: " + err);
+  const auto stream = cpu_stream("gemv", err, s);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (const auto& w : ws) {
@@ -596,7 +586,7 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
 
 // "" when w (N rows) can be or is interleaved here.
 std::string check_interleaved(const mx::array& w) {
-  if (kInterleavedRows == 0) return "this build has no interleaved layout (no integer dot products)";
+  if (kInterleavedRows == 0) return kNoInterleavedLayout;
   if (w.shape(0) % kInterleavedRows) {
     return "interleaved weights need a multiple of " + std::to_string(kInterleavedRows) + " rows, not " +
            std::to_string(w.shape(0));
@@ -624,9 +614,7 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
     err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits);
     if (err.empty() && (interleaved || int8)) err = check_interleaved(ws[i]);
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("quantized_gemv: " + err);
+  const auto stream = cpu_stream("quantized_gemv", err, s);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
   for (size_t i = 0; i < ws.size(); ++i) {
@@ -648,17 +636,19 @@ mx::array quantized_gemv(const mx::array& x, const mx::array& w, const mx::array
 
 // MLX's affine dequantization (4 or 8 bits, fp32 scales and biases) on the
 // CPU, vectorised: what a prefill chunk's quantized products multiply with BLAS.
-class Dequantize : public mx::UnaryPrimitive {
+class Dequantize : public CpuPrimitive<Dequantize> {
  public:
+  static constexpr const char* kName = "Dequantize";
   Dequantize(mx::Stream stream, int bits, int group, bool interleaved)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), interleaved_(interleaved) {
+    require_layout(interleaved);
+  }
+  auto params() const { return std::tuple(bits_, group_, interleaved_); }
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const bool interleaved = interleaved_;  // out is then W^T [K, N]
     const int64_t K = interleaved ? out.shape(0) : out.shape(1), N = interleaved ? out.shape(1) : out.shape(0);
     QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
@@ -666,27 +656,18 @@ class Dequantize : public mx::UnaryPrimitive {
     float* wp = out.data<float>();
     const int bits = bits_;
     encoder.dispatch([=]() {
-#if LLM_PTE_INTEGER_DOT
       if (interleaved) {
+#if LLM_PTE_INTEGER_DOT
         if (bits == 4) dequantize_interleaved<4>(r, wp, 0, r.N);
         else dequantize_interleaved<8>(r, wp, 0, r.N);
         return;
-      }
+#else
+        refuse_interleaved();
 #endif
+      }
       if (bits == 4) dequantize_rows<4>(r, wp, 0, r.N);
       else dequantize_rows<8>(r, wp, 0, r.N);
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("Dequantize runs on the CPU only");
-  }
-
-  const char* name() const override { return "Dequantize"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const Dequantize&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && interleaved_ == o.interleaved_;
   }
 
  private:
@@ -699,9 +680,7 @@ mx::array dequantize(const mx::array& w, const mx::array& scales, const mx::arra
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
                                     group_size, bits);
   if (err.empty() && interleaved) err = check_interleaved(w);
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("dequantize: " + err);
+  const auto stream = cpu_stream("dequantize", err, s);
   const int N = w.shape(0), K = int(w.shape(1) * 32 / bits);
   return mx::array(interleaved ? mx::Shape{K, N} : mx::Shape{N, K}, mx::float32,
                    std::make_shared<Dequantize>(stream, bits, group_size, interleaved), {w, scales, biases});
@@ -711,17 +690,19 @@ namespace {
 
 // Rows of an interleaved quantized table, dequantized: a quantized
 // embedding's lookup when the table is also the (interleaved) LM head.
-class TakeInterleaved : public mx::UnaryPrimitive {
+class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
  public:
+  static constexpr const char* kName = "TakeInterleaved";
   TakeInterleaved(mx::Stream stream, int bits, int group, bool int8)
-      : mx::UnaryPrimitive(stream), bits_(bits), group_(group), int8_(int8) {}
+      : CpuPrimitive(stream), bits_(bits), group_(group), int8_(int8) {
+    require_layout(true);
+  }
+  auto params() const { return std::tuple(bits_, group_, int8_); }
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto &w = inputs[0], &scales = inputs[1], &biases = inputs[2], &ids = inputs[3];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const int64_t K = out.shape(-1), N = w.shape(0), count = ids.size();
     QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
                     nullptr, K, N, group_, true};
@@ -753,20 +734,9 @@ class TakeInterleaved : public mx::UnaryPrimitive {
         (bits == 4 ? take_interleaved<4> : take_interleaved<8>)(r, rows.data(), count, o);
       }
 #else
-      (void)int8, (void)quads, (void)group;
+      refuse_interleaved();
 #endif
     });
-  }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("TakeInterleaved runs on the CPU only");
-  }
-
-  const char* name() const override { return "TakeInterleaved"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const TakeInterleaved&>(other);
-    return bits_ == o.bits_ && group_ == o.group_ && int8_ == o.int8_;
   }
 
  private:
@@ -781,12 +751,10 @@ mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
                                     group_size, bits);
   if (err.empty()) err = check_interleaved(w);
-  if (err.empty() && indices.dtype() != mx::int32 && indices.dtype() != mx::int64 && indices.dtype() != mx::uint32)
+  if (err.empty() && !is_one_of(indices.dtype(), {mx::int32, mx::int64, mx::uint32}))
     err = "indices must be int32, int64 or uint32";
   if (err.empty() && w.shape(0) == 0) err = "an empty table";
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("take_interleaved: " + err);
+  const auto stream = cpu_stream("take_interleaved", err, s);
   auto shape = indices.shape();
   shape.push_back(int(w.shape(1) * 32 / bits));
   return mx::array(shape, mx::float32, std::make_shared<TakeInterleaved>(stream, bits, group_size, int8),
@@ -809,6 +777,8 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
   interleave_rows(stored, scales.data<float>(), biases.data<float>(), N, K, group_size, bits, int8 ? nullptr : out,
                   s.data(), b.data());
   if (int8 && out) interleave_quads(stored, N, K, bits, out);
+#else
+  refuse_interleaved();
 #endif
   return {weight ? mx::array(wq.begin(), w.shape(), mx::uint32) : w, mx::array(s.begin(), scales.shape(), mx::float32),
           mx::array(b.begin(), biases.shape(), mx::float32)};
@@ -832,19 +802,17 @@ namespace {
 
 // bf16 values widened to fp32 (exactly: a bf16 is the top half of an fp32),
 // sixteen or eight at a time: what a long chunk's products against bf16
-// weights multiply with BLAS. MLX's own astype does this several times
-// slower on the CPU, which made a bf16 prefill chunk a third slower than an
-// fp32 one.
-class WidenBf16 : public mx::UnaryPrimitive {
+// weights multiply with BLAS. MLX's own astype converts one value at a time
+// on the CPU, a cost each prefill chunk would pay for every weight.
+class WidenBf16 : public CpuPrimitive<WidenBf16> {
  public:
-  explicit WidenBf16(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  static constexpr const char* kName = "WidenBf16";
+  using CpuPrimitive::CpuPrimitive;
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& w = inputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(w);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const uint16_t* src = w.data<uint16_t>();
     float* dst = out.data<float>();
     const int64_t rows = w.shape(0), cols = w.shape(1), row_step = w.strides(0), col_step = w.strides(1);
@@ -868,14 +836,6 @@ class WidenBf16 : public mx::UnaryPrimitive {
       for (; i < n; ++i) dst[i] = widen(src[i]);
     });
   }
-
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("WidenBf16 runs on the CPU only");
-  }
-
-  const char* name() const override { return "WidenBf16"; }
-
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 }  // namespace
@@ -883,9 +843,7 @@ class WidenBf16 : public mx::UnaryPrimitive {
 mx::array widen_bf16(const mx::array& w, mx::StreamOrDevice s) {
   std::string err;
   if (w.dtype() != mx::bfloat16 || w.ndim() != 2) err = "w must be a 2-D bfloat16 array";
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("widen_bf16: " + err);
+  const auto stream = cpu_stream("widen_bf16", err, s);
   return mx::array(w.shape(), mx::float32, std::make_shared<WidenBf16>(stream), {w});
 }
 

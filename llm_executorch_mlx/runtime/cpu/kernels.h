@@ -7,7 +7,6 @@
 #pragma once
 
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "mlx/array.h"
@@ -16,16 +15,6 @@
 namespace llm_pte {
 
 namespace mx = mlx::core;
-
-// A shape as the ops' refusals print it, "(1,3,64)". Refusals are built from
-// std::string and std::to_string alone, never a stream: g++ 13 instantiates
-// the stream templates inside this library, with locale facet ids of their
-// own, and a number written to a string stream then crashed (SIGSEGV).
-inline std::string text(const mx::Shape& shape) {
-  std::string out = "(";
-  for (size_t i = 0; i < shape.size(); ++i) out += (i ? "," : "") + std::to_string(shape[i]);
-  return out + ")";
-}
 
 // softmax(scale * q k^T) v for q [B, Hq, T, D] (fp32) and k, v [B, Hkv, S, D]
 // (fp32, bf16 or fp16); window > 0: each query sees only the last `window`
@@ -123,5 +112,10 @@ void submit_helping(const std::vector<mx::array>& outputs);
 
 // Wait until the queued array `a` is computed, running posted gemv chunks meanwhile.
 void wait_helping(const mx::array& a);
+
+// For tests only: arange(chunks) as float32, computed by a shared job of
+// `chunks` chunks of which chunk `throwing` throws (-1: every one), so that a
+// test can see a chunk's error reach the caller, whichever thread ran it.
+mx::array debug_throwing_job(int chunks, int throwing, mx::StreamOrDevice s);
 
 }  // namespace llm_pte

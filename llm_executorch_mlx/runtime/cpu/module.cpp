@@ -83,4 +83,8 @@ NB_MODULE(cpu_kernels, m) {
         "mx.async_eval(outputs), queued a slice at a time, running posted gemv chunks meanwhile.");
   m.def("wait_helping", &llm_pte::wait_helping, "a"_a,
         "Wait until the queued array `a` is computed, running posted gemv chunks meanwhile.");
+  m.def("debug_throwing_job", &llm_pte::debug_throwing_job, "chunks"_a, "throwing"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "For tests only: arange(chunks) as float32 from a shared job whose chunk `throwing` (-1: each\n"
+        "one) throws, a millisecond into each chunk; the error reaches whoever evaluates it.");
 }

@@ -3,7 +3,7 @@
 // which is what other CPUs run.
 //
 // The float kernel spends a shift, mask, int-to-float convert and FMA on
-// every 8 weights, which made decode compute-bound (~6 G weights/s a core).
+// every 8 weights, which made decode compute-bound rather than memory-bound.
 // Here x is written once per product, per group of the weights, as int16:
 // x = d xh with d = max|x| / 32767 over the group, so each value is within
 // d / 2 = 2^-16 of the group's largest |x| (llama.cpp rounds x to 8 bits,
@@ -14,8 +14,7 @@
 // with sum_k x_k in fp32 from x itself. A 4-bit weight vector then costs one
 // widening load, one mask and one shift per 2 * lanes values, shared by every
 // row of x, and one dot instruction per row and lanes values. (Two int16
-// terms, exact to 2^-31, took twice the dot instructions and made a 4-bit
-// decode step ~10% slower.)
+// terms, exact to 2^-31, would take twice the dot instructions.)
 //
 // Lane order: a vector load of L16 bytes widens to L16 int16 lanes, lane j
 // byte j. 4 bits: byte j holds values 2j (low nibble) and 2j + 1, so a block
@@ -106,7 +105,9 @@ inline int integer_span(int bits, int group) { return std::max(group, integer_bl
 
 // The x side of a product (M rows of K): per row, xh as described above, K
 // int16; d per int32 lane of every span, M * (K / span) * kLanes32 floats;
-// and the fp32 sums per group, M * (K / group).
+// and the fp32 sums per group, M * (K / group). A group whose largest |x| is
+// not finite gets d = NaN, so its products come out NaN as MLX's would
+// (quantized_int8.h's prepare_x8 does the same).
 template <int BITS>
 void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, int group, int16_t* xq,
                float* xd, float* xsum) {
@@ -124,10 +125,11 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
       alignas(32) int32_t h[kMaxGroup];
       for (int k = 0; k < group; ++k) v[k] = xm[(g * group + k) * x_col];
       const __m256 sign = _mm256_set1_ps(-0.f);
-      __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps();
+      __m256 top8 = _mm256_setzero_ps(), sum8 = _mm256_setzero_ps(), bad8 = _mm256_setzero_ps();
       for (int k = 0; k < group; k += 8) {
-        const __m256 a = _mm256_load_ps(v + k);
-        top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, a));
+        const __m256 a = _mm256_load_ps(v + k), size = _mm256_andnot_ps(sign, a);
+        top8 = _mm256_max_ps(top8, size);
+        bad8 = _mm256_or_ps(bad8, _mm256_cmp_ps(size, size, _CMP_UNORD_Q));  // NaN: max would drop it
         sum8 = _mm256_add_ps(sum8, a);
       }
       alignas(32) float lanes[8];
@@ -135,8 +137,9 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
       const float top = *std::max_element(lanes, lanes + 8);
       _mm256_store_ps(lanes, sum8);
       xsum[m * groups + g] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-      d[g] = top / 32767.f;
-      const float inverse = top > 0.f ? 32767.f / top : 0.f;  // |h| <= 32767
+      const bool finite = _mm256_movemask_ps(bad8) == 0 && std::isfinite(top);
+      d[g] = finite ? top / 32767.f : NAN;
+      const float inverse = finite && top > 0.f ? 32767.f / top : 0.f;  // |h| <= 32767
       const __m256 to_high = _mm256_set1_ps(inverse);
       constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
       for (int k = 0; k < group; k += 8) {
@@ -161,7 +164,7 @@ void prepare_x(const float* x, int64_t x_row, int64_t x_col, int M, int64_t K, i
 }
 
 // Weight rows read ahead of the one being summed: the hardware prefetcher
-// alone leaves this loop waiting on its loads (~5 GB/s a core of ~17).
+// alone leaves this loop waiting on its loads, far below what DRAM serves.
 constexpr int kRowsAhead = 4;
 
 inline void prefetch_span(const void* p, int64_t bytes) {

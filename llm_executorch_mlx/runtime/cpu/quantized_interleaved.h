@@ -103,11 +103,8 @@ void interleaved_rows(const QuantizedRows& r, int64_t lo, int64_t hi) {
   constexpr int kSums = M >= 4 ? 1 : 4 / M;
   constexpr int kStep = BITS == 8 ? kSums : (kSums + 1) / 2;
   // Each group asks for the weights kPrefetchAhead bytes on, a group's worth
-  // of lines at a time: a whole next block asked for at once (4.6 KB at 4
-  // bits, K = 576) filled the core's miss buffers and the loop stalled on its
-  // prefetches (perf). With the split sums, the 4-bit 135M model decoded
-  // 107-114 -> 121-131 tok/s (old and new builds alternating, 3 rounds); 2
-  // or 8 KB ahead did no better than 4.
+  // of lines at a time: a whole next block asked for at once fills the
+  // core's miss buffers, and the loop then stalls on its own prefetches.
   constexpr int64_t kPrefetchAhead = 4096;
   const uint8_t* base = reinterpret_cast<const uint8_t*>(r.w);
   const int64_t end = hi / L * block_bytes;  // this call's rows end there

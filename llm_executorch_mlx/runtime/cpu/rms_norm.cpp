@@ -12,8 +12,7 @@
 
 #include "kernels.h"
 #include "mlx/backend/common/utils.h"
-#include "mlx/backend/cpu/encoder.h"
-#include "mlx/primitives.h"
+#include "primitive.h"
 #include "simd.h"
 
 namespace llm_pte {
@@ -37,17 +36,17 @@ void norm_row(const float* x, const float* w, float* y, int64_t K, float eps) {
   for (; k < K; ++k) y[k] = w ? x[k] * r * w[k] : x[k] * r;
 }
 
-class RmsNorm : public mx::UnaryPrimitive {
+class RmsNorm : public CpuPrimitive<RmsNorm> {
  public:
-  RmsNorm(mx::Stream stream, float eps) : mx::UnaryPrimitive(stream), eps_(eps) {}
+  static constexpr const char* kName = "RmsNorm";
+  RmsNorm(mx::Stream stream, float eps) : CpuPrimitive(stream), eps_(eps) {}
+  auto params() const { return std::tuple(eps_); }
 
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& x = inputs[0];
     const bool weighted = inputs.size() > 1;
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (auto& a : inputs) encoder.set_input_array(a);
-    encoder.set_output_array(out);
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
     const int64_t K = x.shape(-1), rows = K ? x.size() / K : 0;
     const float* xp = x.data<float>();
     const float* wp = weighted ? inputs[1].data<float>() : nullptr;
@@ -70,16 +69,6 @@ class RmsNorm : public mx::UnaryPrimitive {
     });
   }
 
-  void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("RmsNorm runs on the CPU only");
-  }
-
-  const char* name() const override { return "RmsNorm"; }
-
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return eps_ == static_cast<const RmsNorm&>(other).eps_;
-  }
-
  private:
   float eps_;
 };
@@ -95,9 +84,7 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& w, float 
   } else if (w && (w->ndim() != 1 || w->shape(0) != x.shape(-1))) {
     err = "the weight must be one value per entry of x's last axis";
   }
-  auto stream = mx::to_stream(s, mx::Device::cpu);
-  if (err.empty() && stream.device != mx::Device::cpu) err = "runs on the CPU only";
-  if (!err.empty()) throw std::invalid_argument("rms_norm: " + err);
+  const auto stream = cpu_stream("rms_norm", err, s);
   std::vector<mx::array> inputs{x};
   if (w) inputs.push_back(*w);
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, eps), std::move(inputs));

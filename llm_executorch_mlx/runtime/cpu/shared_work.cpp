@@ -14,8 +14,12 @@
 // depend on who ran which chunk.
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <deque>
+#include <stdexcept>
+#include <string>
+#include <thread>
 #include <unordered_set>
 #include <vector>
 
@@ -23,6 +27,7 @@
 
 #include "kernels.h"
 #include "mlx/transforms.h"
+#include "primitive.h"
 #include "shared_work.h"
 
 namespace nb = nanobind;
@@ -42,12 +47,20 @@ inline void relax() {
 #endif
 }
 
-// Run chunks of `j` until none is left unclaimed.
+// Run chunks of `j` until none is left unclaimed. Never throws: a chunk's
+// error is kept for run_shared, and each claimed chunk is counted done
+// whatever became of it, or the stream thread would wait for it for ever.
 void take_chunks(SharedJob& j) {
   if (j.next.load(std::memory_order_relaxed) >= j.chunks) return;  // all claimed: no needless RMW
   for (int c; (c = j.next.fetch_add(1, std::memory_order_relaxed)) < j.chunks;) {
-    const int64_t lo = c * j.chunk;
-    j.run(j, lo, std::min(j.items, lo + j.chunk));
+    if (!j.failed.load(std::memory_order_relaxed)) {
+      try {
+        const int64_t lo = c * j.chunk;
+        j.run(j, lo, std::min(j.items, lo + j.chunk));
+      } catch (...) {
+        if (!j.failed.exchange(true)) j.error = std::current_exception();
+      }
+    }
     j.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -64,9 +77,9 @@ struct Upcoming {
   int64_t bytes, read;
 };
 thread_local std::deque<Upcoming> upcoming;
-// 12 MB: half the L3 of the 2-core machine it was tuned on (read-ahead of 0,
-// 4, 12 and 24 MB, one process, 4 rounds: decode 15.6-18.8, 17.5-18.7,
-// 19.0-20.3, 17.9-19.7 tok/s on the fp32 135M model)
+// About half a small server's L3: read further ahead and the weights read
+// first are evicted before their product runs; much less, and DRAM idles
+// through the element-wise ops again.
 constexpr int64_t kReadAheadBytes = 12 << 20;
 
 void drop_started() {
@@ -159,6 +172,7 @@ void run_shared(SharedJob& j) {
     posted_job.store(nullptr);
     while (helpers_inside.load() != 0) relax();
   }
+  if (j.error) std::rethrow_exception(j.error);
 }
 
 std::shared_ptr<std::atomic<bool>> read_ahead_later(const mx::array& weight, const void* data, int64_t bytes) {
@@ -197,6 +211,51 @@ void submit_helping(const std::vector<mx::array>& outputs) {
     if (slices.size() >= 2) help_while([&] { return !slices[slices.size() - 2].is_available(); });
   }
   mx::async_eval(outputs);
+}
+
+namespace {
+
+// debug_throwing_job's op: y[c] = c, chunk c of the job writing it after a
+// millisecond's sleep (long enough for a helping host to take chunks too),
+// or throwing if it is chunk `throwing` (every chunk: -1).
+struct ThrowingTask {
+  float* y;
+  int throwing;
+};
+
+void sleep_then_write_or_throw(const SharedJob& job, int64_t lo, int64_t hi) {
+  const auto& task = *static_cast<const ThrowingTask*>(job.task);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  for (int64_t c = lo; c < hi; ++c) {
+    if (task.throwing < 0 || c == task.throwing) throw std::runtime_error("chunk " + std::to_string(c) + " threw");
+    task.y[c] = float(c);
+  }
+}
+
+class ThrowingJob : public CpuPrimitive<ThrowingJob, SharedPrimitive> {
+ public:
+  static constexpr const char* kName = "ThrowingJob";
+  ThrowingJob(mx::Stream stream, int throwing) : CpuPrimitive(stream), throwing_(throwing) {}
+  auto params() const { return std::tuple(throwing_); }
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& encoder = bind(inputs, outputs);
+    encoder.dispatch([y = outputs[0].data<float>(), chunks = outputs[0].size(), throwing = throwing_]() {
+      ThrowingTask task{y, throwing};
+      SharedJob job(sleep_then_write_or_throw, &task, int64_t(chunks), 1);
+      run_shared(job);
+    });
+  }
+
+ private:
+  int throwing_;
+};
+
+}  // namespace
+
+mx::array debug_throwing_job(int chunks, int throwing, mx::StreamOrDevice s) {
+  const auto stream = cpu_stream("debug_throwing_job", chunks > 0 ? "" : "needs one or more chunks", s);
+  return mx::array({chunks}, mx::float32, std::make_shared<ThrowingJob>(stream, throwing), {});
 }
 
 }  // namespace llm_pte

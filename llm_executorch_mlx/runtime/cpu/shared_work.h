@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
 #include <memory>
 
 #include "mlx/array.h"
@@ -16,13 +17,17 @@ namespace llm_pte {
 namespace mx = mlx::core;
 
 // One op's work, split into `chunks` chunks of `chunk` of its `items` items
-// (output rows, attention rows) that any helping thread may run.
+// (output rows, attention rows) that any helping thread may run. A chunk
+// that throws ends the job: the chunks not yet started are skipped, and
+// run_shared rethrows the first error once every chunk is accounted for.
 struct SharedJob {
   void (*run)(const SharedJob&, int64_t lo, int64_t hi);  // items [lo, hi)
   const void* task;  // what `run` reads: the op's own description of its work
   int64_t items, chunk;
   int chunks;
   std::atomic<int> next{0}, done{0};
+  std::atomic<bool> failed{false};
+  std::exception_ptr error;  // the first thrown, written by the thread that set `failed`
 
   SharedJob(void (*run)(const SharedJob&, int64_t, int64_t), const void* task, int64_t items, int64_t chunk)
       : run(run), task(task), items(items), chunk(chunk), chunks(int((items + chunk - 1) / chunk)) {}
@@ -30,7 +35,8 @@ struct SharedJob {
 
 // On a stream thread: post `j` for the host (unless another stream's job is
 // posted), run chunks, and return once every chunk is done and no helper can
-// still be reading `j`.
+// still be reading `j`; then rethrow a chunk's error, which MLX hands to
+// whoever waits for the op's outputs.
 void run_shared(SharedJob& j);
 
 // Whether the host helps with the graph last submitted (submit_helping found

@@ -107,15 +107,17 @@ inline f8 select8(i8 mask, f8 a, f8 b) {
 inline f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
 inline f8 min8(f8 a, f8 b) { return select8(a < b, a, b); }
 
-// e^x eight at a time, x clamped to [-87, 88] so 2^n stays a normal float
-// (a softmax's shifted scores, SiLU's e^-x): Cody-Waite reduction to
-// 2^n e^r with |r| <= ln2/2 and Cephes' degree-6 polynomial, ~1 ulp. Adding
-// 1.5 * 2^23 rounds to the nearest integer.
+// e^x eight at a time: Cody-Waite reduction to 2^n e^r with |r| <= ln2/2
+// and Cephes' degree-6 polynomial, ~1 ulp, for x clamped to [-87, 88] so
+// 2^n stays a normal float; then e^x as expf gives it past that range (inf
+// above ln(FLT_MAX)) and NaN for NaN, which the clamp would turn finite:
+// a softmax or a SiLU of a NaN is NaN, as MLX's. Adding 1.5 * 2^23 rounds
+// to the nearest integer.
 inline f8 exp8(f8 x) {
-  x = min8(max8(x, splat(-87.0f)), splat(88.0f));
+  const f8 c = min8(max8(x, splat(-87.0f)), splat(88.0f));
   const f8 round = splat(12582912.0f);
-  const f8 n = (x * 1.44269504088896341f + round) - round;
-  const f8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const f8 n = (c * 1.44269504088896341f + round) - round;
+  const f8 r = c - n * 0.693359375f + n * 2.12194440e-4f;
   f8 p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -126,7 +128,8 @@ inline f8 exp8(f8 x) {
   const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
   f8 two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return e * two_n;
+  const f8 y = select8(x > 88.72283935546875f, splat(__builtin_inff()), e * two_n);
+  return select8(x != x, x, y);
 }
 
 }  // namespace llm_pte
