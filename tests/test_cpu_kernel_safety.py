@@ -55,7 +55,7 @@ def test_a_chunk_that_throws_reaches_the_caller_and_leaves_no_thread_waiting():
 @pytest.fixture(scope="module")
 def ext():
     found = cpu.kernels(build=True)
-    assert found.gemv.on and found.attention.on, (found.gemv.why, found.attention.why)
+    assert found.products.on and found.attention.on, (found.products.why, found.attention.why)
     return found.extension
 
 

@@ -40,7 +40,7 @@ from . import native
 
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "swiglu.cpp", "rms_norm.cpp", "shared_work.cpp", "module.cpp"))
-HEADERS = tuple(HERE / name for name in ("kernels.h", "shared_work.h", "simd.h", "quantized_rows.h", "quantized_dot.h",
+HEADERS = tuple(HERE / name for name in ("kernels.h", "primitive.h", "shared_work.h", "simd.h", "quantized_rows.h", "quantized_dot.h",
                                         "quantized_interleaved.h", "quantized_int8.h"))
 MODULE = "cpu_kernels"
 VECTORS_FLAG = "LLM_PTE_CPU_VECTORS"

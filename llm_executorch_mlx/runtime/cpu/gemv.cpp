@@ -48,11 +48,11 @@ struct Product {
 };
 
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
-// read once (a longer chunk dequantizes them for BLAS, interp/ops/quant.py).
+// read once (a longer chunk dequantizes them for BLAS, as the runtime's plan
+// says: runtime/plan.py reads these limits through limits()).
 constexpr int kQuantizedRows = 16;
 // and of interleaved weights, whose products cost a row of x about half as
-// much (quantized_interleaved.h): as many as a dense product takes; how many
-// of them the runtime hands over is its choice (interp/ops/quant.py).
+// much (quantized_interleaved.h): as many as a dense product takes.
 constexpr int kInterleavedQuantizedRows = 128;
 
 // The interleaved and int8 layouts exist only where the build has integer
