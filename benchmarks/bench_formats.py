@@ -93,9 +93,9 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 num_key_value_heads=8, head_dim=64, vocab_size=49152, rope_theta=500000.0,
                 max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5)
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
-# the peers, each optional; "ours-int16": ours with -o int8_activations false (a quantized format's
-# other route, the int8 route's gain as a ratio)
-ENGINES = ("llama.cpp", "mlx-lm", "ours-int16")
+# the peers, each optional; "ours-exact": ours with its rounding routes off (-o int8_activations false
+# for a quantized format, -o bf16_activations false for bf16: their gain as a ratio)
+ENGINES = ("llama.cpp", "mlx-lm", "ours-exact")
 READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
 
 
@@ -314,9 +314,10 @@ def make_engines(name: str, art: Artifacts, args) -> list:
     form = FORMATS[name]
     kv_dtype = LLAMA_KV_TYPES[args.kv][1]
     engines = [Ours(art.ptes[name], kv_dtype=kv_dtype)]
-    if "ours-int16" in args.engines and form.mlx_bits:
-        engines.append(Ours(art.ptes[name], name="ours int16", int8_activations=False, kv_dtype=kv_dtype))
-    for engine, extra in zip(engines, ("", ", -o int8_activations false")):
+    exact = "int8_activations" if form.mlx_bits else "bf16_activations" if name == "bf16" else None
+    if "ours-exact" in args.engines and exact:
+        engines.append(Ours(art.ptes[name], name="ours exact", kv_dtype=kv_dtype, **{exact: False}))
+    for engine, extra in zip(engines, ("", f", -o {exact} false")):
         engine.label = f".pte {form.label}{extra}, computes in {engine.compute_dtype}; KV {args.kv}"
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():

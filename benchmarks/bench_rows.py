@@ -14,6 +14,9 @@ count where it falls below 1 is where the extension's ``dense_rows``
 the BLAS, and the runtime measures it once per machine
 (``runtime/cpu/crossover.py``, shown by ``llm pte info``).
 
+``--dtype bf16`` on a CPU with AVX512_BF16 also times the products with x
+rounded to bf16 (``bf16_activations``), ``ours / bf16 x`` their gain.
+
 ``--dtype q4`` / ``q8`` times the quantized products (group 32) instead: BLAS
 against the extension's dequantized weight (what a long chunk runs), the
 quantized GEMV on MLX's layout, on the interleaved one
@@ -73,16 +76,24 @@ def main(argv=None) -> None:
     def timed(product, x) -> float:
         return helped_pass(kernel, product, x, weights)
 
+    # bf16 weights where the build has bf16 dot products: also x rounded to bf16 (bf16_activations)
+    rounded = args.dtype == "bf16" and kernel.limits()["bf16_dot"]
+    routes = [blas, kernel.gemv] + ([lambda x, w: kernel.gemv(x, w, bf16_x=True)] if rounded else [])
     mb = sum(w.nbytes for w in weights) / 1e6
     print(f"{args.weights} weights [1536, 576] {args.dtype}, {mb:.0f} MB a pass; {found.blas.library}")
-    print("\n".join(table(["rows", "BLAS ms", "ours ms", "BLAS / ours"])))
+    extra = ["bf16 x ms", "ours / bf16 x"] if rounded else []
+    print("\n".join(table(["rows", "BLAS ms", "ours ms", "BLAS / ours"] + extra)))
     for m in (int(r) for r in args.rows.split(",")):
         x = mx.random.normal((1, m, 576))
-        timed(blas, x), timed(kernel.gemv, x)  # warm
-        pairs = [(timed(blas, x), timed(kernel.gemv, x)) for _ in range(args.reps)]
-        b, o = ([p[i] for p in pairs] for i in (0, 1))
-        print(row([m, f"{1000 * statistics.median(b):.1f}", f"{1000 * statistics.median(o):.1f}",
-                   fmt(ratio_spread(b, o), "{:.2f}")]), flush=True)
+        for route in routes:
+            timed(route, x)  # warm
+        runs = [[timed(route, x) for route in routes] for _ in range(args.reps)]
+        b, o, *r = ([t[i] for t in runs] for i in range(len(routes)))
+        cells = [m, f"{1000 * statistics.median(b):.1f}", f"{1000 * statistics.median(o):.1f}",
+                 fmt(ratio_spread(b, o), "{:.2f}")]
+        if rounded:
+            cells += [f"{1000 * statistics.median(r[0]):.1f}", fmt(ratio_spread(o, r[0]), "{:.2f}")]
+        print(row(cells), flush=True)
 
 
 def helped_pass(kernel, product, x, weights) -> float:

@@ -242,6 +242,8 @@ def register_commands(cli):
             if "fp32_chunk_products" in runtime:
                 click.echo(f"        fp32 chunk products: {runtime['fp32_chunk_products']}")
             click.echo(f"        quantized products: {runtime['quantized_products']}")
+            if "bf16_products" in runtime:
+                click.echo(f"        bf16 products: {runtime['bf16_products']}")
     add_export_commands(pte)  # llm pte export, llm pte demo
     add_cache_commands(pte)  # llm pte cache, llm pte cache clear
 

@@ -133,7 +133,8 @@ for name, make in () if lanes else (
         worst[f"refused: {name}"] = 2.0
     except ValueError as refusal:
         worst[f"refused: {name}"] = 0.0 if "no interleaved layout" in str(refusal) else 2.0
-print(json.dumps({"command": command, "worst": worst, "int8_bits": list(ext.limits()["int8_bits"])}))
+print(json.dumps({"command": command, "worst": worst, "int8_bits": list(ext.limits()["int8_bits"]),
+                  "bf16_dot": ext.limits()["bf16_dot"]}))
 """
 
 
@@ -162,6 +163,7 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     # route (without VNNI: vpmaddubsw, 8-bit weights offset); the portable build has neither
     assert any(case.startswith("interleaved") for case in report["worst"]) == (variant != "portable")
     assert report["int8_bits"] == ([] if variant == "portable" else [4, 8])
+    assert report["bf16_dot"] is False  # no cap builds AVX512_BF16
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
 

@@ -19,10 +19,11 @@ from llm_executorch_mlx.runtime.pte.graph import node_name
 PROMPT_LEN, NEW_TOKENS = 40, 20
 
 
-def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto", int8_activations=True):
+def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto", int8_activations=True, bf16_activations=True):
     import mlx.core as mx
 
-    program = load_program(pte, compute=compute, int8_activations=int8_activations)
+    program = load_program(pte, compute=compute, int8_activations=int8_activations,
+                           bf16_activations=bf16_activations)
     program.prepare_cpu_kernels()  # as a generation does: the CPU kernels, built if need be
     cache = program.new_cache(capacity=128, dtype=kv_dtype)
     forward = program.load_method("forward", cache=cache)
@@ -64,11 +65,23 @@ def round_linear_inputs_to_int8(model, group: int = 32) -> None:
             module.register_forward_pre_hook(rounded)
 
 
+def round_linear_inputs_to_bf16(model) -> None:
+    """Every linear layer of ``model`` multiplies its input rounded to bf16
+    (torch's conversion: to nearest, ties to even), summed in the layer's
+    dtype: what the bf16_activations route computes with bf16 weights
+    (runtime/cpu/gemv.cpp's bf16_x)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda m, args: (args[0].to(torch.bfloat16).to(args[0].dtype),
+                                                              *args[1:]))
+
+
 def reference_logits(model_dir, tokens, dtype=torch.float32, quantize=None, compute_dtype=None,
-                     int8_activations=False):
+                     int8_activations=False, bf16_activations=False):
     """Eager logits of the model stored as ``dtype``, computed in
     ``compute_dtype`` (default: the same); int8_activations: each linear's
-    input rounded as ``round_linear_inputs_to_int8`` does."""
+    input rounded as ``round_linear_inputs_to_int8`` does; bf16_activations:
+    as ``round_linear_inputs_to_bf16`` does."""
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, attn_implementation="eager"
     )
@@ -82,6 +95,8 @@ def reference_logits(model_dir, tokens, dtype=torch.float32, quantize=None, comp
                         tie_word_embeddings=False)
     if int8_activations:
         round_linear_inputs_to_int8(model)
+    if bf16_activations:
+        round_linear_inputs_to_bf16(model)
     model.eval()
     with torch.no_grad():
         out = model(input_ids=torch.tensor([tokens])).logits[0]
@@ -138,19 +153,20 @@ BF16_REL_TOL = 3e-2
 # 4-bit weights with fp32 activations: both engines use the same quantized
 # weights; the remaining gap is accumulation order.
 Q4_REL_TOL = 1e-3
-# The int8_activations route against transformers with each linear's input
-# rounded as it rounds it (round_linear_inputs_to_int8): the same numbers, but
-# where the two sums' fp32 order tips an activation across a rounding boundary
-# it moves by one step (2^-7 of its group's largest |x|) and the positions
-# after it differ by that: every position within INT8_FLIP_TOL of the logits'
-# scale, nine in ten within Q4_REL_TOL.
-INT8_FLIP_TOL = 1e-2
+# A rounding route (int8_activations, bf16_activations) against transformers
+# with each linear's input rounded as it rounds it (round_linear_inputs_to_*):
+# the same numbers, but where the two sums' fp32 order tips an activation
+# across a rounding boundary it moves by one step (int8: 2^-7 of its group's
+# largest |x|; bf16: 2^-8 of itself) and the positions after it differ by
+# that: every position within FLIP_TOL of the logits' scale, nine in ten
+# within Q4_REL_TOL.
+FLIP_TOL = 1e-2
 
 
-def assert_int8_close(tokens, ours, ref):
+def assert_rounded_close(tokens, ours, ref):
     err = np.abs(ours - ref).max(-1) / np.abs(ref).max()
     assert (err <= Q4_REL_TOL).mean() >= 0.9, f"errors by position, as a fraction of the scale: {err.round(5)}"
-    assert_close_where_decisive(tokens, ours, ref, INT8_FLIP_TOL)
+    assert_close_where_decisive(tokens, ours, ref, FLIP_TOL)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -198,13 +214,32 @@ def test_bf16_widened_matches_fp32_compute_on_bf16_weights(exported, arch, produ
         bf16 = meta.scalarType == 15
         expected += n * (2 if bf16 and kernels.products.on and tid in linear else 4 if bf16 else mlx_dtype(meta.scalarType).size)
     assert held == expected == program.weight_bytes()
-    tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="fp32")
+    tokens, ours = greedy(pte, prompt_for(1), NEW_TOKENS, compute="fp32", bf16_activations=False)
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
     scale = np.abs(ref).max()
     err = np.abs(ours[:-1] - ref).max()
     assert err <= 1e-4 * scale, f"max abs error {err} vs logit scale {scale}"
     assert tokens[PROMPT_LEN:] == ref[PROMPT_LEN - 1 :].argmax(-1).tolist()
     assert_products_grouped(program)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied"])
+def test_bf16_activations_match_fp32_compute_with_linear_inputs_rounded_to_bf16(exported, arch):
+    """The default CPU route of a bf16 program where the CPU has bf16 dot
+    products: each product of the extension multiplies its input rounded to
+    bf16, as transformers does with its linear layers' inputs so rounded
+    (the rounding routes' contract); elsewhere the exact route, within 1e-4."""
+    model_dir, pte = exported(arch, trained=True, dtype="bf16")
+    tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="fp32")
+    program = load_program(pte, compute="fp32")
+    program.prepare_cpu_kernels()
+    rounds = program.plan.rounds_to_bf16
+    ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32,
+                           bf16_activations=rounds)
+    if rounds:
+        assert_rounded_close(tokens, ours[:-1], ref)
+    else:
+        assert_close_where_decisive(tokens, ours[:-1], ref, 1e-4)
 
 
 @pytest.mark.parametrize("products, int8", [("1", False), ("1", True), ("0", True)],
@@ -223,7 +258,7 @@ def test_4bit_linear_matches_torchao_reference(exported, products, int8, monkeyp
     int8_here = int8 and program.plan.limits is not None and 4 in program.plan.limits.int8_bits
     ref = reference_logits(model_dir, tokens[:-1], quantize="4w", int8_activations=int8_here)
     if int8_here:
-        assert_int8_close(tokens, ours[:-1], ref)
+        assert_rounded_close(tokens, ours[:-1], ref)
     else:
         assert_close_where_decisive(tokens, ours[:-1], ref, Q4_REL_TOL)
     # with the extension's products, each layer's q, k, v and its gate, up ran as

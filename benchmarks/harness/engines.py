@@ -43,13 +43,14 @@ class Ours:
     compute in)."""
 
     def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours",
-                 int8_activations: bool = True, kv_dtype: str | None = None):
+                 int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
         self.name = name
         self.route = compute
-        self.program = load_program(pte, compute=compute, int8_activations=int8_activations)
+        self.program = load_program(pte, compute=compute, int8_activations=int8_activations,
+                                    bf16_activations=bf16_activations)
         self.program.prepare_cpu_kernels()  # as the plugin does before a generation
         self.compute_dtype = self.program.compute_dtype
         self.sampler = Sampler(temperature=0.0)

@@ -58,6 +58,7 @@ class Plan:
     cpu: bool  # MLX runs on the CPU
     kernels: CpuKernels | None = None  # what the extension offers; None: nothing
     int8_activations: bool = True  # 4/8-bit products round activations to int8 where the build can
+    bf16_activations: bool = True  # bf16 products round activations to bf16 where the build can
 
     # -- the extension's parts ---------------------------------------------
 
@@ -86,6 +87,13 @@ class Plan:
             return 0
         most = self.limits.dense_rows
         return min(self.kernels.fp32_rows or most, most) if weight_dtype == mx.float32 else most
+
+    @property
+    def rounds_to_bf16(self) -> bool:
+        """Whether products against bf16 weights round x to bf16 first
+        (``gemv``'s ``bf16_x``): the program allows it and the build has
+        bf16 dot products."""
+        return self.products is not None and self.bf16_activations and self.limits.bf16_dot
 
     def takes_quantized(self, bits: int, group: int) -> bool:
         """Whether the products take weights of this width and group size."""
@@ -189,6 +197,10 @@ class Plan:
         facts["fp32_chunk_products"] = (
             f"the compiled kernel's products up to {self.dense_rows(mx.float32)} rows, BLAS's sgemm above"
             if k.fp32_rows else "the compiled kernel's products or BLAS's sgemm, as measured on the first prompt")
+        facts["bf16_products"] = (
+            "activations rounded to bf16, bf16 dot products (-o bf16_activations false: fp32)"
+            if self.rounds_to_bf16 else "fp32 activations" + (
+                " (-o bf16_activations false)" if limits.bf16_dot else " (no bf16 dot products here)"))
         exact = (f"activations within 2^-16 for up to {limits.interleaved_rows} rows (up to {limits.quantized_rows} "
                  "for weights it cannot interleave), dequantized for BLAS above")
         if not limits.int8_bits:

@@ -43,7 +43,8 @@ LLM_METADATA = (
 _FAULT_AROUND = 1 << 20  # > Linux's fault-around window (64 KiB by default)
 
 
-def load_program(path: str | os.PathLike, compute: str = "auto", int8_activations: bool = True) -> "Program":
+def load_program(path: str | os.PathLike, compute: str = "auto", int8_activations: bool = True,
+                 bf16_activations: bool = True) -> "Program":
     """Read and validate a .pte file; raise ``PteError`` saying what is wrong.
 
     Args:
@@ -56,9 +57,13 @@ def load_program(path: str | os.PathLike, compute: str = "auto", int8_activation
             multiply 4/8-bit weights with activations rounded to int8 per
             group (``cpu/quantized_int8.h``; about twice a prefill chunk's
             speed); False keeps them within 2^-16 (``cpu/quantized_dot.h``).
+        bf16_activations: on a CPU with AVX512_BF16, multiply bf16 weights
+            kept as stored under fp32 compute with activations rounded to
+            bf16 (``vdpbf16ps``, about twice a chunk's products' speed);
+            False keeps the activations in fp32.
     """
     check_compute_route(compute)  # before the file is read
-    return Program(PteFile(path), compute, int8_activations)
+    return Program(PteFile(path), compute, int8_activations, bf16_activations)
 
 
 class Method:
@@ -96,9 +101,10 @@ class Method:
 class Program:
     """A .pte program: its methods, metadata, and off-graph cache geometry."""
 
-    def __init__(self, pte: PteFile, compute: str = "native", int8_activations: bool = True):
+    def __init__(self, pte: PteFile, compute: str = "native", int8_activations: bool = True,
+                 bf16_activations: bool = True):
         self.pte = pte
-        self.int8_activations = int8_activations
+        self.rounding = {"int8_activations": int8_activations, "bf16_activations": bf16_activations}
         self.path = pte.path
         self.method_names = set(pte.plans)
         self._graphs: dict[str, md.MLXGraphT] = {}
@@ -107,7 +113,7 @@ class Program:
         self._interleaved: dict[str, set[int]] = {}  # per method: weights interleaved in _constants
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
-        self.plan = Plan(on_cpu(), self.cpu_kernels, int8_activations)
+        self.plan = Plan(on_cpu(), self.cpu_kernels, **self.rounding)
         try:
             self.metadata, is_llm = self._read_metadata()
         except PteError as e:  # say which file
@@ -138,7 +144,7 @@ class Program:
             self._constants.clear()  # the weight layout follows the plan
             self._interleaved.clear()
         self.cpu_kernels = prepared
-        self.plan = Plan(on_cpu(), prepared, self.int8_activations)
+        self.plan = Plan(on_cpu(), prepared, **self.rounding)
         return prepared
 
     def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:

@@ -29,9 +29,9 @@ def file_key(path: str) -> tuple:
     return (os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
-def get_program(path: str, compute: str = "auto", int8_activations: bool = True):
+def get_program(path: str, compute: str = "auto", int8_activations: bool = True, bf16_activations: bool = True):
     """(key, program) for ``path``: the loaded program, reused while the file is unchanged."""
-    key = file_key(path) + (compute, int8_activations)
+    key = file_key(path) + (compute, int8_activations, bf16_activations)
     if key not in _programs:
         for old in [k for k in _programs if k[0] == key[0]]:
             # the file changed: free the old program and all that refers to it
@@ -39,7 +39,8 @@ def get_program(path: str, compute: str = "auto", int8_activations: bool = True)
             POOL.drop(old)
             REPLIES.drop(old)
             TRUNCATIONS.drop(old)
-        program = load_program(path, compute=compute, int8_activations=int8_activations)
+        program = load_program(path, compute=compute, int8_activations=int8_activations,
+                               bf16_activations=bf16_activations)
         program.prepare_cpu_kernels()  # builds them at the first generation, before a method loads
         _programs[key] = program
     return key, _programs[key]

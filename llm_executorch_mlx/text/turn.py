@@ -75,7 +75,8 @@ class Turn:
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
-        self.key, self.program = store.get_program(pte_path, opts.compute_dtype, opts.int8_activations)
+        self.key, self.program = store.get_program(pte_path, opts.compute_dtype, opts.int8_activations,
+                                                   opts.bf16_activations)
         self.tokenizer = store.get_tokenizer(tokenizer_path)
         template = resolve_template(opts.chat, self.tokenizer)
         self.tool_format = tool_format(template.source) if tools else None
@@ -134,7 +135,8 @@ class Turn:
             "capacity": self.policy.capacity, "dtype": self.policy.dtype,
             "windows": [g.window for g in self.program.cache_geometry(self.policy.windows)],
             "compute": self.program.compute_dtype, "device": mx.default_device().type.name,
-            "int8_activations": self.opts.int8_activations,  # the route changes the cached keys and values
+            # the rounding routes change the cached keys and values
+            "int8_activations": self.opts.int8_activations, "bf16_activations": self.opts.bf16_activations,
         }
         return model_identity(self.program.path), policy
 

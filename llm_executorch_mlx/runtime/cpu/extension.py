@@ -113,9 +113,10 @@ def _vector_flags() -> list[str]:
     """The x86 vector extensions this CPU has that the kernels use: AVX2, FMA
     and F16C (the exp and dot loops vectorise 8 wide, the quantized products
     use integer dot products, an fp16 cache widens in one instruction),
-    AVX-512BW (those 16 wide) and VNNI; other machines
-    get the compiler's default target. ``LLM_PTE_CPU_VECTORS`` caps them:
-    ``avx512`` (AVX-512 without VNNI), ``avx2`` (AVX2, FMA and F16C only) or
+    AVX-512BW (those 16 wide), VNNI and BF16 (bf16 products with
+    ``vdpbf16ps``); other machines get the compiler's default target.
+    ``LLM_PTE_CPU_VECTORS`` caps them: ``avx512`` (AVX-512 without VNNI or
+    BF16), ``avx2`` (AVX2, FMA and F16C only) or
     ``portable`` (the default target: the kernels other CPUs run), which the
     tests use to run every variant here."""
     cap = os.environ.get(VECTORS_FLAG, "native")
@@ -134,6 +135,8 @@ def _vector_flags() -> list[str]:
         wanted += ["-mavx512f", "-mavx512bw", "-mavx512vl"]
         if "avx512_vnni" in flags and cap != "avx512":
             wanted.append("-mavx512vnni")
+        if "avx512_bf16" in flags and cap != "avx512":
+            wanted.append("-mavx512bf16")
     elif "avx_vnni" in flags and cap != "avx512":
         wanted.append("-mavxvnni")
     return wanted

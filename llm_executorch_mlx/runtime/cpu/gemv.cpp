@@ -13,6 +13,7 @@
 #include <memory>
 #include <string>
 #include <stdexcept>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -26,6 +27,13 @@
 #include "primitive.h"
 #include "shared_work.h"
 #include "simd.h"
+
+// vdpbf16ps: products of bf16 weights with x rounded to bf16 (gemv's bf16_x)
+#if defined(__AVX512BF16__)
+#define LLM_PTE_BF16_DOT 1
+#else
+#define LLM_PTE_BF16_DOT 0
+#endif
 
 namespace llm_pte {
 namespace {
@@ -45,6 +53,9 @@ struct Product {
 #if LLM_PTE_INTEGER_DOT
   Int8Rows i8;  // a quantized product with int8 activations (quantized_int8.h)
 #endif
+  // a dense product against bf16 weights with x rounded to bf16 (x then
+  // holds the rounded values as fp32, for the loops the pairs do not cover)
+  const uint16_t* xb = nullptr;
 };
 
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
@@ -90,7 +101,20 @@ constexpr int kWeightRows =
     R >= 3 ? 3 : 4;
 #endif
 
-// s[r * C + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
+// The sums of R * C accumulators' lanes, row r's C into y + r * y_row: four at
+// a time as sums4 where a row has them. Straight into y: results gathered in
+// one array and copied out by rows would load across the stores that wrote
+// them whenever C is not a multiple of four, and such a load waits for both.
+template <int R, int C>
+inline void store_sums(const f8* a, float* y, int64_t y_row) {
+  for (int r = 0; r < R; ++r) {
+    int i = 0;
+    for (; i + 4 <= C; i += 4) sums4(a + r * C + i, y + r * y_row + i);
+    for (; i < C; ++i) y[r * y_row + i] = sum8(a[r * C + i]);
+  }
+}
+
+// y[r * y_row + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
 // C weight rows w_i = w + i * w_row, for the returned k (the rest is the
 // caller's): sixteen lanes where the build has AVX-512, eight otherwise. A
 // bf16 weight widens as it is loaded, once for all R rows: with one row that
@@ -99,7 +123,8 @@ constexpr int kWeightRows =
 // pass over a chunk: its rows are too short for the hardware prefetcher to
 // ramp up.
 template <int R, int C, typename T>
-int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s, const T* next = nullptr) {
+int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* y, int64_t y_row,
+                 const T* next = nullptr) {
 #if defined(__AVX512F__)
   const int64_t K16 = K / 16 * 16;
   __m512 a[R][C];
@@ -126,7 +151,7 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
       std::memcpy(&halves[r * C + i], &sum, sizeof sum);
     }
-  sums(halves, R * C, s);
+  store_sums<R, C>(halves, y, y_row);
   return K16;
 #else
   const int64_t K8 = K / 8 * 8;
@@ -142,7 +167,7 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
       for (int i = 0; i < C; ++i) a[r][i] += xv * v[i];
     }
   }
-  sums(&a[0][0], R * C, s);  // four accumulators at a time
+  store_sums<R, C>(&a[0][0], y, y_row);
   return K8;
 #endif
 }
@@ -153,6 +178,70 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* s,
 // above all, is too short for the hardware prefetcher alone to ramp up.
 template <typename T, int C>
 constexpr int64_t kPrefetchRows = std::max<int64_t>(C, 4 * sizeof(float) / sizeof(T) / C * C);
+
+#if LLM_PTE_BF16_DOT
+// dot_rows for bf16 weights and x rounded to bf16 (xb, row stride K): one
+// vdpbf16ps multiplies sixteen pairs, twice an FMA's products, and the
+// weights need no widening. Products are exact in fp32 and summed there, as
+// an FMA's are.
+template <int R, int C>
+int64_t dot_rows_bf16(const uint16_t* xb, const uint16_t* w, int64_t w_row, int64_t K, float* y, int64_t y_row,
+                      const uint16_t* next) {
+  const int64_t K32 = K / 32 * 32;
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < C; ++i) a[r][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K32; k += 32) {
+    if (next) {
+      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k);
+    }
+    __m512bh v[C];
+    for (int i = 0; i < C; ++i) v[i] = (__m512bh)_mm512_loadu_si512(w + i * w_row + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + r * K + k);
+      for (int i = 0; i < C; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], xv, v[i]);
+    }
+  }
+  f8 halves[R * C];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < C; ++i) {
+      const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
+      std::memcpy(&halves[r * C + i], &sum, sizeof sum);
+    }
+  store_sums<R, C>(halves, y, y_row);
+  return K32;
+}
+#endif
+
+// x rounded to bf16, to nearest even as torch's conversion does (denormals
+// included, which vcvtneps2bf16 would flush): the bf16 values (xb) and the
+// same values as fp32 (rounded). NaN stays NaN.
+void round_to_bf16(const float* x, int64_t n, uint16_t* xb, float* rounded) {
+  int64_t i = 0;
+#if LLM_PTE_BF16_DOT
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x00400000);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i bits = _mm512_loadu_si512(x + i);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    __m512i top = _mm512_add_epi32(bits, _mm512_add_epi32(half, lsb));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, magnitude), inf);
+    top = _mm512_srli_epi32(_mm512_mask_mov_epi32(top, nan, _mm512_or_si512(bits, quiet)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i), _mm512_cvtepi32_epi16(top));
+    _mm512_storeu_si512(rounded + i, _mm512_slli_epi32(top, 16));
+  }
+#endif
+  for (; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, sizeof bits);
+    const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const uint32_t top = nan ? (bits | 0x00400000u) >> 16 : (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    xb[i] = uint16_t(top);
+    const uint32_t back = top << 16;
+    std::memcpy(rounded + i, &back, sizeof back);
+  }
+}
 
 // y[r, n] = W[n, :] . x[r, :] for rows n in [lo, hi) and R rows of x, C
 // weight rows at a time (rows contiguous), then the last few one by one.
@@ -165,16 +254,26 @@ void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t
   int64_t n = lo;
   for (; n + C <= hi; n += C) {
     const T* w = W + n * j.w_row;
-    float s[R * C];
+    float* out = y + n;  // row r's C results at out + r * j.N
     const bool fetch = first_pass && n + ahead + C <= j.N;
-    const int64_t done = dot_rows<R, C>(x, w, j.w_row, K, s, fetch ? w + ahead * j.w_row : nullptr);
+    const T* next = fetch ? w + ahead * j.w_row : nullptr;
+    int64_t done;
+#if LLM_PTE_BF16_DOT
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      done = j.xb ? dot_rows_bf16<R, C>(j.xb + (x - j.x), w, j.w_row, K, out, j.N, next)
+                  : dot_rows<R, C>(x, w, j.w_row, K, out, j.N, next);
+    } else {
+      done = dot_rows<R, C>(x, w, j.w_row, K, out, j.N, next);
+    }
+#else
+    done = dot_rows<R, C>(x, w, j.w_row, K, out, j.N, next);
+#endif
     for (int r = 0; r < R; ++r) {
       const float* xr = x + r * K;
       for (int i = 0; i < C; ++i) {
         const T* wi = w + i * j.w_row;
-        for (int64_t k = done; k < K; ++k) s[r * C + i] += widen(wi[k]) * xr[k];
+        for (int64_t k = done; k < K; ++k) out[r * j.N + i] += widen(wi[k]) * xr[k];
       }
-      std::memcpy(y + r * j.N + n, s + r * C, C * sizeof(float));
     }
   }
   const int64_t K8 = K / 8 * 8;
@@ -328,16 +427,16 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
  public:
   static constexpr const char* kName = "SharedGemv";
   SharedGemv(mx::Stream stream, int bits = 0, int group = 0, bool helped = true, bool interleaved = false,
-             bool int8 = false, bool adds = false)
+             bool int8 = false, bool adds = false, bool bf16_x = false)
       : CpuPrimitive(stream), bits_(bits), group_(group), helped_(helped), interleaved_(interleaved), int8_(int8),
-        adds_(adds) {
+        adds_(adds), bf16_x_(bf16_x) {
     require_layout(interleaved || int8);
   }
-  auto params() const { return std::tuple(bits_, group_, helped_, interleaved_, int8_, adds_); }
+  auto params() const { return std::tuple(bits_, group_, helped_, interleaved_, int8_, adds_, bf16_x_); }
 
   bool adds() const { return adds_; }
   std::shared_ptr<SharedGemv> adding() {
-    return std::make_shared<SharedGemv>(stream(), bits_, group_, helped_, interleaved_, int8_, true);
+    return std::make_shared<SharedGemv>(stream(), bits_, group_, helped_, interleaved_, int8_, true, bf16_x_);
   }
 
   // not helped: a long prefill chunk's LM head row, whose graph is better
@@ -365,6 +464,7 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
     const float* xp = x.data<float>();
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const std::optional<mx::array> addend = adds_ ? std::optional(inputs.back()) : std::nullopt;
+    const bool bf16_x = bf16_x_;  // the task may run after this primitive is gone: no member in it
     encoder.dispatch([=]() mutable {
       for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> packed;  // x's rows, contiguous
@@ -374,6 +474,15 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
         for (int64_t m = 0; m < M; ++m)
           for (int64_t k = 0; k < K; ++k) packed[m * K + k] = xp[m * x_row + k * x_col];
         xs = packed.data();
+      }
+      // x rounded to bf16, where bf16_x; kept between calls, which would
+      // otherwise each zero and fault in a few hundred KB
+      thread_local std::vector<uint16_t> xb;
+      thread_local std::vector<float> rounded;
+      if (bf16_x) {
+        if (xb.size() < size_t(M * K)) xb.resize(M * K), rounded.resize(M * K);
+        round_to_bf16(xs, M * K, xb.data(), rounded.data());
+        xs = rounded.data();
       }
       Products task{each, {}, {}};
       // one row of x: ~64k weights (256 KB of fp32) a chunk, whole groups of
@@ -385,6 +494,7 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
       const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 65536 / std::max<int64_t>(K, 1) / 4 * 4);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
+        task.each[i].xb = bf16_x ? xb.data() : nullptr;
         task.chunk_rows.push_back(rows);
         for (int64_t first = 0; first < each[i].N; first += rows) task.chunks.emplace_back(i, first);
       }
@@ -406,7 +516,7 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
 
  private:
   int bits_, group_;
-  bool helped_, interleaved_, int8_, adds_;
+  bool helped_, interleaved_, int8_, adds_, bf16_x_;
 
   // A quantized op's operands (inputs: x, then w, scales, biases per
   // product) bound, each output allocated and handed to `describe(i, w,
@@ -509,7 +619,7 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
 
 }  // namespace
 
-std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped,
+std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped, bool bf16_x,
                              mx::StreamOrDevice s) {
   std::string err;
   const int64_t K = x.ndim() ? x.shape(-1) : 0;
@@ -529,6 +639,11 @@ std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& w
       err = "needs each w [K, N] with K " + std::to_string(K) + " (x's last axis), got " + text(w.shape());
     }
   }
+  if (err.empty() && bf16_x && !LLM_PTE_BF16_DOT) {
+    err = "this build has no bf16 dot products (AVX512_BF16) for bf16_x";
+  } else if (err.empty() && bf16_x && ws[0].dtype() != mx::bfloat16) {
+    err = "bf16_x rounds x for bfloat16 weights only";
+  }
   const auto stream = cpu_stream("gemv", err, s);
   std::vector<mx::Shape> shapes;
   std::vector<mx::array> inputs{x};
@@ -539,11 +654,12 @@ std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& w
     inputs.push_back(w);
   }
   return mx::array::make_arrays(shapes, std::vector<mx::Dtype>(ws.size(), mx::float32),
-                                std::make_shared<SharedGemv>(stream, 0, 0, helped), inputs);
+                                std::make_shared<SharedGemv>(stream, 0, 0, helped, false, false, false, bf16_x),
+                                inputs);
 }
 
-mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s) {
-  return gemvs(x, {w}, helped, s)[0];
+mx::array gemv(const mx::array& x, const mx::array& w, bool helped, bool bf16_x, mx::StreamOrDevice s) {
+  return gemvs(x, {w}, helped, bf16_x, s)[0];
 }
 
 std::optional<mx::array> add_to_product(const mx::array& product, const mx::array& addend) {
@@ -795,6 +911,7 @@ Limits limits() {
 #if LLM_PTE_INTEGER_DOT
   l.int8_bits = {4, 8};
 #endif
+  l.bf16_dot = LLM_PTE_BF16_DOT;
   return l;
 }
 

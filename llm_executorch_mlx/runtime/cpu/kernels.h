@@ -35,11 +35,11 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
 // short chunk's, a prefill chunk's) and w [K, N] fp32 or bf16, read as stored; unless not
 // `helped`, the host thread helps run it while it is in submit_helping or
 // wait_helping.
-mx::array gemv(const mx::array& x, const mx::array& w, bool helped, mx::StreamOrDevice s);
+mx::array gemv(const mx::array& x, const mx::array& w, bool helped, bool bf16_x, mx::StreamOrDevice s);
 
 // gemv of one x with each of several weights of one dtype (a layer's q, k and
 // v projections; its gate and up), the products one shared job.
-std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped,
+std::vector<mx::array> gemvs(const mx::array& x, const std::vector<mx::array>& ws, bool helped, bool bf16_x,
                              mx::StreamOrDevice s);
 
 // product + addend as one op, where `product` is a not yet computed output of
@@ -93,6 +93,7 @@ struct Limits {
   int interleave_lanes;  // weight rows an interleaved block holds; 0: no interleaved layout
   std::vector<int> quantized_bits, quantized_groups;  // every layout; K a multiple of 256 / bits
   std::vector<int> int8_bits;  // the widths multiplied with int8 activations here
+  bool bf16_dot = false;  // gemv's bf16_x: bf16 weights times x rounded to bf16 (AVX512_BF16)
 };
 Limits limits();
 

@@ -23,10 +23,14 @@ NB_MODULE(cpu_kernels, m) {
         "A flat cache layer's step as one op on the CPU: k and v [1, Hkv, T, D] (fp32) written into\n"
         "the pools [1, Hkv, slots, D] (fp32, bf16 or fp16) at position, then attention of q [1, Hq, T, D]\n"
         "over the pools' first position + T slots, causal when T > 1. Returns [out, k_pool', v_pool'].");
-  m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
-        "x @ w for x [..., M, K] fp32 (M <= 128) and w [K, N] fp32 or bf16 on the CPU; unless not\n"
-        "helped, the host thread helps while it is in submit_helping or wait_helping.");
-  m.def("gemvs", &llm_pte::gemvs, "x"_a, "ws"_a, nb::kw_only(), "helped"_a = true, "stream"_a = nb::none(),
+  m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "bf16_x"_a = false,
+        "stream"_a = nb::none(),
+        "x @ w for x [..., M, K] fp32 (M <= limits()['dense_rows']) and w [K, N] fp32 or bf16 on the CPU;\n"
+        "unless not helped, the host thread helps while it is in submit_helping or wait_helping.\n"
+        "bf16_x (bf16 w, where limits()['bf16_dot']): x rounded to bf16 first, the pairs multiplied\n"
+        "with vdpbf16ps.");
+  m.def("gemvs", &llm_pte::gemvs, "x"_a, "ws"_a, nb::kw_only(), "helped"_a = true, "bf16_x"_a = false,
+        "stream"_a = nb::none(),
         "[gemv(x, w) for w in ws] as one op (weights all fp32 or all bf16): one job shared with\n"
         "the host.");
   m.def("add_to_product", &llm_pte::add_to_product, "product"_a, "addend"_a,
@@ -68,6 +72,7 @@ NB_MODULE(cpu_kernels, m) {
         d["quantized_bits"] = nb::tuple(nb::cast(l.quantized_bits));
         d["quantized_groups"] = nb::tuple(nb::cast(l.quantized_groups));
         d["int8_bits"] = nb::tuple(nb::cast(l.int8_bits));
+        d["bf16_dot"] = l.bf16_dot;
         return d;
       },
       "What this build's products take (kernels.h's Limits) as a dict: most rows of x per layout,\n"

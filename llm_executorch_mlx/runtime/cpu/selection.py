@@ -55,6 +55,7 @@ class Limits:
     quantized_bits: tuple[int, ...]
     quantized_groups: tuple[int, ...]
     int8_bits: tuple[int, ...]
+    bf16_dot: bool  # bf16 weights times x rounded to bf16 (``gemv``'s ``bf16_x``)
 
 
 @dataclass(frozen=True)

@@ -209,11 +209,12 @@ def _dense_weight(ctx, instructions, j, op) -> mx.array | None:
 def _dense_runs(ctx, members, ops, weights):
     gemvs = ctx.plan.products.gemvs
     most = dense_rows(ctx.plan)
+    bf16_x = ctx.plan.rounds_to_bf16 and weights[0].dtype == mx.bfloat16
     x = ops[0].mat1.idx
     own = [build_addmm(op, ctx) for op in ops]  # each node's route when the products do not take x
 
     def products(f):
         xs = f[x]
-        return gemvs(xs, weights) if few_rows(xs, weights[0], most) else None
+        return gemvs(xs, weights, bf16_x=bf16_x) if few_rows(xs, weights[0], most) else None
 
     return _group_runs(ctx, members, ops, own, products, [ctx.t_opt(op.bias) for op in ops])

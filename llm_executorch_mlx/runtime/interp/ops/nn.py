@@ -28,6 +28,7 @@ def _addmm(n, ctx, rows):
     extension = ctx.plan.products
     gemv = extension.gemv if extension else None
     most = dense_rows(ctx.plan)
+    rounds = ctx.plan.rounds_to_bf16  # a bf16 weight's products take x rounded to bf16
     alpha, beta = float(n.alpha), float(n.beta)
 
     def as_x(w, x):
@@ -41,13 +42,14 @@ def _addmm(n, ctx, rows):
 
     def product(x_in, x, w):
         """The extension's product, or None where BLAS's is better."""
+        bf16_x = rounds and w.dtype == mx.bfloat16
         if few_rows(x_in, w, most):
-            return gemv(x, w)
+            return gemv(x, w, bf16_x=bf16_x)
         if w.dtype == mx.bfloat16 and few_rows(x, w, most) and x.size == x.shape[-1]:
             # a long chunk's bf16 LM head row: read as stored (widening would
             # cost more), by the stream thread alone (the host would take a
             # core from BLAS's threads for the rest of the chunk)
-            return gemv(x, w, helped=False)
+            return gemv(x, w, helped=False, bf16_x=bf16_x)
         return None
 
     if bias is None:  # alpha is ignored without a bias, as in ExecuTorch
