@@ -12,28 +12,11 @@ import llm
 import mlx.core as mx
 import numpy as np
 import pytest
-from models import make_tokenizer
-from test_plugin import hf_greedy, register
+from test_plugin import hf_greedy, register, tiny, user_dir  # noqa: F401 (fixtures: the registered tiny model)
 
 from llm_executorch_mlx.text import store
 from llm_executorch_mlx.text.drafting import FEWEST, MOST, NgramDrafter
 from llm_executorch_mlx.text.sampling import Sampler
-
-
-@pytest.fixture(autouse=True)
-def user_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
-    store.POOL.clear()
-    store.REPLIES.clear()
-    store.TRUNCATIONS.clear()
-
-
-@pytest.fixture(scope="module")
-def tiny(exported, tmp_path_factory):
-    model_dir, pte = exported("llama")
-    tok_dir = tmp_path_factory.mktemp("tok")
-    make_tokenizer(tok_dir)
-    return pte, tok_dir, model_dir
 
 
 def brute_force_draft(ids: list[int], most: int) -> list[int]:

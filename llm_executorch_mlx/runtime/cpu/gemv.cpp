@@ -114,6 +114,23 @@ inline void store_sums(const f8* a, float* y, int64_t y_row) {
   }
 }
 
+#if defined(__AVX512F__)
+// store_sums for sixteen-lane accumulators: halves added into eight lanes
+// first, a few instructions a sum where _mm512_reduce_add_ps takes three
+// times as many, a cost a short row pays on every pass.
+template <int R, int C>
+inline void store_sums16(const __m512 (&a)[R][C], float* y, int64_t y_row) {
+  f8 halves[R * C];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < C; ++i) {
+      const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
+                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
+      std::memcpy(&halves[r * C + i], &sum, sizeof sum);
+    }
+  store_sums<R, C>(halves, y, y_row);
+}
+#endif
+
 // y[r * y_row + i] = x_r . w_i over [0, k) for R rows of x (row stride K) and
 // C weight rows w_i = w + i * w_row, for the returned k (the rest is the
 // caller's): sixteen lanes where the build has AVX-512, eight otherwise. A
@@ -141,17 +158,7 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* y,
       for (int i = 0; i < C; ++i) a[r][i] = _mm512_fmadd_ps(xv, v[i], a[r][i]);
     }
   }
-  // halves added into eight lanes, then summed four accumulators at a time
-  // (simd.h's sums): a few instructions a sum where _mm512_reduce_add_ps
-  // takes three times as many, a cost a short row pays on every pass
-  f8 halves[R * C];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < C; ++i) {
-      const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
-      std::memcpy(&halves[r * C + i], &sum, sizeof sum);
-    }
-  store_sums<R, C>(halves, y, y_row);
+  store_sums16<R, C>(a, y, y_row);
   return K16;
 #else
   const int64_t K8 = K / 8 * 8;
@@ -202,14 +209,7 @@ int64_t dot_rows_bf16(const uint16_t* xb, const uint16_t* w, int64_t w_row, int6
       for (int i = 0; i < C; ++i) a[r][i] = _mm512_dpbf16_ps(a[r][i], xv, v[i]);
     }
   }
-  f8 halves[R * C];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < C; ++i) {
-      const __m256 sum = _mm256_add_ps(_mm512_castps512_ps256(a[r][i]),
-                                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[r][i]), 1)));
-      std::memcpy(&halves[r * C + i], &sum, sizeof sum);
-    }
-  store_sums<R, C>(halves, y, y_row);
+  store_sums16<R, C>(a, y, y_row);
   return K32;
 }
 #endif
