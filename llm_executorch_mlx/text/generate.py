@@ -129,16 +129,15 @@ def generate_tokens(
     yield Step(token, False)
     if max_tokens < 2 or not cache.can_extend(1):
         return
-    if speculation is not None:
-        history.append(token)
-        yield from speculate(forward, cache, history, max_tokens - 1, timings, t_first, speculation)
-        return
     position = len(prompt)
     logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
     position += 1
     history.append(token)
     y = sample(allowed(logits), history)
     forward.submit(y)
+    if speculation is not None:
+        yield from speculate(forward, cache, history, y, position, max_tokens - 1, timings, t_first, speculation)
+        return
     for produced in range(2, max_tokens + 1):
         fed = produced < max_tokens and cache.can_extend(1)
         if fed:  # queue the step that feeds y before reading y on the host
@@ -171,49 +170,87 @@ class Speculation:
     sample: Callable[[mx.array, list[int]], mx.array]
 
 
-def speculate(forward, cache, history: list[int], max_tokens: int, timings: Timings, t_first: float,
-              speculation: Speculation) -> Iterator[Step]:
-    """Up to ``max_tokens`` tokens after ``history``, whose last token is
-    sampled and yielded but not fed; several a step where the draft guesses
-    them.
+def speculate(forward, cache, history: list[int], y: mx.array, position: int, max_tokens: int, timings: Timings,
+              t_first: float, speculation: Speculation) -> Iterator[Step]:
+    """Up to ``max_tokens`` tokens from ``y`` on (sampled after ``history``,
+    queued, not read; its slot ``position``), several a step where the draft
+    guesses what follows.
 
-    Each step feeds the unfed token and the draft's proposals in one forward
-    call, whose logits choose the token at every position: the proposals up
-    to the first one not chosen are kept, and the token chosen in its place
-    (or after the last, when all were) is the next unfed one. The cache is
-    rewound past what was not kept, so between steps it holds exactly the
-    tokens yielded but the last, as without speculation; a step may
-    have fed a few more when the caller stops reading (``stream_reply``
-    rewinds them).
+    Once a token is read, the draft proposes what follows it, and the
+    logits of the token's step and of the proposals choose the token at
+    every position: the proposals up to the first one not chosen are kept,
+    the cache rewound past the rest, and the token chosen in its place (or
+    after the last, when all were kept) is the next one. Known on the host,
+    it goes into the next step with that step's proposals, one call. A token
+    sampled on the device (after a step without proposals) has its step
+    queued before it is read, as ``generate_tokens``' loop does, so those
+    steps cost what they cost without speculation; proposals for it then
+    take a call of their own. After proposals that all missed, the next 2,
+    4, ... 16 steps propose none.
     """
     drafter = speculation.drafter
     drafter.extend(history[len(drafter.ids):])
-    token, position = history[-1], len(history) - 1  # the unfed token, and where it goes
-    produced = 0
-    while produced < max_tokens and cache.can_extend(1):
-        room = min(speculation.tokens, max_tokens - produced - 1, cache.capacity - cache.length - 1)
-        draft = drafter.propose(room)
-        ids = np.asarray([[token, *draft]], dtype=np.int64)
-        rows = forward.execute([ids, np.arange(position, position + ids.shape[1], dtype=np.int64)])[0][0]
-        chosen = [speculation.verify(rows[i], history + draft[:i], d) for i, d in enumerate(draft)]
-        chosen.append(speculation.sample(rows[len(draft)], history + draft))
+    produced, misses, idle = 0, 0, 0  # tokens yielded; proposals that all missed, in a row; steps left without
+    queued = None  # the logits of the step feeding y, when y is sampled on the device and its step queued
+    while True:
+        fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
+        on_device = isinstance(y, mx.array)
+        if on_device:
+            if fed:
+                queued = step(forward, y.reshape(1, 1), np.array([position], np.int64))
+                position += 1
+            forward.wait(y)
+            y = y.item()
+        token = y
+        produced += 1
+        timings.decode_tokens += 1
+        timings.decode_seconds = time.perf_counter() - t_first
+        history.append(token)
+        drafter.extend([token])
+        if not fed:
+            yield Step(token, False)
+            return
+        room = min(speculation.tokens, max_tokens - produced - 1,
+                   cache.capacity - cache.length - (1 if on_device else 2))
+        draft = drafter.propose(room) if not idle else []
+        idle = max(0, idle - 1)
+        if on_device and not draft:
+            y = speculation.sample(queued, history)
+            forward.submit(y)
+            yield Step(token, True)
+            continue
+        # one call: the proposals, after the token itself where it is not fed yet
+        ids = draft if on_device else [token, *draft]
+        rows = forward.execute([np.asarray([ids], dtype=np.int64),
+                                np.arange(position, position + len(ids), dtype=np.int64)])[0][0]
+        each = ([queued] if on_device else []) + [rows[i] for i in range(len(ids))]
+        position += 0 if on_device else 1
+        if not draft:
+            y = speculation.sample(each[0], history)
+            forward.submit(y)
+            yield Step(token, True)
+            continue
+        chosen = [speculation.verify(each[i], history + draft[:i], d) for i, d in enumerate(draft)]
+        chosen.append(speculation.sample(each[-1], history + draft))
         forward.submit(*chosen)
         forward.wait(chosen[-1])
         chosen = mx.stack(chosen).tolist()
         kept = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
-        position += 1 + kept
-        # the unfed token and the kept proposals; a ring layer allows it, since
-        # one call writes at most its max write (speculation.tokens + 1)
+        position += kept
+        # the kept proposals; a ring layer allows it, since one call writes
+        # at most its max write (speculation.tokens + 1)
         if not cache.rewind(position):
             raise RuntimeError(f"the cache cannot rewind to {position} after a speculative step")
         timings.drafted_tokens += len(draft)
         timings.accepted_tokens += kept
-        new = chosen[: kept + 1]
-        history.extend(new)
-        drafter.extend(new)
-        token = new[-1]
-        for n, t in enumerate(new):
+        misses = 0 if kept else misses + 1
+        idle = 2 ** min(misses, 4) if misses else 0
+        yield Step(token, True)
+        for d in draft[:kept]:
             produced += 1
             timings.decode_tokens += 1
             timings.decode_seconds = time.perf_counter() - t_first
-            yield Step(t, n < kept)
+            history.append(d)
+            drafter.extend([d])
+            yield Step(d, True)
+        y = chosen[kept]  # on the host: the next step feeds it with that step's proposals
