@@ -501,9 +501,11 @@ def test_a_new_conversation_gets_its_own_session(tiny):
     assert len(store.POOL) == 2
 
 
-def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
+@pytest.mark.parametrize("draft", ["none", "ngram"])
+def test_ring_layers_past_their_window_across_turns(exported, tmp_path, draft):
     """gemma3's sliding layers (window 16) drop history; each turn still
-    equals transformers on the whole history."""
+    equals transformers on the whole history, with speculative decoding's
+    rewinds too."""
     model_dir, pte = exported("gemma3")
     tok = make_tokenizer(tmp_path / "tok")
     assert invoke("pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny").exit_code == 0
@@ -511,7 +513,7 @@ def test_ring_layers_past_their_window_across_turns(exported, tmp_path):
     user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
     paths = []
     for text, (ids, _, expected) in zip(user_turns, models.hf_turns(tok.parent, model_dir, user_turns, 10)):
-        r = conversation.prompt(text, max_tokens=10)
+        r = conversation.prompt(text, max_tokens=10, draft=draft, draft_tokens=3)
         assert r.text() == expected and r.input_tokens == len(ids)
         paths.append(r.response_json["cache_path"])
         assert r.response_json["cache_length"] > 16  # well past the window
