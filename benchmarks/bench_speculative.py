@@ -7,6 +7,13 @@ with the draft, in alternating order, each from a cold cache; the table
 gives decode tok/s, their ratio per repetition (``median [min–max]``),
 how many proposals were taken, and whether the replies were the same.
 
+``--acceptance 1,0.8`` adds rows at a fixed acceptance by construction,
+for models whose replies prompt lookup cannot guess (random weights): a
+drafter that proposes the plain reply's own next tokens, each replaced by
+another with probability 1 - A, in place of prompt lookup. It measures what
+verifying several tokens a step gains at that rate, the ceiling a draft
+model would reach.
+
     python benchmarks/bench_speculative.py MODEL.pte [--tokenizer tokenizer.json] [--reps 3] [--max-tokens 128]
 """
 
@@ -31,15 +38,50 @@ PROMPTS = {
 }
 
 
-def turn(pte, tokenizer, prompt: str, draft: str, max_tokens: int, draft_tokens: int) -> tuple[str, dict]:
-    from llm_executorch_mlx.text import store
+class FixedAcceptance:
+    """A drafter (``NgramDrafter``'s interface) proposing ``reply``, the plain
+    reply's ids, each proposal replaced by another id with probability
+    1 - ``rate``: greedy verification then keeps each with that probability."""
+
+    def __init__(self, prompt: list[int], reply: list[int], rate: float, seed: int):
+        import random
+
+        self.ids, self.start, self.reply, self.rate = list(prompt), len(prompt), reply, rate
+        self.random = random.Random(seed)
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+
+    def propose(self, most: int) -> list[int]:
+        at = len(self.ids) - self.start
+        return [t if self.random.random() < self.rate else t + 1 for t in self.reply[at:at + most]]
+
+
+def turn(pte, tokenizer, prompt: str, draft: str, max_tokens: int, draft_tokens: int,
+         drafter=None) -> tuple[str, dict, list[int]]:
+    """The reply's text, stats and ids; ``drafter(prompt ids)`` in place of
+    prompt lookup, where given."""
+    from llm_executorch_mlx.text import store, turn as turn_module
     from llm_executorch_mlx.text.turn import Turn, TurnOptions
 
     store.POOL.clear()
     store.REPLIES.clear()
-    t = Turn(str(pte), str(tokenizer), [{"role": "user", "content": prompt}],
-             TurnOptions(draft=draft, draft_tokens=draft_tokens, max_tokens=max_tokens))
-    return "".join(t), t.result.stats
+    lookup = turn_module.NgramDrafter
+    if drafter is not None:
+        turn_module.NgramDrafter = drafter
+    try:
+        t = Turn(str(pte), str(tokenizer), [{"role": "user", "content": prompt}],
+                 TurnOptions(draft=draft, draft_tokens=draft_tokens, max_tokens=max_tokens))
+        text = "".join(t)
+    finally:
+        turn_module.NgramDrafter = lookup
+    (session,) = [s for _, s in store.POOL._sessions.values()]
+    return text, t.result.stats, session.tokens[t.result.prompt_tokens:]
+
+
+def record(text: str, stats: dict) -> dict:
+    return {"text": text, **{k: stats[k] for k in (
+        "decode_tokens_per_s", "generated_tokens", "drafted_tokens", "accepted_tokens")}}
 
 
 def main():
@@ -47,9 +89,11 @@ def main():
     cli.add_pte_and_tokenizer(ap)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=5)
+    ap.add_argument("--acceptance", default="", help="fixed acceptance rates to add, comma-separated (e.g. 1,0.8)")
     cli.add_reps(ap, 3, "timed repetitions of each prompt and route")
     cli.add_json(ap)
     args = ap.parse_args()
+    rates = [float(r) for r in args.acceptance.split(",") if r.strip()]
     info = machine_info(bind_blas_and_import_mlx())
     tokenizer = cli.tokenizer_of(args)
     turn(args.pte, tokenizer, "Hello", "none", 4, args.draft_tokens)  # load, build the kernels, warm
@@ -58,25 +102,31 @@ def main():
         runs = {}
         for name, prompt in PROMPTS.items():
             order = ("none", "ngram") if rep % 2 == 0 else ("ngram", "none")
+            reply = None
             for draft in order:
-                text, stats = turn(args.pte, tokenizer, prompt, draft, args.max_tokens, args.draft_tokens)
-                runs[name, draft] = {"text": text, **{k: stats[k] for k in (
-                    "decode_tokens_per_s", "generated_tokens", "drafted_tokens", "accepted_tokens")}}
+                text, stats, ids = turn(args.pte, tokenizer, prompt, draft, args.max_tokens, args.draft_tokens)
+                reply = ids if draft == "none" else reply
+                runs[name, draft] = record(text, stats)
                 log(f"rep {rep} {name} {draft}: {stats['decode_tokens_per_s']} tok/s, "
                     f"{stats['accepted_tokens']}/{stats['drafted_tokens']} taken")
+            for rate in rates:
+                fixed = lambda ids, rate=rate: FixedAcceptance(ids, reply, rate, rep)  # noqa: E731
+                text, stats, _ = turn(args.pte, tokenizer, prompt, "ngram", args.max_tokens, args.draft_tokens, fixed)
+                runs[name, f"at {rate:g}"] = record(text, stats)
         raw["reps"].append({f"{k[0]} {k[1]}": v for k, v in runs.items()})
     print(f"{info['cpu_model']} ({info['cpus_available']} cores, {info['mlx_device']}); {args.pte.name}; {args.max_tokens} tokens greedy, "
           f"--draft-tokens {args.draft_tokens}, {args.reps} repetitions\n")
     rows = []
     for name in PROMPTS:
         plain = [r[f"{name} none"]["decode_tokens_per_s"] for r in raw["reps"]]
-        drafted = [r[f"{name} ngram"]["decode_tokens_per_s"] for r in raw["reps"]]
-        taken = sum(r[f"{name} ngram"]["accepted_tokens"] for r in raw["reps"])
-        proposed = sum(r[f"{name} ngram"]["drafted_tokens"] for r in raw["reps"])
-        same = all(r[f"{name} none"]["text"] == r[f"{name} ngram"]["text"] for r in raw["reps"])
-        rows.append([name, fmt(spread(plain)), fmt(spread(drafted)), fmt(ratio_spread(drafted, plain), "{:.2f}"),
-                     f"{taken}/{proposed}", "yes" if same else "no"])
-    print("\n".join(table(["prompt", "decode tok/s plain", "decode tok/s ngram", "ngram / plain",
+        for route in ["ngram"] + [f"at {rate:g}" for rate in rates]:
+            drafted = [r[f"{name} {route}"]["decode_tokens_per_s"] for r in raw["reps"]]
+            taken = sum(r[f"{name} {route}"]["accepted_tokens"] for r in raw["reps"])
+            proposed = sum(r[f"{name} {route}"]["drafted_tokens"] for r in raw["reps"])
+            same = all(r[f"{name} none"]["text"] == r[f"{name} {route}"]["text"] for r in raw["reps"])
+            rows.append([name, route, fmt(spread(plain)), fmt(spread(drafted)),
+                         fmt(ratio_spread(drafted, plain), "{:.2f}"), f"{taken}/{proposed}", "yes" if same else "no"])
+    print("\n".join(table(["prompt", "draft", "decode tok/s plain", "decode tok/s drafted", "drafted / plain",
                            "proposals taken", "same reply"], rows)))
     if args.json:
         write_json(args.json, raw)
