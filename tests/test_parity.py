@@ -282,4 +282,4 @@ def test_gemma3_ring_layers_wrap_in_decode(exported):
     program = load_program(pte)
     assert program.metadata.windows == [16, 16, 0]
     cache = program.new_cache(capacity=128)
-    assert [k.shape[2] for k in cache._k[:2]] == [16 + program.metadata.prefill_chunk - 1] * 2
+    assert [k.shape[2] for k in cache.state[:2]] == [16 + program.metadata.prefill_chunk - 1] * 2

@@ -365,15 +365,17 @@ class Program:
         dtype: str | None = None,
         initial_capacity: int | None = None,
         windows=None,
+        value_dtype: str | None = None,
     ) -> SequenceCache:
         """Build an off-graph cache for this program.
 
         Args:
             capacity: most tokens the sequence may hold (default: max context).
-            dtype: storage dtype "bf16" | "fp16" | "fp32" (default: the
-                dtype activations compute in, else bf16).
+            dtype: the keys' storage, "bf16" | "fp16" | "fp32" | "int8" |
+                "int4" (default: the dtype activations compute in, else bf16).
             initial_capacity: starting slots of flat pools (default 512).
             windows: a window pattern replacing the model's own.
+            value_dtype: the values' storage (default: ``dtype``).
         """
         m = self.metadata
         layers = self.cache_geometry(windows)
@@ -391,6 +393,7 @@ class Program:
             layers,
             capacity=capacity,
             dtype=dtype or self.compute_dtype or "bf16",
+            value_dtype=value_dtype,
             initial_capacity=initial_capacity,
             max_write=max_write,
         )
