@@ -23,7 +23,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -174,9 +174,16 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 template <int BITS>
 inline f8 unpack8(const uint32_t* row, int d) {
   if constexpr (BITS == 8) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + d;
+#if defined(__AVX2__)
+    // one widening load: GCC spells the conversion below as eight scalar
+    // byte extracts and inserts
+    return std::bit_cast<f8>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
     u8x8 bytes;
-    std::memcpy(&bytes, reinterpret_cast<const uint8_t*>(row) + d, sizeof bytes);
+    std::memcpy(&bytes, p, sizeof bytes);
     return __builtin_convertvector(__builtin_convertvector(bytes, i8), f8);
+#endif
   } else {
     const uint32_t w = row[d / 8];
     const u32x8 nibbles = (u32x8{w, w, w, w, w, w, w, w} >> u32x8{0, 4, 8, 12, 16, 20, 24, 28}) & 15u;
