@@ -16,7 +16,8 @@
 //   K packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
 // over slices of its pools). The loops read keys and values through a
-// storage type (DenseRows, QuantizedRows) that says how a row is stored. extension.py builds it into the CPU kernel
+// storage type (DenseRows, QuantizedRows) that says how a row is stored.
+// extension.py builds it into the CPU kernel
 // extension (nanobind, in MLX's type domain) once per machine and checks it
 // against MLX before use.
 
@@ -178,7 +179,8 @@ inline f8 unpack8(const uint32_t* row, int d) {
 #if defined(__AVX2__)
     // one widening load: GCC spells the conversion below as eight scalar
     // byte extracts and inserts
-    return std::bit_cast<f8>(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return std::bit_cast<f8>(_mm256_cvtepi32_ps(bytes));
 #else
     u8x8 bytes;
     std::memcpy(&bytes, p, sizeof bytes);
@@ -242,13 +244,13 @@ void scores_of_rows(const float* q, const Keys& k, int n, int D, float* s, int s
   for (; j + 4 <= n; j += 4) {
     f8 a[R][4] = {};
     for (int d0 = 0; d0 < D; d0 += G) {
-      const auto k0 = k.span(j, d0), k1 = k.span(j + 1, d0), k2 = k.span(j + 2, d0), k3 = k.span(j + 3, d0);
+      const auto row0 = k.span(j, d0), row1 = k.span(j + 1, d0), row2 = k.span(j + 2, d0), row3 = k.span(j + 3, d0);
       for (int d = d0; d < d0 + G; d += 8) {
-        const f8 x0 = k0.load(d), x1 = k1.load(d), x2 = k2.load(d), x3 = k3.load(d);
+        const f8 k0 = row0.load(d), k1 = row1.load(d), k2 = row2.load(d), k3 = row3.load(d);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const f8 x = load8(q + r * D + d);
-          a[r][0] += x * x0, a[r][1] += x * x1, a[r][2] += x * x2, a[r][3] += x * x3;
+          a[r][0] += x * k0, a[r][1] += x * k1, a[r][2] += x * k2, a[r][3] += x * k3;
         }
       }
     }
@@ -257,10 +259,10 @@ void scores_of_rows(const float* q, const Keys& k, int n, int D, float* s, int s
   for (; j < n; ++j) {
     f8 a[R] = {};
     for (int d0 = 0; d0 < D; d0 += G) {
-      const auto kj = k.span(j, d0);
+      const auto row = k.span(j, d0);
       for (int d = d0; d < d0 + G; d += 8) {
-        const f8 x = kj.load(d);
-        for (int r = 0; r < R; ++r) a[r] += load8(q + r * D + d) * x;
+        const f8 kj = row.load(d);
+        for (int r = 0; r < R; ++r) a[r] += load8(q + r * D + d) * kj;
       }
     }
     for (int r = 0; r < R; ++r) s[r * s_row + j] = sum8(a[r]);
@@ -531,7 +533,7 @@ DenseRows<float> tile_values(const QuantizedRows<BITS>& v, int S, int D, std::ve
   for (int j = 0; j < S; ++j)
     for (int d0 = 0; d0 < D; d0 += v.group_size) {
       const auto span = v.span(j, d0);
-      for (int d = d0; d < d0 + v.group_size; d += 8) store8(wide.data() + static_cast<size_t>(j) * D + d, span.load(d));
+      for (int d = d0; d < d0 + v.group_size; d += 8) store8(&wide[static_cast<size_t>(j) * D + d], span.load(d));
     }
   return {wide.data(), {0, 0, D, 1}};
 }
@@ -707,9 +709,9 @@ class QuantizedAttention : public CpuPrimitive<QuantizedAttention, SharedPrimiti
     Geometry g{q.shape(0), q.shape(1), inputs[1].shape(1), q.shape(2), inputs[1].shape(2), q.shape(3),
                causal_,    window_,    scale_,             q.strides()};
     with_bits(k_bits_, v_bits_, [&](auto k_bits, auto v_bits) {
-      encoder.dispatch([q = q.data<float>(), k = quantized_rows<decltype(k_bits)::value>(inputs[1], inputs[2], inputs[3], group_size_),
-                        v = quantized_rows<decltype(v_bits)::value>(inputs[4], inputs[5], inputs[6], group_size_),
-                        o = out.data<float>(), g, started]() {
+      const auto k = quantized_rows<decltype(k_bits)::value>(inputs[1], inputs[2], inputs[3], group_size_);
+      const auto v = quantized_rows<decltype(v_bits)::value>(inputs[4], inputs[5], inputs[6], group_size_);
+      encoder.dispatch([q = q.data<float>(), k, v, o = out.data<float>(), g, started]() {
         started->store(true, std::memory_order_relaxed);
         attend(q, k, v, o, g);
       });
