@@ -38,12 +38,12 @@ class QuantizedKV(NamedTuple):
         """``x`` rounded to ``bits`` per value, with scales and biases in ``dtype``."""
         return cls(*mx.quantize(x.astype(dtype), group_size=group_size, bits=bits), bits, group_size)
 
-    def dequantize(self, dtype: mx.Dtype | None = None) -> mx.array:
-        """The values in ``dtype`` (default: the scales'), computed in it:
-        in fp32 they are exact."""
-        scales, biases = (self.scales, self.biases) if dtype is None else (self.scales.astype(dtype),
-                                                                            self.biases.astype(dtype))
-        return mx.dequantize(self.data, scales, biases, group_size=self.group_size, bits=self.bits)
+    def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
+        """The values as ``dtype``: ``q * scale + bias`` computed in fp32 (as
+        the CPU kernel computes them), then rounded to ``dtype``."""
+        wide = mx.dequantize(self.data, self.scales.astype(mx.float32), self.biases.astype(mx.float32),
+                             group_size=self.group_size, bits=self.bits)
+        return wide if dtype == mx.float32 else wide.astype(dtype)
 
 
 def attention(Q: mx.array, K, V, scale: float, mask) -> mx.array:
