@@ -64,13 +64,13 @@ class Storage:
         """The fields that store the float history ``x``."""
         if not self.quantized:
             return [x.astype(self.dtype)]
-        return list(QuantizedKV.quantize(x, self.bits, self.group_size(x.shape[-1]), self.dtype).fields)
+        return list(QuantizedKV.quantize(x, self.bits, self.group_size(x.shape[-1]), self.dtype, rotated=True).fields)
 
     def view(self, fields: list[mx.array], head_dim: int):
         """What attention reads: the array itself, or a ``QuantizedKV``."""
         if not self.quantized:
             return fields[0]
-        return QuantizedKV(*fields, self.bits, self.group_size(head_dim))
+        return QuantizedKV(*fields, self.bits, self.group_size(head_dim), rotated=True)
 
 
 STORAGES: dict[str, Storage] = {

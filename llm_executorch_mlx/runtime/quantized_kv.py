@@ -22,6 +22,7 @@ class QuantizedKV(NamedTuple):
     biases: mx.array  # [B, H_kv, S, D / group_size]
     bits: int
     group_size: int
+    rotated: bool = False  # each group stored rotated by the Hadamard matrix of its size (``rotate``)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -34,9 +35,12 @@ class QuantizedKV(NamedTuple):
         return self.data, self.scales, self.biases
 
     @classmethod
-    def quantize(cls, x: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> QuantizedKV:
-        """``x`` rounded to ``bits`` per value, with scales and biases in ``dtype``."""
-        return cls(*mx.quantize(x.astype(dtype), group_size=group_size, bits=bits), bits, group_size)
+    def quantize(cls, x: mx.array, bits: int, group_size: int, dtype: mx.Dtype, rotated: bool = False) -> QuantizedKV:
+        """``x`` (rotated first, where asked) rounded to ``bits`` per value,
+        with scales and biases in ``dtype``."""
+        if rotated:
+            x = rotate(x, group_size)
+        return cls(*mx.quantize(x.astype(dtype), group_size=group_size, bits=bits), bits, group_size, rotated)
 
     def dequantize(self, dtype: mx.Dtype = mx.float32) -> mx.array:
         """The values as ``dtype``: ``q * scale + bias`` computed in fp32 (as
@@ -46,12 +50,40 @@ class QuantizedKV(NamedTuple):
         return wide if dtype == mx.float32 else wide.astype(dtype)
 
 
+def hadamard(n: int) -> mx.array:
+    """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two):
+    symmetric, its own inverse."""
+    h = mx.array([[1.0]])
+    while h.shape[0] < n:
+        h = mx.concatenate([mx.concatenate([h, h], axis=1), mx.concatenate([h, -h], axis=1)], axis=0)
+    return h / n**0.5
+
+
+def rotate(x: mx.array, group_size: int) -> mx.array:
+    """Each group of ``group_size`` values along the last axis multiplied by
+    ``hadamard(group_size)``. A rotation spreads a group's outliers over all
+    its values, so quantization steps shrink to the group's typical size;
+    dot products within a group are unchanged when both sides are rotated,
+    and rotating twice is the identity."""
+    shape = x.shape
+    grouped = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    return (grouped @ hadamard(group_size).astype(x.dtype)).reshape(shape)
+
+
 def attention(Q: mx.array, K, V, scale: float, mask) -> mx.array:
     """``mx.fast.scaled_dot_product_attention``'s result for keys and values
     either of which may be a ``QuantizedKV``: each product reads its operand
     as stored (``mx.quantized_matmul``), so no step widens the history.
     ``mask`` is None, ``"causal"`` (the T queries are the last T of the S
     keys) or a boolean ``[1, 1, T, S]`` array. Softmax runs in fp32."""
+    if isinstance(K, QuantizedKV) and K.rotated:
+        Q = rotate(Q, K.group_size)  # Q's groups rotated as K's: the same scores
+    out = _attend(Q, K, V, scale, mask)
+    # rotated values give the rotated output: rotating it again undoes that
+    return rotate(out, V.group_size) if isinstance(V, QuantizedKV) and V.rotated else out
+
+
+def _attend(Q: mx.array, K, V, scale: float, mask) -> mx.array:
     B, H, T, D = Q.shape
     H_kv, S = K.shape[1], K.shape[2]
     rep = H // H_kv

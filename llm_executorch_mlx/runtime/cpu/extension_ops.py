@@ -114,7 +114,7 @@ def quantized_kernel_takes(Q, K: QuantizedKV, V: QuantizedKV, causal: bool) -> b
     ``quantized_attention``): fp32 queries [B, H, T, D]; K and V quantized
     along D at 4 or 8 bits in one group size of 32, 64 or 128 dividing D,
     uint32 words and float16 scales and biases of the [B, H_kv, S, D] rows."""
-    if not (isinstance(K, QuantizedKV) and isinstance(V, QuantizedKV)):
+    if not (isinstance(K, QuantizedKV) and isinstance(V, QuantizedKV)) or K.rotated or V.rotated:
         return False  # one of them stored as floats: the fallback
     if Q.dtype != mx.float32 or Q.ndim != 4 or K.group_size != V.group_size or K.group_size not in (32, 64, 128):
         return False
