@@ -64,18 +64,33 @@ class Reference:
         return attend(torch.from_numpy(q), K, V, spec, SCALE, torch.float32).numpy()
 
 
+def hadamard(n):
+    """The orthonormal Walsh-Hadamard matrix of size n, Sylvester's order."""
+    h = np.ones((1, 1))
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def rotated(x):
+    """Each group of 32 values of the last axis times hadamard(32)."""
+    return (x.reshape(*x.shape[:-1], -1, 32) @ hadamard(32)).reshape(x.shape)
+
+
 def rounded(x, dtype):
     """What a ``dtype`` cache holds of the fp32 history ``x``, in fp32: the
-    reference cache rounds to a float dtype itself; a quantized one is MLX's
-    affine quantization of the fp16 values in groups of 32."""
+    reference cache rounds to a float dtype itself; a quantized one rotates
+    each group of 32 by the Hadamard matrix, quantizes the fp16 values with
+    MLX's affine quantization and rotates back (the rotation is its own
+    inverse)."""
     if x.size == 0:
         return x
     if dtype not in QUANTIZED_BITS:
         return np.array(mx.array(x).astype(FLOAT_DTYPES[dtype]).astype(mx.float32))
     bits = QUANTIZED_BITS[dtype]
-    data, scales, biases = mx.quantize(mx.array(x).astype(mx.float16), group_size=32, bits=bits)
-    return np.array(mx.dequantize(data, scales.astype(mx.float32), biases.astype(mx.float32),
-                                  group_size=32, bits=bits))
+    data, scales, biases = mx.quantize(mx.array(rotated(x)).astype(mx.float16), group_size=32, bits=bits)
+    return rotated(np.array(mx.dequantize(data, scales.astype(mx.float32), biases.astype(mx.float32),
+                                          group_size=32, bits=bits)))
 
 
 def random_step(rng, T):
@@ -164,7 +179,7 @@ def test_quantized_storage_attends_as_the_reference_over_the_rounded_history(dty
 def test_quantized_history_is_packed_as_mlx_lays_it_out_and_within_a_step(dtype):
     """numpy unpacks the stored words (little end first), applies each group's
     scale and bias, and finds every value within one quantization step of
-    the fp16 value written."""
+    the fp16 value written, rotated by the Hadamard matrix of its group."""
     bits, T = QUANTIZED_BITS[dtype], 5
     cache = SequenceCache([LayerGeometry(H_KV, D)], 16, dtype)
     x = np.random.default_rng(7).standard_normal((1, H_KV, T, D)).astype(np.float32) * 3
@@ -176,7 +191,7 @@ def test_quantized_history_is_packed_as_mlx_lays_it_out_and_within_a_step(dtype)
     step = np.repeat(scales.astype(np.float32), D // scales.shape[-1], axis=-1)
     values = q * step + np.repeat(biases.astype(np.float32), D // biases.shape[-1], axis=-1)
     np.testing.assert_allclose(values, np.array(K.dequantize(mx.float32)), rtol=0, atol=1e-6)
-    assert np.all(np.abs(values - x.astype(np.float16)) <= np.abs(step) * 1.0001)
+    assert K.rotated and np.all(np.abs(values - rotated(x).astype(np.float16)) <= np.abs(step) * 1.0001)
     # each group's 32 values use the whole range: its ends are stored within half a step
     assert (q.reshape(-1, 32).min(-1) == 0).any() and (q.reshape(-1, 32).max(-1) == (1 << bits) - 1).any()
 
