@@ -356,6 +356,14 @@ def test_other_weight_formats_answer_as_transformers_on_the_same_weights(exporte
     assert response.response_json["compute_dtype"] == "fp32" and response.output_tokens >= 4
 
 
+def test_a_quantized_cache_on_heads_its_groups_do_not_divide_is_one_line_naming_the_fix(tiny):
+    register(tiny, "tiny")
+    r = invoke("-m", "pte:tiny", "hi", "-o", "kv_value_dtype", "int4", "--no-log")
+    assert (r.exit_code, r.output) == (1, "Error: a KV cache in int4 quantizes groups of 64 or 32 values along each "
+                                          "head, and this model's head size is 16: store keys and values in bf16, "
+                                          "fp16 or fp32\n")
+
+
 def test_a_sentencepiece_model_file_answers_as_transformers_with_sentencepiece(exported, tmp_path):
     """A ``.model`` tokenizer (no chat template: the prompt is raw text after
     BOS), against sentencepiece's own ids and text and transformers' greedy

@@ -46,8 +46,8 @@ class Storage:
             if head_dim % g == 0:
                 return g
         raise PteError(
-            f"a {self.name} KV cache quantizes groups of {' or '.join(map(str, GROUP_SIZES))} values along "
-            f"the head, and this model's head size is {head_dim}: use -o kv_storage_dtype bf16, fp16 or fp32"
+            f"a KV cache in {self.name} quantizes groups of {' or '.join(map(str, GROUP_SIZES))} values along "
+            f"each head, and this model's head size is {head_dim}: store keys and values in bf16, fp16 or fp32"
         )
 
     def widths(self, head_dim: int) -> list[tuple[int, mx.Dtype]]:
