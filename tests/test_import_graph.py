@@ -18,7 +18,9 @@ PACKAGE = "llm_executorch_mlx"
 RUNTIME = f"{PACKAGE}.runtime"
 
 # Within the runtime, what each part may import (besides itself and the leaves).
-LEAVES = {f"{RUNTIME}.errors", f"{RUNTIME}.dtypes", f"{RUNTIME}.steps"}
+# (quantized_kv: the type of a quantized history, which the cache makes and
+# the CPU kernels read)
+LEAVES = {f"{RUNTIME}.errors", f"{RUNTIME}.dtypes", f"{RUNTIME}.steps", f"{RUNTIME}.quantized_kv"}
 LAYERS = {  # part -> the parts below it
     f"{RUNTIME}.pte": set(),
     f"{RUNTIME}.cpu": set(),

@@ -428,7 +428,7 @@ def test_small_capacity_clamps_generation_and_overflow_modes(tiny):
 
 
 @pytest.mark.parametrize("option,value,message", [
-    ("kv_storage_dtype", "int8", "bf16, fp16, fp32"),
+    ("kv_storage_dtype", "int3", "bf16, fp16, fp32, int8, int4"),
     ("kv_overflow", "drop", "truncate, error"),
     ("kv_windows", "8,x", "comma-separated"),
     ("chat", "chatml", "auto, llama3"),
