@@ -91,6 +91,7 @@ class SequenceCache:
         dtype: str = "bf16",
         initial_capacity: int | None = None,
         max_write: int | None = None,
+        held: range | None = None,
     ):
         if not layers:
             raise PteError("a cache needs at least one layer")
@@ -115,6 +116,9 @@ class SequenceCache:
         self.dtype = dtype
         self.initial_capacity = initial_capacity
         self.max_write = max_write
+        # The layers whose pools this process holds (a pipeline stage's); the
+        # others count in every length, floor and step limit, with no pool.
+        self.held = range(len(self.layers)) if held is None else held
         self.length = 0
         self._mx_dtype = KV_DTYPES[dtype]
         # Ring layers are sized to their window plus one step, never past the
@@ -140,8 +144,9 @@ class SequenceCache:
     def _allocate(self) -> None:
         self._k: list[mx.array] = []
         self._v: list[mx.array] = []
-        for g, max_slots in zip(self.layers, self._max_slots):
+        for i, (g, max_slots) in enumerate(zip(self.layers, self._max_slots)):
             slots = max_slots if g.is_ring else min(self.initial_capacity, max_slots)
+            slots = slots if i in self.held else 0
             shape = (1, g.n_kv_heads, _allocated_slots(slots), g.head_dim)
             self._k.append(mx.zeros(shape, dtype=self._mx_dtype))
             self._v.append(mx.zeros(shape, dtype=self._mx_dtype))

@@ -147,12 +147,14 @@ class Program:
         self.plan = Plan(on_cpu(), prepared, **self.rounding)
         return prepared
 
-    def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:
+    def load_method(self, name: str, cache: SequenceCache | None = None, stage=None) -> Method:
         """Prepare a method to run; delegated methods decode their program now.
 
         Args:
             name: the method name (see ``method_names``).
             cache: the off-graph cache, required when the program has one.
+            stage: a pipeline rank's share of the method (``pipeline.py``):
+                only its nodes run, only the constants they read are loaded.
         """
         plan = self._plan(name)
         if not plan.delegates and not plan.kernel_calls:
@@ -167,19 +169,24 @@ class Program:
             )
         if cache is not None and uses_cache:
             self._check_cache(cache)
+        key, only = name, None
+        if stage is not None:
+            graph, only = stage.graph(graph)
+            key = f"{name} {stage}"
         try:
-            constants = self._load_constants(name, graph)
+            constants = self._load_constants(key, graph, only)
             taken = self._layouts(graph, constants)
             executor = GraphExecutor(
                 graph, constants, cache if uses_cache else None, self._dtype_map, self.plan,
                 {w: layout for w, (*_, layout) in taken.items()},
             )
-            self._interleave(name, executor, taken)
+            self._interleave(key, executor, taken)
         except (PteError, MemoryError):
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
             raise PteError(f"{name}: its MLX program cannot be loaded ({type(e).__name__}: {e})") from None
-        run = self._calls[name].wrap(executor.execute, len(plan.inputs))
+        execute = executor.execute if stage is None else stage.wrap(executor.execute, self._calls[name])
+        run = self._calls[name].wrap(execute, len(plan.inputs))
         return Method(name, run, len(plan.inputs), tuple(executor.node_names), self.plan.steps)
 
     def _plan(self, name: str) -> Plan:
@@ -237,8 +244,9 @@ class Program:
         self._graphs[name] = graph
         return graph
 
-    def _load_constants(self, name: str, graph: md.MLXGraphT) -> list[mx.array]:
-        """Weights as MLX arrays in the compute route's dtype, shared by every load."""
+    def _load_constants(self, name: str, graph: md.MLXGraphT, only: set[int] | None = None) -> list[mx.array]:
+        """Weights as MLX arrays in the compute route's dtype, shared by every
+        load; ``only`` these constant slots (the others None, never read)."""
         cached = self._constants.get(name)
         if cached is not None:
             return cached
@@ -251,6 +259,9 @@ class Program:
         as_stored = self._bf16_kept(graph)
         constants = []
         for tid in range(graph.numConstantTensors):
+            if only is not None and tid not in only:
+                constants.append(None)
+                continue
             key = names.get(tid)
             if key is None or tid >= len(metas) or metas[tid] is None:
                 raise PteError(f"{name}: constant tensor {tid} has no name or metadata")
@@ -365,6 +376,7 @@ class Program:
         dtype: str | None = None,
         initial_capacity: int | None = None,
         windows=None,
+        held: range | None = None,
     ) -> SequenceCache:
         """Build an off-graph cache for this program.
 
@@ -374,6 +386,8 @@ class Program:
                 dtype activations compute in, else bf16).
             initial_capacity: starting slots of flat pools (default 512).
             windows: a window pattern replacing the model's own.
+            held: the layers whose pools this process holds (a pipeline
+                rank's); the cache still answers for every layer.
         """
         m = self.metadata
         layers = self.cache_geometry(windows)
@@ -393,6 +407,7 @@ class Program:
             dtype=dtype or self.compute_dtype or "bf16",
             initial_capacity=initial_capacity,
             max_write=max_write,
+            held=held,
         )
         # The pools are lazy until a step evaluates them: a geometry no machine
         # can hold (a corrupt window, an absurd capacity) is refused here.
