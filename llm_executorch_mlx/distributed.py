@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 
 LAYERS = "LLM_PTE_LAYERS"  # layers per rank, "12,18"; default: as even as can be
 CONNECT_TIMEOUT = "LLM_PTE_CONNECT_TIMEOUT"  # seconds a rank waits for the others (default 60)
@@ -83,30 +82,38 @@ def _hosts() -> list[str]:
     return hosts if isinstance(hosts, list) else []
 
 
+# Watches a rank while it connects: ``mx.distributed.init`` holds the GIL
+# until every neighbour answers, so no thread of the rank itself can time it
+# out. The rank closes the watchdog's stdin once connected (or by exiting).
+_WATCHDOG = """
+import os, select, signal, sys
+pid, timeout, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], timeout)[0]:
+    os.write(2, message.encode())
+    os.kill(pid, signal.SIGTERM)
+"""
+
+
 def _join():
     hosts = _hosts()
     if len(hosts) < 2:
         return None  # `mlx.launch -n 1`: a single process
-    rank = os.environ.get("MLX_RANK", "?")
-    timeout = _connect_timeout()
-
-    def give_up():  # the ring's connect never returns when a rank never comes
-        sys.stderr.write(f"Error: rank {rank} of {len(hosts)} could not connect to the other ranks ({', '.join(map(str, hosts))}) "
-                         f"within {timeout:g} s: start every rank (mlx.launch does), or raise {CONNECT_TIMEOUT}\n")
-        sys.stderr.flush()
-        os._exit(1)
+    import subprocess
 
     import mlx.core as mx
 
-    watchdog = threading.Timer(timeout, give_up)
-    watchdog.daemon = True
-    watchdog.start()
+    rank, timeout = os.environ.get("MLX_RANK", "?"), _connect_timeout()
+    message = (f"Error: rank {rank} of {len(hosts)} could not connect to the other ranks ({', '.join(map(str, hosts))}) "
+               f"within {timeout:g} s: start every rank (mlx.launch does), or raise {CONNECT_TIMEOUT}\n")
+    watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
+                                stdin=subprocess.PIPE)
     try:
         return mx.distributed.init(backend="ring", strict=True)
     except RuntimeError as e:
         raise GroupError(f"rank {rank} could not join the ring group ({e}): check MLX_HOSTFILE's addresses") from None
     finally:
-        watchdog.cancel()
+        watchdog.stdin.close()
+        watchdog.wait()
 
 
 def _connect_timeout() -> float:
@@ -140,12 +147,23 @@ def lost(error: Exception) -> str | None:
             "its own error, if it had one, is above")
 
 
+def shared_seed() -> int:
+    """A seed every rank of the group samples with: rank 0's, drawn at random
+    (ranks drawing their own would sample different tokens and part ways)."""
+    import secrets
+
+    import mlx.core as mx
+
+    g = group()
+    seed = mx.array(secrets.randbits(31) if g.rank() == 0 else 0, dtype=mx.int32)
+    return int(mx.distributed.all_sum(seed, group=g).item())
+
+
 def quiet_unless_first(response) -> None:
     """On ranks other than 0, print nothing and log nothing: rank 0 does
     both for the group. (llm prints to ``sys.stdout`` and logs the response
     object our model is handed.)"""
-    g = group()
-    if g is None or g.rank() == 0:
+    if group().rank() == 0:
         return
     sys.stdout = open(os.devnull, "w")
     response.log_to_db = lambda db: None

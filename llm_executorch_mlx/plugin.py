@@ -53,7 +53,7 @@ class PteModel(llm.Model):
             except MlxBackendError as e:
                 raise InputError(str(e)) from None
             _mlx_ready = True
-        from .distributed import GroupError, group, lost, quiet_unless_first
+        from .distributed import GroupError, group, lost, quiet_unless_first, shared_seed
         from .runtime.errors import PteError
         from .text.conversation import messages_from_llm
         from .text.errors import TextError
@@ -65,7 +65,9 @@ class PteModel(llm.Model):
         given.setdefault("chat", self.entry.chat)
         try:
             split = group() is not None  # one rank of an mlx.launch group (distributed.py)
-            quiet_unless_first(response)
+            if split:
+                quiet_unless_first(response)
+                given.setdefault("seed", shared_seed())
             turn = Turn(
                 self.entry.path,
                 self.entry.tokenizer,
