@@ -42,7 +42,7 @@ class Pipeline:
     def __init__(self, program, group, layers: list[int] | None = None):
         self.program = program
         self.group = group
-        self.stage = plan_stages(program._graph("forward"), group.size(), layers)[group.rank()]
+        self.stage = plan_stages(program.graph("forward"), group.size(), layers)[group.rank()]
         # The residual's (dims after the tokens', dtype) arriving and leaving,
         # once the first call told them (a header before its data).
         self._arriving = self._leaving = None
@@ -77,14 +77,13 @@ class _Share:
     def graph(self, graph):
         return stage_graph(graph, self.stage)
 
-    def wrap(self, execute, call):
+    def wrap(self, execute, call, dtype_map):
         """``execute`` (the stage's executor) as the whole forward's delegate
         run: its inputs in, the logits out, on every rank."""
         rank, stage, group = self.rank, self.stage, self.rank.group
         r, size = group.rank(), group.size()
         tokens_at = call.inputs.index(("input", 0))  # the forward's first input: the token ids
-        graph = rank.program._graph("forward")
-        logits_shape, logits_dtype = _logits_meta(graph, rank.program._dtype_map)
+        logits_shape, logits_dtype = _logits_meta(rank.program.graph("forward"), dtype_map)
 
         def run(inputs: list, last_position_only: bool) -> list:
             ids = inputs[tokens_at]

@@ -185,7 +185,7 @@ class Program:
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
             raise PteError(f"{name}: its MLX program cannot be loaded ({type(e).__name__}: {e})") from None
-        execute = executor.execute if stage is None else stage.wrap(executor.execute, self._calls[name])
+        execute = executor.execute if stage is None else stage.wrap(executor.execute, self._calls[name], self._dtype_map)
         run = self._calls[name].wrap(execute, len(plan.inputs))
         return Method(name, run, len(plan.inputs), tuple(executor.node_names), self.plan.steps)
 
@@ -214,6 +214,10 @@ class Program:
         dtype = mlx_dtype(t.scalar_type)
         nbytes = math.prod(t.sizes) * dtype.size  # Python ints: a corrupt shape cannot wrap around
         return array_from_buffer(self.pte.constant_data(t.data_buffer_idx, nbytes), t.sizes, dtype)
+
+    def graph(self, name: str) -> md.MLXGraphT:
+        """The MLX program a delegated method runs, decoded (read it, do not change it)."""
+        return self._graph(name)
 
     def _graph(self, name: str) -> md.MLXGraphT:
         graph = self._graphs.get(name)
