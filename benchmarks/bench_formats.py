@@ -118,7 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="llama.cpp's n_threads and n_threads_batch (default: the CPUs available)")
     p.add_argument("--kv", choices=sorted(LLAMA_KV_TYPES), default="f16",
                    help="how ours (its kv_storage_dtype) and llama.cpp store the KV cache (default: f16, "
-                        "llama.cpp's own default; mlx-lm keeps its own in the dtype it computes in)")
+                        "llama.cpp's own default; a quantized one turns on llama.cpp's flash attention, which it "
+                        "needs; mlx-lm keeps its own in the dtype it computes in)")
     cli.add_generation_arguments(p, "prompt tokens")
     p.add_argument("--short-history", type=int, default=300,
                    help="tokens in the cache before the short prefill (default: 300)")
@@ -322,7 +323,7 @@ def make_engines(name: str, art: Artifacts, args) -> list:
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():
             engine = LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.kv,
-                              art.llama_extra_bufts, art.hf)
+                              art.llama_extra_bufts, art.hf, flash_attn=args.kv.startswith("q"))
             engine.label = f"GGUF {read_summary(gguf).storage}; KV {args.kv}"
             engines.append(engine)
     if "mlx-lm" in args.engines:

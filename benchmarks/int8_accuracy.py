@@ -28,12 +28,11 @@ import pathlib
 
 import numpy as np
 
+from harness.accuracy import greedy_replies, llama_cpp_perplexity, logits_of, perplexity, text_and_prompts
 from harness.report import row, table
 from harness.timing import common_prefix
 
 HERE = pathlib.Path(__file__).resolve().parent
-PROMPTS = ("What is the capital of France?", "Why is the sky blue?", "Write a haiku about the sea.",
-           "Explain what a hash table is.")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,33 +54,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def logits_of(forward, ids: list[int], chunk: int, start: int = 0) -> np.ndarray:
-    import mlx.core as mx
-
-    rows = []
-    for at in range(0, len(ids), chunk):
-        part = np.array([ids[at:at + chunk]], dtype=np.int64)
-        pos = np.arange(start + at, start + at + part.shape[1], dtype=np.int64)
-        rows.append(np.array(forward.execute([part, pos])[0].astype(mx.float32))[0])
-    return np.concatenate(rows)
-
-
-def perplexity(logits: np.ndarray, ids: list[int]) -> float:
-    """exp(mean NLL) of ids[1:] under the logits at the positions before them."""
-    shifted = logits[:-1] - logits[:-1].max(-1, keepdims=True)
-    nll = np.log(np.exp(shifted).sum(-1)) - shifted[np.arange(len(ids) - 1), ids[1:]]
-    return float(np.exp(nll.mean()))
-
-
-def llama_cpp_perplexity(gguf: pathlib.Path, ids: list[int]) -> float:
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ids) + 8, n_batch=128, n_ubatch=128, logits_all=True,
-                          verbose=False)
-    llm.eval(ids)
-    return perplexity(np.array(llm.scores[: len(ids)], dtype=np.float32), ids)
-
-
 def route(pte: pathlib.Path, int8: bool, text_ids: list[int], prompts: list[list[int]], new_tokens: int) -> dict:
     from llm_executorch_mlx.runtime import load_program
 
@@ -92,25 +64,13 @@ def route(pte: pathlib.Path, int8: bool, text_ids: list[int], prompts: list[list
     cache = program.new_cache(capacity=capacity, dtype="fp32")
     forward = program.load_method("forward", cache=cache)
     logits = logits_of(forward, text_ids, chunk)
-    replies = []
-    for ids in prompts:
-        cache.clear()
-        last = logits_of(forward, ids, chunk)[-1]
-        reply = []
-        for _ in range(new_tokens):
-            reply.append(int(last.argmax()))
-            last = logits_of(forward, reply[-1:], 1, start=len(ids) + len(reply) - 1)[-1]
-        replies.append(reply)
+    replies = greedy_replies(forward, cache, prompts, chunk, new_tokens)
     return {"logits": logits, "perplexity": perplexity(logits, text_ids), "replies": replies}
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(args.tokenizer))
-    text_ids = tokenizer.encode(args.text.read_text()).ids[: args.text_tokens]
-    prompts = [tokenizer.encode(f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n").ids for p in PROMPTS]
+    text_ids, prompts = text_and_prompts(args.tokenizer, args.text, args.text_tokens)
     print(f"fixed text: {len(text_ids)} tokens of {args.text.name}; {len(prompts)} prompts, {args.new_tokens} greedy tokens each\n")
     print("\n".join(table(["model", "logit error / range, median [max]", "perplexity, int8",
                            "perplexity, within 2^-16", "greedy tokens matching"])))

@@ -16,7 +16,6 @@ from .registry import (
     MODEL_PREFIX, NAME_RE, Entry, RegistryError, editing, find_entry, layers_text, load_entries,
 )
 
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _load(path: str):
@@ -27,6 +26,25 @@ def _load(path: str):
         return load_program(path)
     except PteError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _kv_bytes_per_token(kv_heads: list[int], head_dims: list[int]) -> dict[str, int]:
+    """K+V bytes a token takes in every storage this model's heads allow
+    (``-o kv_storage_dtype``), and with int8 keys and int4 values."""
+    from .runtime.errors import PteError
+    from .runtime.kv_storage import STORAGES
+
+    def per_token(keys: str, values: str) -> int:
+        return round(sum(h * d * (STORAGES[keys].bytes_per_value(d) + STORAGES[values].bytes_per_value(d))
+                         for h, d in zip(kv_heads, head_dims)))
+
+    found = {}
+    for keys, values in [(name, name) for name in STORAGES] + [("int8", "int4")]:
+        try:
+            found[keys if keys == values else f"{keys}/{values}"] = per_token(keys, values)
+        except PteError:  # a quantized storage whose groups do not divide the heads
+            pass
+    return found
 
 
 def _runtime_facts() -> dict:
@@ -205,11 +223,7 @@ def register_commands(cli):
             "constant_methods": m.raw,
         }
         if m.has_offgraph_cache:
-            per_token = {
-                dt: sum(2 * h * d * size for h, d in zip(m.kv_heads, m.head_dims))
-                for dt, size in KV_DTYPE_BYTES.items()
-            }
-            facts["kv_bytes_per_token"] = per_token
+            facts["kv_bytes_per_token"] = _kv_bytes_per_token(m.kv_heads, m.head_dims)
         facts["runtime"] = _runtime_facts()
         if as_json:
             click.echo(json.dumps(facts, indent=2, default=str))

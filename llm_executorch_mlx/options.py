@@ -132,8 +132,14 @@ _DECLARED = (
            "Tokens the KV cache may hold (default: the model's max context)",
            rule=">= 1", valid=lambda v: _integer(v) and v >= 1),
     Option("kv_storage_dtype", str, None,
-           "KV cache storage dtype: bf16, fp16 or fp32 (default: the dtype the model computes in)",
-           choices=("bf16", "fp16", "fp32")),
+           "KV cache storage dtype: bf16, fp16, fp32, or int8/int4 (quantized in groups along each head, "
+           "about 0.53x/0.28x of fp16's bytes; the accuracy in docs/design.md) (default: the dtype the "
+           "model computes in); the keys', and the values' unless kv_value_dtype says otherwise",
+           choices=("bf16", "fp16", "fp32", "int8", "int4")),
+    Option("kv_value_dtype", str, None,
+           "The values' storage dtype, when it differs from the keys' (kv_storage_dtype): bf16, fp16, "
+           "fp32, int8 or int4; e.g. int8 keys with int4 values",
+           choices=("bf16", "fp16", "fp32", "int8", "int4")),
     Option("compute_dtype", str, "auto",
            "How bf16/fp16 models compute: auto (default: fp32 on a CPU, where it is several times "
            "faster; the file's dtype on a GPU), native or fp32",

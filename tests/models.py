@@ -36,7 +36,7 @@ ARCHITECTURES = {
             num_hidden_layers=3,
             num_attention_heads=4,
             num_key_value_heads=2,
-            head_dim=16,
+            head_dim=32,  # groups of 32 fit: a quantized cache takes it
             sliding_window=16,
             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         ),

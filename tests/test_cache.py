@@ -1,5 +1,8 @@
 """The off-graph cache, through UpdateAndAttendNode, against ExecuTorch's
-eager reference cache (``executorch.extension.llm.cache.reference_cache``)."""
+eager reference cache (``executorch.extension.llm.cache.reference_cache``).
+A quantized cache is checked against the reference fed the same history
+rounded by MLX's own ``mx.quantize``/``mx.dequantize``, and its rounding
+against numpy's unpacking of the stored words."""
 
 import mlx.core as mx
 import numpy as np
@@ -15,7 +18,10 @@ from opgraph import OpGraph, md
 
 from llm_executorch_mlx.runtime import CacheFullError, LayerGeometry, PteError, SequenceCache
 
-H_Q, H_KV, D = 4, 2, 16  # D a multiple of 16: chunks of 8+ queries take the kernel's tiled path
+H_Q, H_KV, D = 4, 2, 32  # D a multiple of 16: chunks of 8+ queries take the kernel's tiled path;
+# of 32: a quantized cache takes it (groups of 32)
+QUANTIZED_BITS = {"int8": 8, "int4": 4}
+FLOAT_DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
 SCALE = D**-0.5
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -58,6 +64,20 @@ class Reference:
         return attend(torch.from_numpy(q), K, V, spec, SCALE, torch.float32).numpy()
 
 
+def rounded(x, dtype):
+    """What a ``dtype`` cache holds of the fp32 history ``x``, in fp32: the
+    reference cache rounds to a float dtype itself; a quantized one is MLX's
+    affine quantization of the fp16 values in groups of 32."""
+    if x.size == 0:
+        return x
+    if dtype not in QUANTIZED_BITS:
+        return np.array(mx.array(x).astype(FLOAT_DTYPES[dtype]).astype(mx.float32))
+    bits = QUANTIZED_BITS[dtype]
+    data, scales, biases = mx.quantize(mx.array(x).astype(mx.float16), group_size=32, bits=bits)
+    return np.array(mx.dequantize(data, scales.astype(mx.float32), biases.astype(mx.float32),
+                                  group_size=32, bits=bits))
+
+
 def random_step(rng, T):
     return (rng.standard_normal((1, H_Q, T, D)).astype(np.float32),
             rng.standard_normal((1, H_KV, T, D)).astype(np.float32),
@@ -65,17 +85,20 @@ def random_step(rng, T):
 
 
 def run_side_by_side(windows, steps, dtype="fp32", capacity=128, initial=None, max_write=8, atol=1e-5,
-                     plan=None):
-    cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], capacity, dtype,
+                     plan=None, value_dtype=None):
+    value_dtype = value_dtype or dtype
+    cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], capacity, dtype, value_dtype,
                           initial_capacity=initial, max_write=max_write)
-    ours, ref = Attention(cache, plan), Reference(windows, capacity, dtype)
+    reference_dtype = dtype if dtype == value_dtype and dtype in TORCH_DTYPES else "fp32"
+    ours, ref = Attention(cache, plan), Reference(windows, capacity, reference_dtype)
     rng = np.random.default_rng(0)
     position = 0
     for T in steps:
         for layer in range(len(windows)):
             q, k, v = random_step(rng, T)
             np.testing.assert_allclose(ours.step(layer, q, k, v, position),
-                                       ref.step(layer, q, k, v, position), atol=atol, rtol=atol)
+                                       ref.step(layer, q, rounded(k, dtype), rounded(v, value_dtype), position),
+                                       atol=atol, rtol=atol)
         position += T
         assert cache.length == position
     return cache
@@ -97,7 +120,7 @@ def test_mixed_flat_and_ring_layers_share_one_length():
 
 def test_flat_pool_grows_by_doubling_from_small_initial_capacity():
     cache = run_side_by_side([0], [3, 1, 1, 8, 1], initial=2, capacity=20)
-    assert cache._k[0].shape[2] == 16  # 2 -> 4 -> 8 -> 16 slots, for 14 tokens
+    assert cache.state[0].shape[2] == 16  # 2 -> 4 -> 8 -> 16 slots, for 14 tokens
     run_side_by_side([0], [7, 8, 5], initial=0, capacity=20)  # 0 -> 1 -> ... clamped at 20
 
 
@@ -124,7 +147,52 @@ def test_wrapped_one_query_read_of_256_rows_matches_reference():
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_half_precision_storage_matches_reference(dtype):
     cache = run_side_by_side([0, 8], [5, 1, 1, 4, 1], dtype=dtype, max_write=5, atol=2e-2)
-    assert cache._k[0].dtype == {"fp16": mx.float16, "bf16": mx.bfloat16}[dtype]
+    assert cache.state[0].dtype == {"fp16": mx.float16, "bf16": mx.bfloat16}[dtype]
+
+
+@pytest.mark.parametrize("dtype, value_dtype", [("int8", "int8"), ("int8", "int4"), ("int4", "int4"),
+                                                 ("fp16", "int4")])
+def test_quantized_storage_attends_as_the_reference_over_the_rounded_history(dtype, value_dtype):
+    # flat and ring layers, prefill chunks (the tiled path from 8 queries) and
+    # single tokens, the 8 + 8 - 1-slot rings wrapping several times
+    cache = run_side_by_side([8, 0], [8, 3, 1, 1, 8, 5] + [1] * 6 + [8] * 3, dtype=dtype,
+                             value_dtype=value_dtype, atol=2e-5)
+    assert (cache.dtype, cache.value_dtype) == (dtype, value_dtype)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_quantized_history_is_packed_as_mlx_lays_it_out_and_within_a_step(dtype):
+    """numpy unpacks the stored words (little end first), applies each group's
+    scale and bias, and finds every value within one quantization step of
+    the fp16 value written."""
+    bits, T = QUANTIZED_BITS[dtype], 5
+    cache = SequenceCache([LayerGeometry(H_KV, D)], 16, dtype)
+    x = np.random.default_rng(7).standard_normal((1, H_KV, T, D)).astype(np.float32) * 3
+    K, _, _ = cache.update_and_fetch(0, 0, mx.array(x), mx.array(x))
+    words, scales, biases = (np.array(a) for a in (K.data, K.scales, K.biases))
+    per_word = 32 // bits
+    q = (words[..., :, None] >> (bits * np.arange(per_word, dtype=np.uint32))) & ((1 << bits) - 1)
+    q = q.reshape(1, H_KV, T, D).astype(np.float32)
+    step = np.repeat(scales.astype(np.float32), D // scales.shape[-1], axis=-1)
+    values = q * step + np.repeat(biases.astype(np.float32), D // biases.shape[-1], axis=-1)
+    np.testing.assert_allclose(values, np.array(K.dequantize(mx.float32)), rtol=0, atol=1e-6)
+    assert np.all(np.abs(values - x.astype(np.float16)) <= np.abs(step) * 1.0001)
+    # each group's 32 values use the whole range: its ends are stored within half a step
+    assert (q.reshape(-1, 32).min(-1) == 0).any() and (q.reshape(-1, 32).max(-1) == (1 << bits) - 1).any()
+
+
+def test_quantized_storage_takes_the_bytes_it_promises():
+    layers = [LayerGeometry(H_KV, 64), LayerGeometry(H_KV, 64, 8)]
+    per_token = {kv: SequenceCache(layers, 16, *kv).bytes_per_token()
+                 for kv in [("fp16", "fp16"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4")]}
+    fp16 = per_token["fp16", "fp16"]
+    assert per_token["int8", "int8"] / fp16 <= 0.55 and per_token["int8", "int4"] / fp16 <= 0.42
+    cache = SequenceCache(layers, 16, "int8", "int4")
+    cache.update_and_fetch(0, 0, mx.zeros((1, H_KV, 3, 64)), mx.zeros((1, H_KV, 3, 64)))
+    cache.update_and_fetch(1, 0, mx.zeros((1, H_KV, 3, 64)), mx.zeros((1, H_KV, 3, 64)))
+    mx.eval(cache.state)
+    assert cache.bytes_in_use() == 3 * per_token["int8", "int4"]
+    assert cache.nbytes == sum(a.nbytes for a in cache.state)
 
 
 def test_refuses_a_step_past_capacity_and_keeps_its_length():
@@ -144,13 +212,13 @@ def test_refuses_a_position_that_leaves_a_gap():
         Attention(cache).step(0, *random_step(np.random.default_rng(2), 1), 3)
 
 
-@pytest.mark.parametrize("windows", [[0], [8, 0]])
-def test_rewind_then_continue_equals_a_fresh_run(windows):
+@pytest.mark.parametrize("windows, dtype", [([0], "fp32"), ([8, 0], "fp32"), ([8, 0], "int4")])
+def test_rewind_then_continue_equals_a_fresh_run(windows, dtype):
     rng = np.random.default_rng(3)
     history = [random_step(rng, 4) for _ in range(5)]  # 20 tokens
     branch = [random_step(rng, 3), random_step(rng, 1)]
 
-    cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], 64, "fp32", max_write=4)
+    cache = SequenceCache([LayerGeometry(H_KV, D, w) for w in windows], 64, dtype, max_write=4)
     ours = Attention(cache)
     for i, (q, k, v) in enumerate(history):
         for layer in range(len(windows)):
@@ -165,12 +233,13 @@ def test_rewind_then_continue_equals_a_fresh_run(windows):
         if T <= 0:
             break
         for layer in range(len(windows)):
-            ref.step(layer, q[:, :, :T], k[:, :, :T], v[:, :, :T], 4 * i)
+            ref.step(layer, q[:, :, :T], rounded(k[:, :, :T], dtype), rounded(v[:, :, :T], dtype), 4 * i)
     position = 17
     for q, k, v in branch:
         for layer in range(len(windows)):
             np.testing.assert_allclose(ours.step(layer, q, k, v, position),
-                                       ref.step(layer, q, k, v, position), atol=1e-5)
+                                       ref.step(layer, q, rounded(k, dtype), rounded(v, dtype), position),
+                                       atol=2e-5)
         position += q.shape[2]
 
 
@@ -205,8 +274,10 @@ def test_clear_then_rerun_equals_a_fresh_cache():
 def test_program_free_validation_errors():
     with pytest.raises(PteError, match="capacity"):
         SequenceCache([LayerGeometry(H_KV, D)], capacity=0)
-    with pytest.raises(PteError, match="storage dtype"):
-        SequenceCache([LayerGeometry(H_KV, D)], capacity=8, dtype="int8")
+    with pytest.raises(PteError, match="storage dtype 'int3'"):
+        SequenceCache([LayerGeometry(H_KV, D)], capacity=8, dtype="int3")
+    with pytest.raises(PteError, match="head size is 48: use -o kv_storage_dtype bf16, fp16 or fp32"):
+        SequenceCache([LayerGeometry(H_KV, 48)], capacity=8, value_dtype="int4")
 
 
 def test_a_step_too_large_for_a_ring_is_refused_before_any_layer_writes():
@@ -239,8 +310,9 @@ def test_an_aborted_step_restores_the_length_and_guards_overwritten_ring_cells()
     assert cache.rewind_floor() == 0
 
 
-@pytest.mark.parametrize("back", [0, 4], ids=["at-its-length", "at-its-floor"])
-def test_a_restored_snapshot_continues_as_the_reference(back):
+@pytest.mark.parametrize("back, dtype", [(0, "fp32"), (4, "fp32"), (4, "int8")],
+                         ids=["at-its-length", "at-its-floor", "quantized"])
+def test_a_restored_snapshot_continues_as_the_reference(back, dtype):
     """A snapshot (flat and ring layers, the ring wrapped) restored into a
     fresh cache, at its length or a shorter one down to its floor, then
     continued: each step attends as ExecuTorch's reference cache fed the
@@ -250,7 +322,7 @@ def test_a_restored_snapshot_continues_as_the_reference(back):
     history = [random_step(rng, 4) for _ in range(7)]  # 28 tokens: the 9-slot ring has wrapped
     branch = [random_step(rng, 3), random_step(rng, 1), random_step(rng, 4)]
     layers = [LayerGeometry(H_KV, D, w) for w in windows]
-    original = SequenceCache(layers, 64, "fp32", max_write=4)
+    original = SequenceCache(layers, 64, dtype, max_write=4)
     att = Attention(original)
     for i, (q, k, v) in enumerate(history):
         for layer in range(len(windows)):
@@ -261,19 +333,20 @@ def test_a_restored_snapshot_continues_as_the_reference(back):
     assert floor == 24 and [s[1].shape[2] for s in saved] == [9, 28]
     length = 28 - back
 
-    restored = SequenceCache(layers, 64, "fp32", initial_capacity=8, max_write=4)
+    restored = SequenceCache(layers, 64, dtype, initial_capacity=8, max_write=4)
     restored.restore(length, floor, saved)
     assert restored.length == length and restored.rewind_floor() == floor
     ours, ref = Attention(restored), Reference(windows, 64, "fp32")
     for i, (q, k, v) in enumerate(history):
         T = min(4, length - 4 * i)
         for layer in range(len(windows)):
-            ref.step(layer, q[:, :, :T], k[:, :, :T], v[:, :, :T], 4 * i)
+            ref.step(layer, q[:, :, :T], rounded(k[:, :, :T], dtype), rounded(v[:, :, :T], dtype), 4 * i)
     position = length
     for q, k, v in branch:
         for layer in range(len(windows)):
             np.testing.assert_allclose(ours.step(layer, q, k, v, position),
-                                       ref.step(layer, q, k, v, position), atol=1e-5)
+                                       ref.step(layer, q, rounded(k, dtype), rounded(v, dtype), position),
+                                       atol=2e-5)
         position += q.shape[2]
 
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from llm_executorch_mlx.runtime import cpu
+from llm_executorch_mlx.runtime.cpu import extension_ops
 from llm_executorch_mlx.runtime.plan import Plan
+from llm_executorch_mlx.runtime.quantized_kv import QuantizedKV
 
 
 @pytest.fixture(scope="module")
@@ -438,3 +440,137 @@ def test_a_prefill_chunk_shared_with_the_host_is_the_same_bits(kernel):
     np.testing.assert_array_equal(np.array(helped), np.array(alone))
     reference = np.array(merged(mx.array(torch_attention(q, k, v, 0.125, True)))) @ np.array(w)
     np.testing.assert_allclose(np.array(helped), reference, atol=1e-4, rtol=1e-4)
+
+
+def quantized_pool(rng, B, Hkv, S, D, bits, group, slots, start=0, words_strided=False):
+    """Keys or values as a quantized cache hands them over: rows start ..
+    start + S of a pool of `slots` rows, quantized along D with float16
+    scales and biases. words_strided: the words a transposed view (rows not
+    contiguous along D)."""
+    x = mx.array(rng.standard_normal((B, Hkv, slots, D)).astype(np.float32))
+    data, scales, biases = mx.quantize(x, group_size=group, bits=bits)
+    if words_strided:
+        data = mx.array(np.ascontiguousarray(np.array(data).swapaxes(2, 3))).swapaxes(2, 3)
+    rows = slice(start, start + S)
+    return QuantizedKV(data[:, :, rows], scales.astype(mx.float16)[:, :, rows], biases.astype(mx.float16)[:, :, rows],
+                       bits, group)
+
+
+def assert_close_to_scale(out, expected):
+    """Within 1e-5 of the output's scale: dequantized values (q * scale +
+    bias, one rounding or two) give the products a little more rounding
+    than fp32 keys and values."""
+    out = np.asarray(out)
+    np.testing.assert_allclose(out, expected, atol=1e-5 * np.nanmax(np.abs(expected)), rtol=1e-5)
+
+
+def quantized_attention(kernel, q, K, V, causal, window=0):
+    return kernel.quantized_attention(q, K.data, K.scales, K.biases, V.data, V.scales, V.biases, q.shape[-1]**-0.5,
+                                      causal, K.bits, V.bits, K.group_size, window=window)
+
+
+@pytest.mark.parametrize("k_bits, v_bits", [(8, 8), (8, 4), (4, 8), (4, 4)])
+@pytest.mark.parametrize(
+    "B, Hq, Hkv, T, S, D, group, causal, window, start",
+    [
+        (1, 3, 1, 1, 1, 64, 64, False, 0, 0),  # the first token: one key
+        (1, 9, 3, 1, 7, 64, 32, False, 0, 0),  # SmolLM-shaped decode, keys that fill no four
+        (2, 9, 3, 1, 300, 128, 128, False, 0, 5),  # batch, three parts, a ring's run from row 5
+        (1, 4, 4, 3, 7, 64, 64, True, 0, 0),  # no grouping, a few queries over a few keys
+        (1, 6, 2, 3, 129, 128, 32, True, 16, 0),  # a window, a few queries
+        (1, 6, 2, 1, 300, 64, 32, False, 40, 3),  # a ring's decode step: the last 40 keys
+        (1, 6, 2, 70, 129, 128, 64, True, 0, 0),  # from 64 queries: the tiled path
+        (1, 3, 3, 70, 300, 64, 32, True, 50, 0),  # tiled, a window, no grouping
+        (1, 6, 2, 70, 70, 64, 64, True, 0, 0),  # tiled, as many queries as keys
+    ],
+)
+def test_quantized_attention_matches_torch_on_the_dequantized_cache(kernel, k_bits, v_bits, B, Hq, Hkv, T, S, D,
+                                                                     group, causal, window, start):
+    rng = np.random.default_rng(S * T + D + k_bits * 3 + v_bits)
+    q = mx.array(rng.standard_normal((B, Hq, T, D)).astype(np.float32) * 2)
+    K = quantized_pool(rng, B, Hkv, S, D, k_bits, group, start + S + 9, start)
+    V = quantized_pool(rng, B, Hkv, S, D, v_bits, group, start + S + 9, start)
+    out = quantized_attention(kernel, q, K, V, causal, window)
+    expected = torch_attention(q, K.dequantize(), V.dequantize(), D**-0.5, causal, window)
+    assert_close_to_scale(np.array(out), expected)
+
+
+@pytest.mark.parametrize("T", [3, 70])  # rows, and what would be tiles
+def test_quantized_attention_reads_words_at_any_strides(kernel, T):
+    rng = np.random.default_rng(T)
+    q = mx.array(rng.standard_normal((1, 6, T, 64)).astype(np.float32))
+    K = quantized_pool(rng, 1, 2, 129, 64, 8, 32, 140, words_strided=True)
+    V = quantized_pool(rng, 1, 2, 129, 64, 4, 32, 140, words_strided=True)
+    out = quantized_attention(kernel, q, K, V, True)
+    expected = torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True)
+    assert_close_to_scale(np.array(out), expected)
+
+
+@pytest.mark.parametrize("T", [3, 70])  # rows, and tiles
+def test_quantized_attention_propagates_nan_to_the_rows_that_read_it(kernel, T):
+    """A NaN scale of key 5 spoils the rows that see key 5 (causal: all but
+    the first, whose last key is 4), a NaN query its own row only; the other
+    rows are as without the NaNs. (Torch's reference spoils every row: it
+    adds the mask to the NaN score of a key the row does not see.)"""
+    rng = np.random.default_rng(1)
+    S = T + 4
+    q = rng.standard_normal((1, 2, T, 64)).astype(np.float32)
+    K = quantized_pool(rng, 1, 1, S, 64, 8, 32, S)
+    V = quantized_pool(rng, 1, 1, S, 64, 4, 32, S)
+    expected = torch_attention(mx.array(q), K.dequantize(), V.dequantize(), 0.125, True)
+    q[0, 1, 0, 3] = np.nan
+    scales = np.array(K.scales)
+    scales[0, 0, 5, 1] = np.nan
+    out = np.array(quantized_attention(kernel, mx.array(q), K._replace(scales=mx.array(scales)), V, True))
+    expected[:, :, 1:] = np.nan
+    expected[0, 1, 0] = np.nan
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    assert_close_to_scale(out[0, 0, 0], expected[0, 0, 0])
+
+
+def test_quantized_attention_refuses_what_it_cannot_read_with_the_reason(kernel):
+    rng = np.random.default_rng(2)
+    q = mx.zeros((1, 4, 1, 64))
+    K = quantized_pool(rng, 1, 2, 9, 64, 8, 32, 9)
+    V = quantized_pool(rng, 1, 2, 9, 64, 4, 32, 9)
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+        quantized_attention(kernel, q, K._replace(group_size=16), V, False)
+    with pytest.raises(ValueError, match=r"needs words \(1,2,9,16\).*\(v\)"):
+        quantized_attention(kernel, q, K, V._replace(bits=8), False)
+    with pytest.raises(ValueError, match="float16"):
+        quantized_attention(kernel, q, K._replace(scales=K.scales.astype(mx.float32)), V, False)
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        quantized_attention(kernel, mx.zeros((1, 3, 1, 64)), K, V, False)
+    with pytest.raises(ValueError, match="more queries than keys"):
+        quantized_attention(kernel, mx.zeros((1, 4, 10, 64)), K, V, True)
+
+
+def test_quantized_attention_wrapper_hands_the_kernel_what_it_takes_and_the_rest_to_the_fallback(kernel):
+    rng = np.random.default_rng(3)
+    calls = []
+
+    def fallback(Q, K, V, scale, mask):
+        calls.append(mask)
+        return "fallback"
+
+    q = mx.array(rng.standard_normal((1, 4, 2, 64)).astype(np.float32))
+    K = quantized_pool(rng, 1, 2, 9, 64, 8, 64, 9)
+    V = quantized_pool(rng, 1, 2, 9, 64, 4, 64, 9)
+    attend = extension_ops.quantized_attention(kernel, fallback)
+    out = attend(q, K, V, 0.125, "causal")
+    assert_close_to_scale(np.array(out), torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True))
+    band = mx.ones((2, 9), dtype=mx.bool_)
+    assert extension_ops.quantized_kernel_takes(q, K, V, True)
+    for Q, K2, V2, mask in [
+        (q, K, V, band),  # a band mask, but no window for the kernel
+        (q.astype(mx.float16), K, V, "causal"),
+        (q, K, V._replace(group_size=32), "causal"),  # groups of two sizes
+        (q, K._replace(scales=K.scales.astype(mx.float32)), V, "causal"),
+        (q, K, V._replace(bits=2), "causal"),
+        (mx.zeros((1, 4, 10, 64)), K, V, "causal"),  # more queries than keys
+    ]:
+        assert attend(Q, K2, V2, 0.125, mask) == "fallback"
+    assert len(calls) == 6
+    windowed = extension_ops.quantized_attention(kernel, fallback, window=4)
+    out = windowed(q, K, V, 0.125, band)
+    assert_close_to_scale(np.array(out), torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True, 4))

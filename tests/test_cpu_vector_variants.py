@@ -18,7 +18,7 @@ import sys
 import pytest
 
 # Runs in the child: every quantized product shape and group the kernels take,
-# 1 to 16 rows, then attention and the dense GEMV; prints the worst error as a
+# 1 to 16 rows, then attention (over fp32 and quantized caches) and the dense GEMV; prints the worst error as a
 # fraction of its tolerance, per case.
 CHILD = r"""
 import json, sys
@@ -91,6 +91,28 @@ scores = np.where(mask, 0.125 * np.array(q) @ np.repeat(np.array(k), 3, 1).swapa
 p = np.exp(scores - scores.max(-1, keepdims=True))
 reference = (p / p.sum(-1, keepdims=True)) @ np.repeat(np.array(v), 3, 1)
 worst["attention"] = float(np.abs(ours - reference).max() / 1e-5)
+# over a quantized cache: every bit pair, a few queries (rows) and 70 (tiles),
+# against the same softmax on the cache dequantized by hand
+def attention_reference(q, k, v, scale):
+    T, S = q.shape[2], k.shape[2]
+    scores = scale * q @ np.repeat(k, q.shape[1] // k.shape[1], 1).swapaxes(-1, -2)
+    scores = np.where(np.arange(S)[None] <= np.arange(S - T, S)[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ np.repeat(v, q.shape[1] // k.shape[1], 1)
+
+for k_bits, v_bits in ((8, 8), (8, 4), (4, 8), (4, 4)):
+    quantized = []
+    for bits in (k_bits, v_bits):
+        words, s, b = mx.quantize(mx.array(rng.standard_normal((2, 100, 64)).astype(np.float32)), group_size=32, bits=bits)
+        s, b = s.astype(mx.float16), b.astype(mx.float16)
+        flat = (words.reshape(200, -1), s.reshape(200, -1).astype(mx.float32), b.reshape(200, -1).astype(mx.float32))
+        quantized.append(((words[None], s[None], b[None]), by_hand(*flat, bits, 32).reshape(1, 2, 100, 64)))
+    for T in (3, 70):
+        q = rng.standard_normal((1, 6, T, 64)).astype(np.float32)
+        ours = np.array(ext.quantized_attention(mx.array(q), *quantized[0][0], *quantized[1][0], 0.125, True,
+                                                k_bits, v_bits, 32))
+        reference = attention_reference(q, quantized[0][1], quantized[1][1], 0.125)
+        worst[f"quantized attention k{k_bits} v{v_bits} T{T}"] = float(np.abs(ours - reference).max() / 1e-5)
 # the int8-activation products, against numpy's integer math (test_cpu_int8_products.py)
 sys.path.insert(0, sys.argv[1])
 from test_cpu_int8_products import int8_reference
@@ -118,6 +140,9 @@ if ext.limits()["int8_bits"]:
                                                   32, 4, int8=True)
 products["attention"] = lambda: ext.attention(mx.array(x.reshape(1, 1, 3, 256)), *(mx.ones((1, 1, 5, 256)),) * 2,
                                               0.1, True)
+kv = [a if a.dtype == mx.uint32 else a.astype(mx.float16) for a in mx.quantize(mx.ones((1, 1, 5, 256)), group_size=32, bits=4)]
+products["quantized attention"] = lambda: ext.quantized_attention(mx.array(x.reshape(1, 1, 3, 256)), *kv, *kv, 0.1, True,
+                                                                  4, 4, 32)
 for name, product in products.items():
     spoilt = np.isnan(np.array(product())).reshape(3, -1)
     only_row_1 = spoilt.all(1).tolist() == [False, True, False] and not spoilt[[0, 2]].any()

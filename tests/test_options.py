@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 from llm.cli import cli
 
-from llm_executorch_mlx.commands import KV_DTYPE_BYTES
 from llm_executorch_mlx.options import DEFAULTS, OPTIONS
 from llm_executorch_mlx.plugin import PteModel
 from llm_executorch_mlx.runtime.cache import DEFAULT_INITIAL_CAPACITY
-from llm_executorch_mlx.runtime.dtypes import COMPUTE_ROUTES, KV_DTYPES
+from llm_executorch_mlx.runtime.dtypes import COMPUTE_ROUTES
+from llm_executorch_mlx.runtime.kv_storage import STORAGES
 from llm_executorch_mlx.text import templates
 from llm_executorch_mlx.text.sampling import Sampler
 from llm_executorch_mlx.text.turn import TurnOptions
@@ -70,7 +70,7 @@ def test_every_choice_is_named_in_its_description():
 
 
 def test_the_runtime_and_the_templates_take_the_declared_names():
-    assert set(OPTIONS["kv_storage_dtype"].choices) == set(KV_DTYPES) == set(KV_DTYPE_BYTES)
+    assert set(OPTIONS["kv_storage_dtype"].choices) == set(OPTIONS["kv_value_dtype"].choices) == set(STORAGES)
     assert set(OPTIONS["compute_dtype"].choices) == set(COMPUTE_ROUTES)
     assert set(OPTIONS["chat"].choices) == {"auto", "none", *templates._BUILTINS}
     assert set(OPTIONS["chat"].aliases.values()) <= set(OPTIONS["chat"].choices)
@@ -92,7 +92,7 @@ def test_llm_and_the_sampler_refuse_a_bad_value_with_the_same_message(registered
 
 
 @pytest.mark.parametrize("option, typed, message", [
-    ("kv_storage_dtype", "int8", "kv_storage_dtype must be one of bf16, fp16, fp32, got 'int8'"),
+    ("kv_storage_dtype", "int3", "kv_storage_dtype must be one of bf16, fp16, fp32, int8, int4, got 'int3'"),
     ("chat", "chatml", "chat must be one of auto, llama3, gemma, gemma4, none (0 for none), got 'chatml'"),
     ("kv_windows", "8,x", "kv_windows must be comma-separated non-negative integers, e.g. 512 or 512,0, got '8,x'"),
     ("stop", "[1", "stop must be a string or a JSON list of strings"),

@@ -117,7 +117,7 @@ def test_window_override_makes_rings_and_lowers_max_write(llama):
     cache = program.new_cache(capacity=64, windows="8,0")
     assert [g.window for g in cache.layers] == [8, 0]
     assert cache.max_write == 8
-    assert cache._k[0].shape[2] == 8 + 8 - 1
+    assert cache.state[0].shape[2] == 8 + 8 - 1
     with pytest.raises(PteError, match="window pattern"):
         program.new_cache(windows="8,x")
 

@@ -150,6 +150,42 @@ def test_ring_layers_past_their_window_load_from_disk_in_new_processes(exported,
     assert json.loads(meta["state"])["floor"] == length - 16  # it gives prefixes down to a chunk back
 
 
+def test_a_quantized_cache_saved_on_disk_continues_as_the_live_one(exported, tokenizer_dir, user_dir):
+    """int8 keys and int4 values on gemma3 (sliding and full layers): a new
+    process each turn loads the state, stored as the cache holds it (each
+    history's words, scales and biases), and answers as one process holding
+    the conversation live does; the bytes reported are the quantized ones."""
+    import mlx.core as mx
+
+    model_dir, pte = exported("gemma3")
+    register(pte, tokenizer_dir)
+    opts = ["-o", "max_tokens", "10", "-o", "kv_storage_dtype", "int8", "-o", "kv_value_dtype", "int4"]
+    replies = {}
+    for how in ("live", "disk"):
+        for i, text in enumerate(USER_TURNS):
+            if how == "disk":
+                forget()
+            r = invoke(*(["-m", "pte:tiny"] if i == 0 else ["-c"]), text, *opts,
+                       *(["-o", "kv_disk_mb", "0"] if how == "live" else []))
+            assert r.exit_code == 0, r.output
+            replies.setdefault(how, []).append(r.output)
+        logged = last_logged(3)
+        assert [e["response_json"]["cache_path"] for e in logged] == (
+            ["cold", "hit", "hit"] if how == "live" else ["cold", "disk", "disk"])
+    assert replies["disk"] == replies["live"]
+    j = logged[-1]["response_json"]
+    assert (j["kv_storage_dtype"], j["kv_value_dtype"]) == ("int8", "int4")
+    # per token and layer: 2 kv heads of 32 values, int8 32 + int4 16 bytes, 4 bytes of scale and bias each
+    assert j["kv_bytes_in_use"] == 2 * (32 + 4 + 16 + 4) * (2 * 31 + j["cache_length"])
+    info = json.loads(invoke("pte", "info", "tiny", "--json").output)["kv_bytes_per_token"]
+    assert info["int8/int4"] == 3 * 2 * (32 + 4 + 16 + 4) and info["int8"] == 3 * 2 * 2 * (32 + 4)
+    (path,) = states()
+    arrays = mx.load(str(path))
+    assert [(arrays[f"k.2{f}"].dtype, arrays[f"k.2{f}"].shape[-1]) for f in ("", ".1", ".2")] == [
+        (mx.uint32, 8), (mx.float16, 1), (mx.float16, 1)]
+    assert arrays["v.2"].shape[-1] == 4 and arrays["v.2"].shape[2] == j["cache_length"]
+
+
 # `llm` on a disk where writing a saved state takes 30 s a write call: the
 # state's first bytes are written, then it waits (the test interrupts it there)
 SLOW_DISK_LLM = """

@@ -26,7 +26,16 @@ from .models import kv_bytes_per_token, model_shape
 from .timing import Run, timed
 
 # per llama.cpp KV type: its ggml_type value (Llama(type_k=, type_v=)) and our cache dtype of the same width
-LLAMA_KV_TYPES = {"f32": (0, "fp32"), "f16": (1, "fp16")}
+# llama.cpp's cache types (``--kv``; "K/V" for two): GGML type, our storage of
+# the same width (kv_storage.py), bytes a value takes in it
+LLAMA_KV_TYPES = {"f32": (0, "fp32", 4), "f16": (1, "fp16", 2), "q8_0": (8, "int8", 34 / 32),
+                  "q4_0": (2, "int4", 18 / 32)}
+
+
+def kv_pair(kv: str) -> tuple[str, str]:
+    """The key and value types of an ``LLAMA_KV_TYPES`` name or of "K/V"."""
+    keys, _, values = kv.partition("/")
+    return keys, values or keys
 
 
 def mlx_dtype(name: str):
@@ -43,7 +52,8 @@ class Ours:
     compute in)."""
 
     def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours",
-                 int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True):
+                 int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True,
+                 kv_value_dtype: str | None = None):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
@@ -56,7 +66,7 @@ class Ours:
         self.sampler = Sampler(temperature=0.0)
         self.last_timings = None
         self._session = None  # (cache, forward) of the short case's conversation
-        self.kv_dtype = kv_dtype
+        self.kv_dtype, self.kv_value_dtype = kv_dtype, kv_value_dtype
         cache = self.new_cache()
         self.kv_dtype = cache.dtype
         self.weight_bytes = self.program.weight_bytes()  # as held after the compute route
@@ -74,7 +84,8 @@ class Ours:
 
     def new_cache(self):
         """A cache of the program's whole context."""
-        return self.program.new_cache(capacity=self.program.metadata.max_context, dtype=self.kv_dtype)
+        return self.program.new_cache(capacity=self.program.metadata.max_context, dtype=self.kv_dtype,
+                                      value_dtype=self.kv_value_dtype)
 
     def info(self) -> dict:
         kernels = self.program.cpu_kernels
@@ -215,25 +226,28 @@ def llama_model_params(**fields):
 class LlamaCpp:
     """llama.cpp through llama-cpp-python's ``Llama.eval`` (batches of
     ``n_batch`` = ``n_ubatch`` = ``chunk``), greedy: the argmax of the last
-    logits row. ``kv`` is a key of ``LLAMA_KV_TYPES``; ``extra_bufts`` False
-    runs it without its extra buffer types (repacked weights)."""
+    logits row. ``kv`` is a key of ``LLAMA_KV_TYPES`` or "K/V" of two;
+    ``extra_bufts`` False runs it without its extra buffer types (repacked
+    weights); ``flash_attn`` runs its flash attention, which a quantized
+    value cache needs."""
 
     def __init__(self, gguf: pathlib.Path, ftype: str, ctx: int, chunk: int, threads: int, kv: str,
-                 extra_bufts: bool, model_dir: pathlib.Path):
+                 extra_bufts: bool, model_dir: pathlib.Path, flash_attn: bool = False):
         import llama_cpp
 
         self._logits_ith = llama_cpp.llama_get_logits_ith
         self.name = f"llama.cpp {ftype}"
-        ggml_type, kv_dtype = LLAMA_KV_TYPES[kv]
+        keys, values = (LLAMA_KV_TYPES[t] for t in kv_pair(kv))
         with llama_model_params(use_extra_bufts=extra_bufts):
             self.llm = llama_cpp.Llama(
                 model_path=str(gguf), n_ctx=ctx, n_batch=chunk, n_ubatch=chunk, n_threads=threads,
-                n_threads_batch=threads, type_k=ggml_type, type_v=ggml_type, verbose=False,
+                n_threads_batch=threads, type_k=keys[0], type_v=values[0], flash_attn=flash_attn, verbose=False,
             )
         self.n_vocab = self.llm.n_vocab()
         self.weight_bytes = llama_cpp.llama_model_size(self.llm.model)
         self.step_weight_bytes = self.weight_bytes  # a GGUF holds a tied embedding once
-        self.kv_bytes_per_token = kv_bytes_per_token(model_shape(model_dir), kv_dtype)
+        shape = model_shape(model_dir)
+        self.kv_bytes_per_token = round(kv_bytes_per_token(shape, "fp32") * (keys[2] + values[2]) / 8)
 
     def tokens(self, ids: list[int], new_tokens: int):
         """Feed ``ids`` after what the context holds, then yield greedy tokens."""

@@ -1,7 +1,7 @@
 """The off-graph KV cache behind ``UpdateAndAttendNode``.
 
-One logical length for the whole model; per layer a K and a V pool shaped
-``[1, H_kv, slots, D]`` in the storage dtype. A flat layer keeps all history
+One logical length for the whole model; per layer a K and a V pool of
+``slots`` cells (``kv_storage.Pool``: a float dtype, or quantized). A flat layer keeps all history
 and grows its pool by doubling up to the capacity; a ring layer keeps a sliding
 window in ``window + max_write - 1`` slots allocated up front, so a step of up
 to ``max_write`` tokens never overwrites a cell an earlier query of the same
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .dtypes import KV_DTYPES
 from .errors import CacheFullError, PteError
+from .kv_storage import Pool, fields_of, storage
 
 DEFAULT_INITIAL_CAPACITY = 512
 
@@ -77,7 +77,9 @@ class SequenceCache:
     Args:
         layers: one ``LayerGeometry`` per cache layer (``layer_id`` order).
         capacity: the most tokens the sequence may hold.
-        dtype: storage dtype, ``"bf16"``, ``"fp16"`` or ``"fp32"``.
+        dtype: the keys' storage: ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"int8"``
+            or ``"int4"`` (``kv_storage.STORAGES``).
+        value_dtype: the values' storage (default: ``dtype``).
         initial_capacity: slots a flat pool starts with (clamped to capacity;
             0 allocates nothing until the first write).
         max_write: the most tokens one step writes (the prefill chunk); ring
@@ -89,6 +91,7 @@ class SequenceCache:
         layers: list[LayerGeometry],
         capacity: int,
         dtype: str = "bf16",
+        value_dtype: str | None = None,
         initial_capacity: int | None = None,
         max_write: int | None = None,
         held: range | None = None,
@@ -97,10 +100,7 @@ class SequenceCache:
             raise PteError("a cache needs at least one layer")
         if not isinstance(capacity, int) or capacity <= 0:
             raise PteError(f"cache capacity must be a positive integer, got {capacity!r}")
-        if dtype not in KV_DTYPES:
-            raise PteError(
-                f"unknown KV storage dtype {dtype!r}: use one of {', '.join(KV_DTYPES)}"
-            )
+        self.storage = storage(dtype), storage(value_dtype or dtype)
         if initial_capacity is None:
             initial_capacity = DEFAULT_INITIAL_CAPACITY
         if initial_capacity < 0:
@@ -110,17 +110,18 @@ class SequenceCache:
         for g in layers:
             if g.n_kv_heads <= 0 or g.head_dim <= 0 or g.window < 0:
                 raise PteError(f"invalid cache layer geometry {g}")
+            for s in self.storage:
+                s.widths(g.head_dim)  # a quantized storage refuses a head size its groups do not divide
 
         self.layers = list(layers)
         self.capacity = capacity
-        self.dtype = dtype
+        self.dtype, self.value_dtype = self.storage[0].name, self.storage[1].name
         self.initial_capacity = initial_capacity
         self.max_write = max_write
         # The layers whose pools this process holds (a pipeline stage's); the
         # others count in every length, floor and step limit, with no pool.
         self.held = range(len(self.layers)) if held is None else held
         self.length = 0
-        self._mx_dtype = KV_DTYPES[dtype]
         # Ring layers are sized to their window plus one step, never past the
         # capacity (a ring that big can never wrap).
         self._max_slots = [
@@ -142,14 +143,14 @@ class SequenceCache:
         return g.window + step - 1
 
     def _allocate(self) -> None:
-        self._k: list[mx.array] = []
-        self._v: list[mx.array] = []
+        self._k: list[Pool] = []
+        self._v: list[Pool] = []
+        keys, values = self.storage
         for i, (g, max_slots) in enumerate(zip(self.layers, self._max_slots)):
-            slots = max_slots if g.is_ring else min(self.initial_capacity, max_slots)
+            slots = _allocated_slots(max_slots if g.is_ring else min(self.initial_capacity, max_slots))
             slots = slots if i in self.held else 0
-            shape = (1, g.n_kv_heads, _allocated_slots(slots), g.head_dim)
-            self._k.append(mx.zeros(shape, dtype=self._mx_dtype))
-            self._v.append(mx.zeros(shape, dtype=self._mx_dtype))
+            self._k.append(Pool(keys, g.n_kv_heads, slots, g.head_dim))
+            self._v.append(Pool(values, g.n_kv_heads, slots, g.head_dim))
 
     # -- control face -------------------------------------------------------
 
@@ -201,27 +202,30 @@ class SequenceCache:
         self.length = min(self.length, self._checkpoint)
 
     @property
+    def quantized(self) -> bool:
+        """Whether keys or values are stored quantized."""
+        return any(s.quantized for s in self.storage)
+
+    @property
     def state(self) -> list[mx.array]:
         """The pool arrays, to ``mx.eval`` after a step whose output is unused."""
-        return self._k + self._v
+        return [a for pool in self._k + self._v for a in pool.arrays]
 
     @property
     def nbytes(self) -> int:
         """Bytes the pools hold now (allocated slots, not live tokens)."""
-        return sum(k.nbytes + v.nbytes for k, v in zip(self._k, self._v))
+        return sum(pool.nbytes for pool in self._k + self._v)
 
     def bytes_in_use(self) -> int:
         """Bytes of the live tokens: each layer holds at most its slots."""
-        size = self._mx_dtype.size
-        return sum(
-            2 * g.n_kv_heads * g.head_dim * size * min(self.length, slots)
-            for g, slots in zip(self.layers, self._max_slots)
-        )
+        return sum(self._layer_bytes(g) * min(self.length, slots) for g, slots in zip(self.layers, self._max_slots))
 
     def bytes_per_token(self) -> int:
-        """K+V bytes one token adds across all layers at the storage dtype."""
-        size = self._mx_dtype.size
-        return sum(2 * g.n_kv_heads * g.head_dim * size for g in self.layers)
+        """K+V bytes one token adds across all layers at the storage dtypes."""
+        return sum(self._layer_bytes(g) for g in self.layers)
+
+    def _layer_bytes(self, g: LayerGeometry) -> int:
+        return round(sum(g.n_kv_heads * g.head_dim * s.bytes_per_value(g.head_dim) for s in self.storage))
 
     # -- saved state ------------------------------------------------------------
 
@@ -229,28 +233,27 @@ class SequenceCache:
         """The cells a saved state needs: ``(floor, layers)``.
 
         ``floor`` is ``rewind_floor()``; per layer ``(first, K, V)`` holds
-        positions ``[first, length)`` in logical order. A flat layer keeps the
-        whole sequence (``first`` 0); a ring layer only what a step at any
-        length from the floor on still reads (``first = floor - window + 1``).
-        The arrays are lazy slices of the pools.
+        positions ``[first, length)`` in logical order, as attention reads them
+        (an array, or a ``QuantizedKV``). A flat layer keeps the whole sequence
+        (``first`` 0); a ring layer only what a step at any length from the
+        floor on still reads (``first = floor - window + 1``). The arrays are
+        lazy slices of the pools.
         """
         floor = self.rewind_floor()
         layers = []
         for i, (g, size) in enumerate(zip(self.layers, self._max_slots)):
             if not g.is_ring:
-                layers.append((0, self._k[i][:, :, : self.length, :], self._v[i][:, :, : self.length, :]))
+                layers.append((0, self._k[i].read(0, self.length), self._v[i].read(0, self.length)))
                 continue
             first = max(0, floor - g.window + 1)
             runs = _ring_runs(first, self.length - first, size) if self.length > first else [(0, 0)]
-            K = mx.concatenate([self._k[i][:, :, s : s + n, :] for s, n in runs], axis=2)
-            V = mx.concatenate([self._v[i][:, :, s : s + n, :] for s, n in runs], axis=2)
-            layers.append((first, K, V))
+            layers.append((first, self._k[i].read_runs(runs), self._v[i].read_runs(runs)))
         return floor, layers
 
     def restore(self, length: int, floor: int, layers: list[tuple[int, mx.array, mx.array]]) -> None:
         """Hold ``length`` tokens from saved cells (``snapshot``'s ``layers``,
-        covering at least ``[first, length)`` per layer), forgetting the
-        sequence held before. ``length`` must be at least the saved ``floor``,
+        or each history as its list of fields, covering at least ``[first,
+        length)`` per layer), forgetting the sequence held before. ``length`` must be at least the saved ``floor``,
         which stays the rewind floor.
         """
         if len(layers) != len(self.layers):
@@ -262,20 +265,21 @@ class SequenceCache:
             n = length - first
             if n <= 0:
                 continue
-            if (K.dtype != self._mx_dtype or V.shape != K.shape or K.shape[2] < n
-                    or tuple(K.shape[:2]) + (K.shape[3],) != (1, g.n_kv_heads, g.head_dim)
+            K, V = fields_of(K), fields_of(V)
+            if (not self._k[i].fits(K, g.n_kv_heads) or not self._v[i].fits(V, g.n_kv_heads)
+                    or K[0].shape[2] != V[0].shape[2] or K[0].shape[2] < n
                     or (g.is_ring and (first != max(0, floor - g.window + 1) or n > self._max_slots[i]))):
-                raise PteError(f"saved layer {i} {tuple(K.shape)} {K.dtype} does not fit this cache")
+                raise PteError(f"saved layer {i} {tuple(K[0].shape)} {K[0].dtype} does not fit this cache")
             if g.is_ring:
                 offset = 0
                 for s, m in _ring_runs(first, n, self._max_slots[i]):
-                    self._k[i][:, :, s : s + m, :] = K[:, :, offset : offset + m, :]
-                    self._v[i][:, :, s : s + m, :] = V[:, :, offset : offset + m, :]
+                    self._k[i].put(s, [f[:, :, offset : offset + m, :] for f in K])
+                    self._v[i].put(s, [f[:, :, offset : offset + m, :] for f in V])
                     offset += m
             else:
                 self._grow(i, length)
-                self._k[i][:, :, :length, :] = K[:, :, :length, :]
-                self._v[i][:, :, :length, :] = V[:, :, :length, :]
+                self._k[i].put(0, [f[:, :, :length, :] for f in K])
+                self._v[i].put(0, [f[:, :, :length, :] for f in V])
         self.length = self._checkpoint = self._written_end = length
         self._floor = floor
 
@@ -318,14 +322,16 @@ class SequenceCache:
         this step's ``T`` tokens, in the storage dtype), writes the step at
         ``position`` and returns ``(y, K', V')``: its result and the pools
         written, which the layer keeps. Returns ``y``. ``k`` is only checked,
-        as ``update_and_fetch`` checks it. Ring layers take ``update_and_fetch``.
+        as ``update_and_fetch`` checks it. Ring layers and quantized pools
+        take ``update_and_fetch``.
         """
         g = self._check_step(layer, position, k)
-        if g.is_ring:
-            raise PteError(f"cache layer {layer} is a ring: its steps go through update_and_fetch")
+        if g.is_ring or self.quantized:
+            raise PteError(f"cache layer {layer} is a ring or quantized: its steps go through update_and_fetch")
         end = position + k.shape[2]
         self._grow(layer, end)
-        y, self._k[layer], self._v[layer] = op(self._k[layer], self._v[layer])
+        K, V = self._k[layer], self._v[layer]
+        y, K.arrays[0], V.arrays[0] = op(K.arrays[0], V.arrays[0])
         self._advance(end)
         return y
 
@@ -367,43 +373,38 @@ class SequenceCache:
     def _flat_step(self, layer, position, end, k, v):
         self._grow(layer, end)
         kp, vp = self._k[layer], self._v[layer]
-        kp[:, :, position:end, :] = k.astype(self._mx_dtype)
-        vp[:, :, position:end, :] = v.astype(self._mx_dtype)
-        return kp[:, :, :end, :], vp[:, :, :end, :], end
+        kp.write(position, k)
+        vp.write(position, v)
+        return kp.read(0, end), vp.read(0, end), end
 
     def _grow(self, layer: int, needed: int) -> None:
-        kp = self._k[layer]
-        slots = kp.shape[2]
+        slots = self._k[layer].slots
         if needed <= slots:
             return
         new_slots = max(slots, 1)
         while new_slots < needed:
             new_slots *= 2
         new_slots = _allocated_slots(min(new_slots, self._max_slots[layer]))
-        _, H, _, D = kp.shape
-        pad = mx.zeros((1, H, new_slots - slots, D), dtype=self._mx_dtype)
-        self._k[layer] = mx.concatenate([kp, pad], axis=2)
-        self._v[layer] = mx.concatenate([self._v[layer], pad], axis=2)
+        self._k[layer].grow(new_slots)
+        self._v[layer].grow(new_slots)
 
     def _ring_step(self, layer, g, position, T, k, v):
         size = self._max_slots[layer]
         kp, vp = self._k[layer], self._v[layer]
-        k = k.astype(self._mx_dtype)
-        v = v.astype(self._mx_dtype)
+        k, v = kp.storage.encode(k), vp.storage.encode(v)
         offset = 0
         for start, n in _ring_runs(position, T, size):
-            kp[:, :, start : start + n, :] = k[:, :, offset : offset + n, :]
-            vp[:, :, start : start + n, :] = v[:, :, offset : offset + n, :]
+            kp.put(start, [f[:, :, offset : offset + n, :] for f in k])
+            vp.put(start, [f[:, :, offset : offset + n, :] for f in v])
             offset += n
         read_start = max(0, position - g.window + 1)
         S = position + T - read_start
         runs = _ring_runs(read_start, S, size)
         if len(runs) == 1:
             (start, n), = runs
-            return kp[:, :, start : start + n, :], vp[:, :, start : start + n, :], S
-        K = _joined([kp[:, :, s : s + n, :] for s, n in runs], T)
-        V = _joined([vp[:, :, s : s + n, :] for s, n in runs], T)
-        return K, V, S
+            return kp.read(start, n), vp.read(start, n), S
+        join = lambda parts: _joined(parts, T)  # noqa: E731
+        return kp.read_runs(runs, join), vp.read_runs(runs, join), S
 
     def _band_mask(self, T: int, S: int, window: int) -> mx.array:
         key = (T, S, window)

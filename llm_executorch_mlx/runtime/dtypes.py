@@ -29,8 +29,9 @@ SCALAR_TYPE_NAMES = {
     29: "uint64",
 }
 
-# Storage dtypes the off-graph cache accepts, by the names users type (the
-# choices of -o kv_storage_dtype in options.py; tests/test_options.py checks they agree).
+# The float storage dtypes of the off-graph cache, by the names users type
+# (kv_storage.py adds the quantized ones; tests/test_options.py checks that
+# together they are the choices of -o kv_storage_dtype in options.py).
 KV_DTYPES: dict[str, mx.Dtype] = {
     "bf16": mx.bfloat16,
     "fp16": mx.float16,

@@ -17,6 +17,7 @@ linear layers   the extension's products    MLX (``quantized_matmul``, GEMM)
                 up to their rows, BLAS
                 above
 attention       the extension's kernel      ``mx.fast`` SDPA
+quantized KV    the extension's kernel      ``quantized_kv.attention``
 RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
 SwiGLU          the extension's kernel      one compiled MLX kernel
 ==============  ==========================  ================================
@@ -34,6 +35,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
 from .steps import PLAIN, Steps, helped
 
@@ -152,9 +154,14 @@ class Plan:
         """Attention for an ``SdpaNode`` (keys and values in the queries' dtype)."""
         return fastmath.attention if self.cpu else mx.fast.scaled_dot_product_attention
 
-    def cache_attention(self, window: int = 0):
+    def cache_attention(self, window: int = 0, quantized: bool = False):
         """Attention over an off-graph cache layer's keys and values, which
-        may be stored in another dtype than the queries (``kv_storage_dtype``)."""
+        may be stored in another dtype than the queries (``kv_storage_dtype``)
+        or ``quantized`` (either of them a ``QuantizedKV``)."""
+        if quantized:
+            if self.extension is None or not self.kernels.attention.on:
+                return quantized_kv.attention
+            return extension_ops.quantized_attention(self.extension, quantized_kv.attention, window)
         if not self.cpu:
             return in_query_dtype(mx.fast.scaled_dot_product_attention)
         fallback = in_query_dtype(fastmath.attention)

@@ -380,16 +380,18 @@ class Program:
         dtype: str | None = None,
         initial_capacity: int | None = None,
         windows=None,
+        value_dtype: str | None = None,
         held: range | None = None,
     ) -> SequenceCache:
         """Build an off-graph cache for this program.
 
         Args:
             capacity: most tokens the sequence may hold (default: max context).
-            dtype: storage dtype "bf16" | "fp16" | "fp32" (default: the
-                dtype activations compute in, else bf16).
+            dtype: the keys' storage, "bf16" | "fp16" | "fp32" | "int8" |
+                "int4" (default: the dtype activations compute in, else bf16).
             initial_capacity: starting slots of flat pools (default 512).
             windows: a window pattern replacing the model's own.
+            value_dtype: the values' storage (default: ``dtype``).
             held: the layers whose pools this process holds (a pipeline
                 rank's); the cache still answers for every layer.
         """
@@ -409,6 +411,7 @@ class Program:
             layers,
             capacity=capacity,
             dtype=dtype or self.compute_dtype or "bf16",
+            value_dtype=value_dtype,
             initial_capacity=initial_capacity,
             max_write=max_write,
             held=held,

@@ -1,7 +1,7 @@
 """Cache states saved on disk, so that a new process starts warm.
 
 After a turn, the session's cache (the exact ids it holds and every layer's
-K/V in the storage dtype) is saved as one safetensors file; a later process
+K/V as stored, a quantized history as its three arrays) is saved as one safetensors file; a later process
 whose prompt shares a prefix with a state of the same model file and cache
 policy loads the longest usable one and prefills only the rest. The format
 is in docs/design.md ("Saved cache states").
@@ -102,6 +102,19 @@ class SavedState:
         prompt id is always left to feed, for the next token's logits."""
         n = min(common_prefix(self.ids, prompt), len(prompt) - 1)
         return n if n > 0 and n >= self.floor else 0
+
+
+def _field_name(history: str, j: int) -> str:
+    """A history's j-th array in the file: ``k.3`` for a float one (one
+    array), ``k.3.0``... ``k.3.2`` for a quantized one (``QuantizedKV``'s)."""
+    return history if j == 0 else f"{history}.{j}"
+
+
+def _fields(arrays: dict, history: str) -> list:
+    fields = [arrays[history]]
+    while _field_name(history, len(fields)) in arrays:
+        fields.append(arrays[_field_name(history, len(fields))])
+    return fields
 
 
 def worth_loading(n: int, held: int) -> bool:
@@ -274,7 +287,8 @@ class StateStore:
                 raise StateError("its checksum does not match its contents")
             if header["ids"][:n] != state.ids[:n] or n < header["floor"]:
                 return None  # replaced by another process with a state that no longer fits
-            layers = [(first, arrays[f"k.{i}"], arrays[f"v.{i}"]) for i, first in enumerate(header["layers"])]
+            layers = [(first, _fields(arrays, f"k.{i}"), _fields(arrays, f"v.{i}"))
+                      for i, first in enumerate(header["layers"])]
             cache.restore(n, header["floor"], layers)
             mx.eval(cache.state)
         except Exception as e:  # mlx's reader raises RuntimeError/ValueError, restore PteError
@@ -302,10 +316,14 @@ class StateStore:
 
         if not ids or cache.length != len(ids):
             return None
+        from ..runtime.kv_storage import fields_of
+
         floor, layers = cache.snapshot()
         arrays = {}
         for i, (_, K, V) in enumerate(layers):
-            arrays[f"k.{i}"], arrays[f"v.{i}"] = mx.contiguous(K), mx.contiguous(V)
+            for name, history in ((f"k.{i}", K), (f"v.{i}", V)):
+                for j, field in enumerate(fields_of(history)):
+                    arrays[_field_name(name, j)] = mx.contiguous(field)
         if sum(a.nbytes for a in arrays.values()) > self.budget:
             return None
         mx.eval(list(arrays.values()))

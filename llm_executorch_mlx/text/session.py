@@ -24,6 +24,7 @@ class CachePolicy:
     dtype: str
     initial_capacity: int | None = None
     windows: str | None = None
+    value_dtype: str | None = None  # None: dtype
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -44,6 +45,7 @@ class Session:
             dtype=policy.dtype,
             initial_capacity=policy.initial_capacity,
             windows=policy.windows,
+            value_dtype=policy.value_dtype,
         )
         self.forward = program.load_method("forward", cache=self.cache)
         self.tokens: list[int] = []

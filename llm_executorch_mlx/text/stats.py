@@ -28,6 +28,7 @@ def turn_stats(result, timings: Timings, cache, program) -> dict:
         "cache_length": cache.length,
         "cache_capacity": cache.capacity,
         "kv_storage_dtype": cache.dtype,
+        "kv_value_dtype": cache.value_dtype,
         "kv_windows": [g.window for g in cache.layers],
         "kv_bytes_in_use": cache.bytes_in_use(),
         "kv_bytes_allocated": cache.nbytes,

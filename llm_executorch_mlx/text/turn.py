@@ -60,6 +60,7 @@ def cache_policy(opts: TurnOptions, program) -> CachePolicy:
         dtype=opts.kv_storage_dtype or program.compute_dtype or "bf16",
         initial_capacity=opts.kv_initial_capacity,
         windows=opts.kv_windows,
+        value_dtype=opts.kv_value_dtype,
     )
 
 
@@ -133,6 +134,7 @@ class Turn:
         """The model identity and cache policy a saved state must match."""
         policy = {
             "capacity": self.policy.capacity, "dtype": self.policy.dtype,
+            "value_dtype": self.policy.value_dtype or self.policy.dtype,
             "windows": [g.window for g in self.program.cache_geometry(self.policy.windows)],
             "compute": self.program.compute_dtype, "device": mx.default_device().type.name,
             # the rounding routes change the cached keys and values

@@ -1,5 +1,7 @@
 // Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32,
-// bf16 or fp16 keys and values (a half-precision cache is widened as it is read).
+// bf16 or fp16 keys and values (a half-precision cache is widened as it is
+// read), or over a quantized cache in MLX's affine layout (4 or 8 bits,
+// dequantized in registers as it is read).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
 // them) with a BLAS call per kv head for each product and a scalar exp: for
@@ -13,14 +15,16 @@
 // - from 64 queries a head (a prefill chunk): GEMM-style register tiles over
 //   K packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
-// over slices of its pools). extension.py builds it into the CPU kernel
+// over slices of its pools). The loops read keys and values through a
+// storage type (DenseRows, QuantizedRows) that says how a row is stored.
+// extension.py builds it into the CPU kernel
 // extension (nanobind, in MLX's type domain) once per machine and checks it
 // against MLX before use.
 
 #include <algorithm>
 #include <array>
 #include <bit>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cmath>
@@ -84,6 +88,9 @@ inline f8 load8(const Half* p) {
 }
 
 inline float widen(Half half) {  // load8's steps on one value
+#if defined(__F16C__)
+  return _cvtsh_ss(half.bits);
+#endif
   const int32_t h = half.bits;
   int32_t bits = (h & 0x7fff) << 13;
   const int32_t exponent = bits & kHalfExponent;
@@ -119,55 +126,161 @@ struct Geometry {
   bool causal;
   int window;  // > 0: a query sees only the last `window` of its keys
   float scale;
-  mx::Strides q, k, v;  // in elements
+  mx::Strides q;  // in elements
 
   // Query t sees keys [first_key(t), end_key(t)).
   int end_key(int t) const { return causal ? S - T + t + 1 : S; }
   int first_key(int t) const { return window > 0 ? std::max(0, end_key(t) - window) : 0; }
 };
 
-// s[r * s_row + j] = q_r . k_j for R query rows (D apart) over keys j < n,
-// keys of D (a multiple of 8) contiguous values `stride` apart: four keys
-// at a time, each widened once for all R rows (the query heads sharing a
-// kv head).
-template <int R, typename KV>
-void scores_of_rows(const float* q, const KV* k, int64_t stride, int n, int D, float* s, int s_row) {
+// ---- How keys and values are stored, as the loops below read them.
+//
+// A store describes a [B, Hkv, S, D] array of rows: head(b, h) is one kv
+// head's, from(j) the rows from row j on. span(j, d) reads row j's values
+// eight at a time (span.load(e) for e a multiple of 8) in the group of
+// group(D) values that holds value d (a quantized row's group shares a
+// scale and bias, widened once for its loads); value(j, d) reads one value
+// at any strides. vectorised(D): whether the spans apply (rows of whole
+// vectors, contiguous along D), else the loops go value by value.
+
+using Strides4 = std::array<int64_t, 4>;
+
+inline Strides4 strides4(const mx::array& a) { return {a.strides(0), a.strides(1), a.strides(2), a.strides(3)}; }
+
+// fp32, bf16 (as its bits) or fp16 rows, widened as they are read: one group.
+template <typename T>
+struct DenseRows {
+  const T* p;
+  Strides4 stride;  // in elements
+
+  struct Span {
+    const T* row;
+    f8 load(int d) const { return load8(row + d); }
+  };
+
+  DenseRows head(int b, int h) const { return {p + b * stride[0] + h * stride[1], stride}; }
+  DenseRows from(int j) const { return {p + j * stride[2], stride}; }
+  bool vectorised(int D) const { return D % 8 == 0 && stride[3] == 1; }
+  int group(int D) const { return D; }
+  Span span(int j, int) const { return {p + j * stride[2]}; }
+  float value(int j, int d) const { return widen(p[j * stride[2] + d * stride[3]]); }
+};
+
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// Values d .. d + 7 of a row of BITS-bit values packed little end first
+// into words (MLX's layout), d a multiple of 8, as floats: two words' bytes
+// or one word's nibbles.
+template <int BITS>
+inline f8 unpack8(const uint32_t* row, int d) {
+  if constexpr (BITS == 8) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(row) + d;
+#if defined(__AVX2__)
+    // one widening load: GCC spells the conversion below as eight scalar
+    // byte extracts and inserts
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return std::bit_cast<f8>(_mm256_cvtepi32_ps(bytes));
+#else
+    u8x8 bytes;
+    std::memcpy(&bytes, p, sizeof bytes);
+    return __builtin_convertvector(__builtin_convertvector(bytes, i8), f8);
+#endif
+  } else {
+    const uint32_t w = row[d / 8];
+    const u32x8 nibbles = (u32x8{w, w, w, w, w, w, w, w} >> u32x8{0, 4, 8, 12, 16, 20, 24, 28}) & 15u;
+    return __builtin_convertvector((i8)nibbles, f8);
+  }
+}
+
+// MLX's affine quantization along D (what mx.quantize makes of [B, Hkv, S,
+// D] keys or values): rows of uint32 words of BITS-bit values q, and fp16
+// scales and biases per group of `group_size` values (32, 64 or 128,
+// dividing D); a value is q * scale + bias, computed in fp32.
+template <int BITS>
+struct QuantizedRows {
+  static constexpr int kPerWord = 32 / BITS;
+  const uint32_t* q;
+  const Half *scales, *biases;
+  Strides4 q_stride, s_stride, b_stride;  // in words, in halves
+  int group_size;
+
+  struct Span {
+    const uint32_t* row;
+    f8 scale, bias;
+    f8 load(int d) const { return unpack8<BITS>(row, d) * scale + bias; }
+  };
+
+  QuantizedRows head(int b, int h) const {
+    return {q + b * q_stride[0] + h * q_stride[1], scales + b * s_stride[0] + h * s_stride[1],
+            biases + b * b_stride[0] + h * b_stride[1], q_stride, s_stride, b_stride, group_size};
+  }
+  QuantizedRows from(int j) const {
+    return {q + j * q_stride[2], scales + j * s_stride[2], biases + j * b_stride[2],
+            q_stride, s_stride, b_stride, group_size};
+  }
+  bool vectorised(int) const { return q_stride[3] == 1; }  // D is a multiple of 32: whole vectors
+  int group(int) const { return group_size; }
+  Span span(int j, int d) const {
+    const int g = d / group_size;
+    return {q + j * q_stride[2], splat(widen(scales[j * s_stride[2] + g * s_stride[3]])),
+            splat(widen(biases[j * b_stride[2] + g * b_stride[3]]))};
+  }
+  float value(int j, int d) const {
+    const uint32_t word = q[j * q_stride[2] + d / kPerWord * q_stride[3]];
+    const float x = float(word >> (BITS * (d % kPerWord)) & ((1u << BITS) - 1));
+    const int g = d / group_size;
+    return x * widen(scales[j * s_stride[2] + g * s_stride[3]]) + widen(biases[j * b_stride[2] + g * b_stride[3]]);
+  }
+};
+
+// s[r * s_row + j] = q_r . k_j for R query rows (D apart) over keys j < n
+// (a vectorised store): four keys at a time, each widened once for all R
+// rows (the query heads sharing a kv head).
+template <int R, typename Keys>
+void scores_of_rows(const float* q, const Keys& k, int n, int D, float* s, int s_row) {
+  const int G = k.group(D);
   int j = 0;
   for (; j + 4 <= n; j += 4) {
-    const KV* kj = k + j * stride;
     f8 a[R][4] = {};
-    for (int d = 0; d < D; d += 8) {
-      const f8 k0 = load8(kj + d), k1 = load8(kj + stride + d), k2 = load8(kj + 2 * stride + d),
-               k3 = load8(kj + 3 * stride + d);
+    for (int d0 = 0; d0 < D; d0 += G) {
+      const auto row0 = k.span(j, d0), row1 = k.span(j + 1, d0), row2 = k.span(j + 2, d0), row3 = k.span(j + 3, d0);
+      for (int d = d0; d < d0 + G; d += 8) {
+        const f8 k0 = row0.load(d), k1 = row1.load(d), k2 = row2.load(d), k3 = row3.load(d);
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const f8 x = load8(q + r * D + d);
-        a[r][0] += x * k0, a[r][1] += x * k1, a[r][2] += x * k2, a[r][3] += x * k3;
+        for (int r = 0; r < R; ++r) {
+          const f8 x = load8(q + r * D + d);
+          a[r][0] += x * k0, a[r][1] += x * k1, a[r][2] += x * k2, a[r][3] += x * k3;
+        }
       }
     }
     for (int r = 0; r < R; ++r) sums4(a[r], s + r * s_row + j);
   }
   for (; j < n; ++j) {
-    for (int r = 0; r < R; ++r) {
-      f8 a = {};
-      for (int d = 0; d < D; d += 8) a += load8(q + r * D + d) * load8(k + j * stride + d);
-      s[r * s_row + j] = sum8(a);
+    f8 a[R] = {};
+    for (int d0 = 0; d0 < D; d0 += G) {
+      const auto row = k.span(j, d0);
+      for (int d = d0; d < d0 + G; d += 8) {
+        const f8 kj = row.load(d);
+        for (int r = 0; r < R; ++r) a[r] += load8(q + r * D + d) * kj;
+      }
     }
+    for (int r = 0; r < R; ++r) s[r * s_row + j] = sum8(a[r]);
   }
 }
 
 // out[r * out_row + c] = sum_j p[r * p_row + j] v_j[c] for R rows over
-// j < n: 32 columns at a time, each value widened once for all R rows,
-// then 8 at a time.
-template <int R, typename KV>
-void weighted_values(const float* p, int p_row, const KV* v, int64_t stride, int n, int D, float* out,
-                     int out_row) {
+// j < n (a vectorised store): 32 columns at a time (one group: groups are
+// 32 values or more), each value widened once for all R rows, then 8 at a
+// time.
+template <int R, typename Values>
+void weighted_values(const float* p, int p_row, const Values& v, int n, int D, float* out, int out_row) {
   int c = 0;
   for (; c + 32 <= D; c += 32) {
     f8 a[R][4] = {};
     for (int j = 0; j < n; ++j) {
-      const KV* vj = v + j * stride + c;
-      const f8 v0 = load8(vj), v1 = load8(vj + 8), v2 = load8(vj + 16), v3 = load8(vj + 24);
+      const auto vj = v.span(j, c);
+      const f8 v0 = vj.load(c), v1 = vj.load(c + 8), v2 = vj.load(c + 16), v3 = vj.load(c + 24);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const f8 pj = splat(p[r * p_row + j]);
@@ -182,7 +295,7 @@ void weighted_values(const float* p, int p_row, const KV* v, int64_t stride, int
   for (; c < D; c += 8) {
     for (int r = 0; r < R; ++r) {
       f8 a = {};
-      for (int j = 0; j < n; ++j) a += splat(p[r * p_row + j]) * load8(v + j * stride + c);
+      for (int j = 0; j < n; ++j) a += splat(p[r * p_row + j]) * v.span(j, c).load(c);
       store8(out + r * out_row + c, a);
     }
   }
@@ -199,41 +312,42 @@ void weighted_values(const float* p, int p_row, const KV* v, int64_t stride, int
 constexpr int kKeysPerPart = 128;
 constexpr int kRowsTogether = 4;
 
+template <typename Keys, typename Values>
 struct PartsTask {
   const float* q;
-  const void *k, *v;
+  Keys k;
+  Values v;
   Geometry g;
   int parts;  // per kv head
   float* partial;  // per (b, query head, t, part): max, sum, then D sums
 };
 
 // R rows' part: their slots are `slot_row` apart (consecutive query heads).
-template <int R, typename KV>
-void attend_rows(const float* qrows, const KV* kr, const KV* vr, const Geometry& g, int n, float* scores,
+template <int R, typename Keys, typename Values>
+void attend_rows(const float* qrows, const Keys& kr, const Values& vr, const Geometry& g, int n, float* scores,
                  float* slot, int slot_row) {
   const int s_row = kKeysPerPart + 8, D = g.D;
-  scores_of_rows<R>(qrows, kr, g.k[2], n, D, scores, s_row);
+  scores_of_rows<R>(qrows, kr, n, D, scores, s_row);
   for (int r = 0; r < R; ++r) {
     float* row_slot = slot + r * slot_row;
     row_slot[1] = softmax_numerators(scores + r * s_row, n, &row_slot[0]);
   }
-  weighted_values<R>(scores, s_row, vr, g.v[2], n, D, slot + 2, slot_row);
+  weighted_values<R>(scores, s_row, vr, n, D, slot + 2, slot_row);
 }
 
-template <typename KV>
+template <typename Keys, typename Values>
 void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
-  const PartsTask& task = *static_cast<const PartsTask*>(job.task);
+  const auto& task = *static_cast<const PartsTask<Keys, Values>*>(job.task);
   const Geometry& g = task.g;
-  const KV *k = static_cast<const KV*>(task.k), *v = static_cast<const KV*>(task.v);
   const int rep = g.Hq / g.Hkv, D = g.D, parts = task.parts;
-  const bool fast = D % 8 == 0 && g.k[3] == 1 && g.v[3] == 1;
+  const bool fast = task.k.vectorised(D) && task.v.vectorised(D);
   thread_local std::vector<float> scores, qrows;  // this thread's, reused
   scores.resize(kRowsTogether * (kKeysPerPart + 8)), qrows.resize(kRowsTogether * D);
   const int slot_row = g.T * parts * (D + 2);  // between consecutive heads' slots of one t and part
   for (int64_t unit = lo; unit < hi; ++unit) {
     const int b = int(unit / (int64_t(g.Hkv) * parts)), h = int(unit / parts % g.Hkv), part = int(unit % parts);
-    const KV* kh = k + b * g.k[0] + h * g.k[1];
-    const KV* vh = v + b * g.v[0] + h * g.v[1];
+    const Keys kh = task.k.head(b, h);
+    const Values vh = task.v.head(b, h);
     for (int t = 0; t < g.T; ++t) {
       const int j0 = std::max(g.first_key(t), part * kKeysPerPart);
       const int n = std::min(g.end_key(t), (part + 1) * kKeysPerPart) - j0;
@@ -248,7 +362,8 @@ void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
           for (int r = 0; r < R; ++r) slots[r][0] = -INFINITY, slots[r][1] = 0.0f;
           continue;
         }
-        const KV *kr = kh + j0 * g.k[2], *vr = vh + j0 * g.v[2];
+        const Keys kr = kh.from(j0);
+        const Values vr = vh.from(j0);
         for (int r = 0; r < R; ++r) {
           const float* src = task.q + b * g.q[0] + (h * rep + first + r) * g.q[1] + t * g.q[2];
           for (int d = 0; d < D; ++d) qrows[r * D + d] = src[d * g.q[3]] * g.scale;
@@ -267,14 +382,14 @@ void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
           float* row_scores = scores.data();
           for (int j = 0; j < n; ++j) {
             float s = 0.0f;
-            for (int d = 0; d < D; ++d) s += qrow[d] * widen(kr[j * g.k[2] + d * g.k[3]]);
+            for (int d = 0; d < D; ++d) s += qrow[d] * kr.value(j, d);
             row_scores[j] = s;
           }
           slots[r][1] = softmax_numerators(row_scores, n, &slots[r][0]);
           float* acc = slots[r] + 2;
           std::fill(acc, acc + D, 0.0f);
           for (int j = 0; j < n; ++j)
-            for (int d = 0; d < D; ++d) acc[d] += row_scores[j] * widen(vr[j * g.v[2] + d * g.v[3]]);
+            for (int d = 0; d < D; ++d) acc[d] += row_scores[j] * vr.value(j, d);
         }
       }
     }
@@ -283,11 +398,10 @@ void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
 
 // out from the parts attend_parts left: each row's parts rescaled to their
 // common max, summed, and divided by the summed denominators.
-inline void merge_parts(const PartsTask& task, float* out) {
-  const Geometry& g = task.g;
-  const int D = g.D, parts = task.parts;
+inline void merge_parts(const Geometry& g, int parts, const float* partial, float* out) {
+  const int D = g.D;
   for (int64_t row = 0; row < int64_t(g.B) * g.Hq * g.T; ++row) {
-    const float* first = task.partial + row * parts * (D + 2);
+    const float* first = partial + row * parts * (D + 2);
     float top = -INFINITY;
     for (int p = 0; p < parts; ++p) top = std::max(top, first[p * (D + 2)]);
     float* o = out + row * D;
@@ -391,33 +505,55 @@ void attend_block(const float* q, const float* panels, const KV* v, int64_t v_st
 // when it is helping with the chunk's products (ours, not BLAS's: a
 // quantized or bf16 chunk), takes units too. Units go kv head by kv head,
 // a chunk of the job being one share of each of a kv head's query heads,
-// so a chunk packs its kv head's K into panels once. Each output row is one
-// thread's, computed in a fixed order: the same bits whoever ran it.
+// so a chunk packs its kv head's K into panels (and widens quantized V,
+// tile_values) once. Each output row is one thread's, computed in a fixed
+// order: the same bits whoever ran it.
 constexpr int kTiledSplit = 2;
 
+template <typename Keys, typename Values>
 struct TiledTask {
   const float* q;
-  const void *k, *v;
+  Keys k;
+  Values v;
   float* out;
   Geometry g;
 };
 
-template <typename KV>
+// One kv head's values as the tiles read them (rows of D contiguous values):
+// fp32, bf16 or fp16 as stored; quantized ones widened into `wide` [S, D],
+// since each value is read by every block of rows.
+template <typename T>
+DenseRows<T> tile_values(const DenseRows<T>& v, int, int, std::vector<float>&) {
+  return v;
+}
+
+template <int BITS>
+DenseRows<float> tile_values(const QuantizedRows<BITS>& v, int S, int D, std::vector<float>& wide) {
+  wide.resize(static_cast<size_t>(S) * D);
+  for (int j = 0; j < S; ++j)
+    for (int d0 = 0; d0 < D; d0 += v.group_size) {
+      const auto span = v.span(j, d0);
+      for (int d = d0; d < d0 + v.group_size; d += 8) store8(&wide[static_cast<size_t>(j) * D + d], span.load(d));
+    }
+  return {wide.data(), {0, 0, D, 1}};
+}
+
+template <typename Keys, typename Values>
 void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
-  const TiledTask& task = *static_cast<const TiledTask*>(job.task);
+  const auto& task = *static_cast<const TiledTask<Keys, Values>*>(job.task);
   const Geometry& g = task.g;
   const float* q = task.q;
-  const KV *k = static_cast<const KV*>(task.k), *v = static_cast<const KV*>(task.v);
   const int rep = g.Hq / g.Hkv, D = g.D, S = g.S;
   const int S_pad = (S + kPanel - 1) / kPanel * kPanel;
   // a row's exp writes up to 7 keys past its last (softmax_numerators)
   const int s_stride = S_pad + 8;
-  thread_local std::vector<float> panels, qs, o, scores;  // this thread's, reused
+  thread_local std::vector<float> panels, qs, o, scores, wide;  // this thread's, reused
   panels.resize(static_cast<size_t>(S_pad) * D), qs.resize(kRows * D), o.resize(kRows * D);
   scores.resize(kRows * static_cast<size_t>(s_stride));
   int lo_key[kRows], hi_key[kRows];
   const int blocks = (g.T + kRows - 1) / kRows;
-  int64_t packed = -1;  // the (batch, kv head) whose K the panels hold
+  int64_t packed = -1;  // the (batch, kv head) whose K the panels hold, and whose V vh reads
+  decltype(tile_values(task.v, S, D, wide)) vh{};
   for (int64_t unit = lo; unit < hi; ++unit) {
     // unit = ((b * Hkv + h) * kTiledSplit + share) * rep + r, query head h * rep + r
     const int r_head = int(unit % rep), share = int(unit / rep % kTiledSplit);
@@ -425,14 +561,13 @@ void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
     const int head = h * rep + r_head;
     if (b * int64_t(g.Hkv) + h != packed) {
       // this kv head's K as panels [S_pad / 16][D][16], zero past S
-      const KV* kh = k + b * g.k[0] + h * g.k[1];
+      const Keys kh = task.k.head(b, h);
       for (int j = 0; j < S_pad; ++j)
         for (int d = 0; d < D; ++d)
-          panels[(static_cast<size_t>(j) / kPanel * D + d) * kPanel + j % kPanel] =
-              j < S ? widen(kh[j * g.k[2] + d]) : 0.0f;
+          panels[(static_cast<size_t>(j) / kPanel * D + d) * kPanel + j % kPanel] = j < S ? kh.value(j, d) : 0.0f;
+      vh = tile_values(task.v.head(b, h), S, D, wide);
       packed = b * int64_t(g.Hkv) + h;
     }
-    const KV* vh = v + b * g.v[0] + h * g.v[1];
     for (int block = share * blocks / kTiledSplit; block < (share + 1) * blocks / kTiledSplit; ++block) {
       const int t0 = block * kRows, R = std::min(kRows, g.T - t0);
       for (int r = 0; r < R; ++r) {
@@ -440,15 +575,16 @@ void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
         for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
         lo_key[r] = g.first_key(t0 + r), hi_key[r] = g.end_key(t0 + r);
       }
-      auto run_block = attend_block<1, KV>;
+      using V = std::remove_const_t<std::remove_pointer_t<decltype(vh.p)>>;
+      auto run_block = attend_block<1, V>;
       switch (R) {
-        case 6: run_block = attend_block<6, KV>; break;
-        case 5: run_block = attend_block<5, KV>; break;
-        case 4: run_block = attend_block<4, KV>; break;
-        case 3: run_block = attend_block<3, KV>; break;
-        case 2: run_block = attend_block<2, KV>; break;
+        case 6: run_block = attend_block<6, V>; break;
+        case 5: run_block = attend_block<5, V>; break;
+        case 4: run_block = attend_block<4, V>; break;
+        case 3: run_block = attend_block<3, V>; break;
+        case 2: run_block = attend_block<2, V>; break;
       }
-      run_block(qs.data(), panels.data(), vh, g.v[2], lo_key, hi_key, D, scores.data(), s_stride, o.data());
+      run_block(qs.data(), panels.data(), vh.p, vh.stride[2], lo_key, hi_key, D, scores.data(), s_stride, o.data());
       float* dst = task.out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t0) * D;
       std::memcpy(dst, o.data(), static_cast<size_t>(R) * D * sizeof(float));
     }
@@ -457,27 +593,27 @@ void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
 
 // The attention itself, run as the op's task on the stream thread: a
 // prefill chunk's tiles on this thread, a decode step's parts shared.
-template <typename KV>
-void attend(const float* q, const KV* k, const KV* v, float* out, const Geometry& g) {
-  if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && g.k[3] == 1 && g.v[3] == 1) {
-    TiledTask task{q, k, v, out, g};
-    SharedJob job(attend_tiles<KV>, &task, int64_t(g.B) * g.Hq * kTiledSplit, g.Hq / g.Hkv);
+template <typename Keys, typename Values>
+void attend(const float* q, const Keys& k, const Values& v, float* out, const Geometry& g) {
+  if (g.T >= kTiledMinQueries && g.D % kPanel == 0 && k.vectorised(g.D) && v.vectorised(g.D)) {
+    TiledTask<Keys, Values> task{q, k, v, out, g};
+    SharedJob job(attend_tiles<Keys, Values>, &task, int64_t(g.B) * g.Hq * kTiledSplit, g.Hq / g.Hkv);
     if (host_helps()) {
       run_shared(job);
     } else {
-      attend_tiles<KV>(job, 0, job.items);  // BLAS's threads may still hold the other core
+      attend_tiles<Keys, Values>(job, 0, job.items);  // BLAS's threads may still hold the other core
     }
     return;
   }
   const int parts = (g.S + kKeysPerPart - 1) / kKeysPerPart;
   std::vector<float> partial(int64_t(g.B) * g.Hq * g.T * parts * (g.D + 2));
-  PartsTask task{q, k, v, g, parts, partial.data()};
-  SharedJob job(attend_parts<KV>, &task, int64_t(g.B) * g.Hkv * parts, 1);
+  PartsTask<Keys, Values> task{q, k, v, g, parts, partial.data()};
+  SharedJob job(attend_parts<Keys, Values>, &task, int64_t(g.B) * g.Hkv * parts, 1);
   run_shared(job);
-  merge_parts(task, out);
+  merge_parts(g, parts, partial.data(), out);
 }
 
-// f(KV*) with the pointer type of `a`'s dtype: fp32, bf16 (as its bits) or fp16.
+// f(T*) with the pointer type of `a`'s dtype: fp32, bf16 (as its bits) or fp16.
 template <typename F>
 void with_kv_type(const mx::array& a, F f) {
   if (a.dtype() == mx::bfloat16) {
@@ -489,9 +625,9 @@ void with_kv_type(const mx::array& a, F f) {
   }
 }
 
-template <typename KV>
-const KV* kv_data(const mx::array& a) {
-  return static_cast<const KV*>(a.data<void>());
+template <typename T>
+DenseRows<T> dense_rows(const mx::array& a) {
+  return {static_cast<const T*>(a.data<void>()), strides4(a)};
 }
 
 class FusedAttention : public CpuPrimitive<FusedAttention, SharedPrimitive> {
@@ -511,14 +647,14 @@ class FusedAttention : public CpuPrimitive<FusedAttention, SharedPrimitive> {
     auto& encoder = bind(inputs, outputs);
     auto& out = outputs[0];
     auto started = read_ahead_later(k, nullptr, 0);  // nothing to read ahead: a step still has it to help with
-    Geometry g{q.shape(0), q.shape(1), k.shape(1),  q.shape(2),  k.shape(2), q.shape(3),
-               causal_,    window_,    scale_,      q.strides(), k.strides(), v.strides()};
+    Geometry g{q.shape(0), q.shape(1), k.shape(1), q.shape(2), k.shape(2), q.shape(3),
+               causal_,    window_,    scale_,     q.strides()};
     with_kv_type(k, [&](auto* type) {
-      using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
-      encoder.dispatch([q = q.data<float>(), k = kv_data<KV>(k), v = kv_data<KV>(v), o = out.data<float>(), g,
+      using T = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
+      encoder.dispatch([q = q.data<float>(), k = dense_rows<T>(k), v = dense_rows<T>(v), o = out.data<float>(), g,
                         started]() {
         started->store(true, std::memory_order_relaxed);
-        attend<KV>(q, k, v, o, g);
+        attend(q, k, v, o, g);
       });
     });
   }
@@ -532,6 +668,66 @@ class FusedAttention : public CpuPrimitive<FusedAttention, SharedPrimitive> {
   bool causal_;
   int window_;
   bool few_queries_;
+};
+
+template <int BITS>
+QuantizedRows<BITS> quantized_rows(const mx::array& q, const mx::array& scales, const mx::array& biases,
+                                   int group_size) {
+  return {q.data<uint32_t>(), static_cast<const Half*>(scales.data<void>()),
+          static_cast<const Half*>(biases.data<void>()), strides4(q), strides4(scales), strides4(biases), group_size};
+}
+
+// f(k_bits, v_bits) with each width as a std::integral_constant: 4 or 8.
+template <typename F>
+void with_bits(int k_bits, int v_bits, F f) {
+  const auto with_v = [&](auto k) {
+    if (v_bits == 8) f(k, std::integral_constant<int, 8>{});
+    else f(k, std::integral_constant<int, 4>{});
+  };
+  if (k_bits == 8) with_v(std::integral_constant<int, 8>{});
+  else with_v(std::integral_constant<int, 4>{});
+}
+
+// FusedAttention over a quantized cache: inputs q, then K's words, scales
+// and biases, then V's.
+class QuantizedAttention : public CpuPrimitive<QuantizedAttention, SharedPrimitive> {
+ public:
+  static constexpr const char* kName = "QuantizedAttention";
+  QuantizedAttention(mx::Stream stream, float scale, bool causal, int window, bool few_queries, int k_bits,
+                     int v_bits, int group_size)
+      : CpuPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries),
+        k_bits_(k_bits), v_bits_(v_bits), group_size_(group_size) {}
+  auto params() const { return std::tuple(scale_, causal_, window_, few_queries_, k_bits_, v_bits_, group_size_); }
+
+  bool shares_work() const override { return few_queries_; }  // as FusedAttention's
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    auto& encoder = bind(inputs, outputs);
+    auto& out = outputs[0];
+    auto started = read_ahead_later(inputs[1], nullptr, 0);  // as FusedAttention's
+    Geometry g{q.shape(0), q.shape(1), inputs[1].shape(1), q.shape(2), inputs[1].shape(2), q.shape(3),
+               causal_,    window_,    scale_,             q.strides()};
+    with_bits(k_bits_, v_bits_, [&](auto k_bits, auto v_bits) {
+      const auto k = quantized_rows<decltype(k_bits)::value>(inputs[1], inputs[2], inputs[3], group_size_);
+      const auto v = quantized_rows<decltype(v_bits)::value>(inputs[4], inputs[5], inputs[6], group_size_);
+      encoder.dispatch([q = q.data<float>(), k, v, o = out.data<float>(), g, started]() {
+        started->store(true, std::memory_order_relaxed);
+        attend(q, k, v, o, g);
+      });
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+
+ private:
+  float scale_;
+  bool causal_;
+  int window_;
+  bool few_queries_;
+  int k_bits_, v_bits_, group_size_;
 };
 
 // fp32 key or value rows in a pool's storage dtype, rounded as MLX's astype
@@ -616,8 +812,8 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
     for (auto& a : outputs) encoder.set_output_array(a);
     auto started = read_ahead_later(out, nullptr, 0);  // out: holding a pool would keep it from donation
     const int T = q.shape(2);
-    const Geometry g{q.shape(0), q.shape(1), kp.shape(1), T,      position_ + T, q.shape(3),
-                     T > 1,      0,          scale_,      q.strides(), kout.strides(), vout.strides()};
+    const Geometry g{q.shape(0), q.shape(1), kp.shape(1), T, position_ + T, q.shape(3), T > 1, 0, scale_, q.strides()};
+    const Strides4 k_stride = strides4(kout), v_stride = strides4(vout);
     with_kv_type(kp, [&](auto* type) {
       using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
       const char *kp_src = copy_k ? kp.data<char>() : nullptr, *vp_src = copy_v ? vp.data<char>() : nullptr;
@@ -630,10 +826,10 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
         for (int h = 0; h < g.Hkv; ++h)
           for (int t = 0; t < g.T; ++t)
             for (int d = 0; d < g.D; ++d) {
-              store(kd + h * g.k[1] + (position + t) * g.k[2] + d, k[h * ks[1] + t * ks[2] + d * ks[3]]);
-              store(vd + h * g.v[1] + (position + t) * g.v[2] + d, v[h * vs[1] + t * vs[2] + d * vs[3]]);
+              store(kd + h * k_stride[1] + (position + t) * k_stride[2] + d, k[h * ks[1] + t * ks[2] + d * ks[3]]);
+              store(vd + h * v_stride[1] + (position + t) * v_stride[2] + d, v[h * vs[1] + t * vs[2] + d * vs[3]]);
             }
-        attend<KV>(q, kd, vd, o, g);
+        attend(q, DenseRows<KV>{kd, k_stride}, DenseRows<KV>{vd, v_stride}, o, g);
       });
     });
   }
@@ -672,6 +868,59 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<FusedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries),
                    {q, k, v});
+}
+
+// "" when one of K or V (words, scales, biases) is MLX's affine
+// quantization of [B, Hkv, S, D] rows at `bits` bits in groups of
+// `group_size`, else why not.
+std::string check_quantized(const char* name, const mx::array& words, const mx::array& scales,
+                            const mx::array& biases, int bits, int group_size, const mx::Shape& rows) {
+  const std::string of = std::string(" (") + name + ")";
+  if (words.ndim() != 4 || scales.ndim() != 4 || biases.ndim() != 4) {
+    return "the words, scales and biases must be 4-D" + of;
+  } else if (words.dtype() != mx::uint32 || scales.dtype() != mx::float16 || biases.dtype() != mx::float16) {
+    return "the words must be uint32, the scales and biases float16" + of;
+  } else if (bits != 4 && bits != 8) {
+    return "bits must be 4 or 8, not " + std::to_string(bits) + of;
+  }
+  mx::Shape packed = rows, grouped = rows;
+  packed[3] = rows[3] * bits / 32, grouped[3] = rows[3] / group_size;
+  if (words.shape() != packed || scales.shape() != grouped || biases.shape() != grouped) {
+    return "needs words " + text(packed) + " and scales, biases " + text(grouped) + ", got " + text(words.shape()) +
+           ", " + text(scales.shape()) + ", " + text(biases.shape()) + of;
+  }
+  return "";
+}
+
+mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::array& k_scales,
+                              const mx::array& k_biases, const mx::array& v, const mx::array& v_scales,
+                              const mx::array& v_biases, float scale, bool causal, int k_bits, int v_bits,
+                              int group_size, int window, mx::StreamOrDevice s) {
+  std::string err;
+  if (q.ndim() != 4 || q.dtype() != mx::float32 || k.ndim() != 4) {
+    err = "q must be 4-D float32, k 4-D";
+  } else if (group_size != 32 && group_size != 64 && group_size != 128) {
+    err = "group_size must be 32, 64 or 128, not " + std::to_string(group_size);
+  } else if (q.shape(3) % group_size != 0) {
+    err = "head size " + std::to_string(q.shape(3)) + " is not a multiple of group_size " + std::to_string(group_size);
+  } else if (k.shape(0) != q.shape(0) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0) {
+    err = "incompatible shapes q " + text(q.shape()) + ", k " + text(k.shape());
+  } else if (k.shape(2) == 0) {
+    err = "no keys to attend to";
+  } else if (causal && q.shape(2) > k.shape(2)) {
+    err = "causal attention with more queries than keys";
+  } else if (window < 0) {
+    err = "window must be 0 (none) or positive, got " + std::to_string(window);
+  } else {
+    const mx::Shape rows{k.shape(0), k.shape(1), k.shape(2), q.shape(3)};
+    err = check_quantized("k", k, k_scales, k_biases, k_bits, group_size, rows);
+    if (err.empty()) err = check_quantized("v", v, v_scales, v_biases, v_bits, group_size, rows);
+  }
+  const auto stream = cpu_stream("quantized_attention", err, s);
+  return mx::array(q.shape(), mx::float32,
+                   std::make_shared<QuantizedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries,
+                                                        k_bits, v_bits, group_size),
+                   {q, k, k_scales, k_biases, v, v_scales, v_biases});
 }
 
 std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,

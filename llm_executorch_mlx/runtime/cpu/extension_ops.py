@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..quantized_kv import QuantizedKV
+
 # What the attention kernel reads: fp32 queries over fp32, bf16 or fp16 keys and values.
 KERNEL_KV_DTYPES = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -60,6 +62,23 @@ def attention(extension, fallback, window: int = 0):
     return extension_attention
 
 
+def quantized_attention(extension, fallback, window: int = 0):
+    """``attention``'s drop-in over a quantized cache: K and V are each a
+    ``QuantizedKV`` (4 or 8 bits, each its own; one group size; float16
+    scales and biases), dequantized in registers as they are read, so no
+    widened copy of the history is made. Masks as ``attention``'s; what the
+    kernel does not take (``quantized_kernel_takes``) goes to ``fallback``."""
+
+    def extension_quantized_attention(Q, K, V, scale, mask):
+        if (window > 0 or not isinstance(mask, mx.array)) and quantized_kernel_takes(Q, K, V, mask is not None):
+            return extension.quantized_attention(Q, K.data, K.scales, K.biases, V.data, V.scales, V.biases, scale,
+                                                 mask is not None, K.bits, V.bits, K.group_size, window=window,
+                                                 stream=mx.cpu)
+        return fallback(Q, K, V, scale=scale, mask=mask)
+
+    return extension_quantized_attention
+
+
 def update_and_attend(extension, scale: float):
     """A flat layer's step as one op: the cache write and the attention
     (``in_op(Q, Kn, Vn, K, V, position)``, for what ``in_op_takes``). Five
@@ -88,3 +107,26 @@ def kernel_takes(Q, K, V, causal: bool) -> bool:
     B, H, T, D = Q.shape
     _, H_kv, S, D_kv = K.shape
     return B == K.shape[0] and D == D_kv and 0 < H_kv and H % H_kv == 0 and 0 < S and (not causal or T <= S)
+
+
+def quantized_kernel_takes(Q, K: QuantizedKV, V: QuantizedKV, causal: bool) -> bool:
+    """What the quantized attention kernel attends over (``attention.cpp``'s
+    ``quantized_attention``): fp32 queries [B, H, T, D]; K and V quantized
+    along D at 4 or 8 bits in one group size of 32, 64 or 128 dividing D,
+    uint32 words and float16 scales and biases of the [B, H_kv, S, D] rows."""
+    if not (isinstance(K, QuantizedKV) and isinstance(V, QuantizedKV)):
+        return False  # one of them stored as floats: the fallback
+    if Q.dtype != mx.float32 or Q.ndim != 4 or K.group_size != V.group_size or K.group_size not in (32, 64, 128):
+        return False
+    B, H, T, D = Q.shape
+    if D % K.group_size or K.data.ndim != 4:
+        return False
+    rows = (B, *K.data.shape[1:3])
+    for kv in (K, V):
+        grouped = (*rows, D // kv.group_size)
+        if (kv.bits not in (4, 8) or kv.data.dtype != mx.uint32 or kv.data.shape != (*rows, D * kv.bits // 32)
+                or kv.scales.dtype != mx.float16 or kv.biases.dtype != mx.float16
+                or kv.scales.shape != grouped or kv.biases.shape != grouped):
+            return False
+    _, H_kv, S = rows
+    return 0 < H_kv and H % H_kv == 0 and 0 < S and (not causal or T <= S)
