@@ -67,7 +67,8 @@ class PteModel(llm.Model):
             split = group() is not None  # one rank of an mlx.launch group (distributed.py)
             if split:
                 quiet_unless_first(response)
-                given.setdefault("seed", shared_seed())
+                if "seed" not in given:
+                    given["seed"] = shared_seed()
             turn = Turn(
                 self.entry.path,
                 self.entry.tokenizer,

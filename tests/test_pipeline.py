@@ -171,11 +171,17 @@ def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, tmp_path)
     assert whole.stdout.strip()
     port = free_ports(2)[0]
     # as a user types it: mlx.launch keeps each rank's standard input open
-    launch = subprocess.run([str(pathlib.Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
-                             "--hosts", "127.0.0.1", "--starting-port", str(port), "--", *llm_command(registered)],
-                            capture_output=True, text=True, env=env_with(), stdin=subprocess.PIPE, timeout=TIMEOUT)
-    assert launch.returncode == 0, launch.stderr
-    assert launch.stdout == whole.stdout  # rank 0's reply, once
+    launcher = subprocess.Popen([str(pathlib.Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
+                                 "--hosts", "127.0.0.1", "--starting-port", str(port), "--", *llm_command(registered)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env_with(), start_new_session=True)
+    try:
+        out, err = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the ranks it started
+    assert launcher.returncode == 0, err
+    assert out == whole.stdout  # rank 0's reply, once
     assert logged(tmp_path) == [whole.stdout.strip()] * 2  # the single process's, and rank 0's
 
 
