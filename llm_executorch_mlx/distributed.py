@@ -79,7 +79,10 @@ def _hosts() -> list[str]:
         hosts = json.loads(text) if text else []
     except (OSError, ValueError) as e:
         raise GroupError(f"MLX_HOSTFILE {path} is not a JSON list of \"ip:port\" ({e}): launch with mlx.launch") from None
-    return hosts if isinstance(hosts, list) else []
+    if not isinstance(hosts, list):
+        return []
+    # mlx.launch lists each rank's addresses (one per connection); by hand, one address each
+    return [h if isinstance(h, str) else ",".join(map(str, h)) for h in hosts]
 
 
 # Watches a rank while it connects: ``mx.distributed.init`` holds the GIL
@@ -100,10 +103,12 @@ def _join():
         return None  # `mlx.launch -n 1`: a single process
     import subprocess
 
+    from . import runtime  # noqa: F401  (binds a fast CPU BLAS before mlx.core loads)
+
     import mlx.core as mx
 
     rank, timeout = os.environ.get("MLX_RANK", "?"), _connect_timeout()
-    message = (f"Error: rank {rank} of {len(hosts)} could not connect to the other ranks ({', '.join(map(str, hosts))}) "
+    message = (f"Error: rank {rank} of {len(hosts)} could not connect to the other ranks ({', '.join(hosts)}) "
                f"within {timeout:g} s: start every rank (mlx.launch does), or raise {CONNECT_TIMEOUT}\n")
     watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
                                 stdin=subprocess.PIPE)

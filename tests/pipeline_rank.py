@@ -10,10 +10,10 @@ sliding window's floor, resets), printed as one JSON line.
 import json
 import sys
 
-import mlx.core as mx
-
 from llm_executorch_mlx import distributed
-from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime import load_program  # first: binds the BLAS before mlx.core loads
+
+import mlx.core as mx  # noqa: E402  (isort: skip)
 from llm_executorch_mlx.runtime.pipeline import Pipeline
 from llm_executorch_mlx.text.generate import Timings, generate_tokens
 from llm_executorch_mlx.text.session import CachePolicy, Session

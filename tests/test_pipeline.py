@@ -111,7 +111,8 @@ def test_one_value_crosses_each_cut_and_each_layer_is_loaded_once(llama):
 
 def test_a_split_that_does_not_fit_the_layers_is_refused(gemma3):
     graph = load_program(gemma3).graph("forward")
-    with pytest.raises(PteError, match=r"layers per rank \[2, 2\] must be 2 counts .* summing to the model's 3 layers, e\.g\. 2,1"):
+    with pytest.raises(PteError, match=r"layers per rank \[2, 2\] must be 2 counts .* "
+                                       r"summing to the model's 3 layers, e\.g\. 2,1"):
         plan_stages(graph, 2, [2, 2])
     with pytest.raises(PteError, match="the model has 3 layers, fewer than the 4 ranks: launch at most 3 ranks"):
         plan_stages(graph, 4)
