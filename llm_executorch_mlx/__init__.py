@@ -6,6 +6,13 @@ are imported only when a model runs or a `llm pte` command needs them. The
 runtime (``llm_executorch_mlx.runtime``) also works without llm installed.
 """
 
+import os
+
+if "MLX_RANK" in os.environ:  # one rank of an mlx.launch group: llm must not wait on stdin
+    from .distributed import guard_stdin
+
+    guard_stdin()
+
 try:
     from pluggy import HookimplMarker
 

@@ -53,6 +53,7 @@ class PteModel(llm.Model):
             except MlxBackendError as e:
                 raise InputError(str(e)) from None
             _mlx_ready = True
+        from .distributed import GroupError, group, lost, quiet_unless_first, shared_seed
         from .runtime.errors import PteError
         from .text.conversation import messages_from_llm
         from .text.errors import TextError
@@ -63,19 +64,28 @@ class PteModel(llm.Model):
         given = {k: v for k, v in o.model_dump().items() if v is not None and k != "stop"}
         given.setdefault("chat", self.entry.chat)
         try:
+            split = group() is not None  # one rank of an mlx.launch group (distributed.py)
+            if split:
+                quiet_unless_first(response)
+                if "seed" not in given:
+                    given["seed"] = shared_seed()
             turn = Turn(
                 self.entry.path,
                 self.entry.tokenizer,
                 messages_from_llm(prompt.messages),
                 TurnOptions(stop=stop, **given),
-                state_dir=saved_states_dir(),
+                state_dir=None if split else saved_states_dir(),  # a rank's cache is not a model's
                 schema=prompt.schema,
                 tools=_tool_definitions(prompt),
             )
             _advise_on_blas_once()
             yield from _stream_parts(turn, response)
-        except (PteError, TextError) as e:
+        except (PteError, TextError, GroupError) as e:
             raise InputError(str(e)) from None
+        except RuntimeError as e:  # MLX's, where a rank of the group ended
+            if lost(e) is None:
+                raise
+            raise InputError(lost(e)) from None
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats

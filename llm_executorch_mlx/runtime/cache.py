@@ -94,6 +94,7 @@ class SequenceCache:
         value_dtype: str | None = None,
         initial_capacity: int | None = None,
         max_write: int | None = None,
+        held: range | None = None,
     ):
         if not layers:
             raise PteError("a cache needs at least one layer")
@@ -117,6 +118,9 @@ class SequenceCache:
         self.dtype, self.value_dtype = self.storage[0].name, self.storage[1].name
         self.initial_capacity = initial_capacity
         self.max_write = max_write
+        # The layers whose pools this process holds (a pipeline stage's); the
+        # others count in every length, floor and step limit, with no pool.
+        self.held = range(len(self.layers)) if held is None else held
         self.length = 0
         # Ring layers are sized to their window plus one step, never past the
         # capacity (a ring that big can never wrap).
@@ -142,8 +146,9 @@ class SequenceCache:
         self._k: list[Pool] = []
         self._v: list[Pool] = []
         keys, values = self.storage
-        for g, max_slots in zip(self.layers, self._max_slots):
+        for i, (g, max_slots) in enumerate(zip(self.layers, self._max_slots)):
             slots = _allocated_slots(max_slots if g.is_ring else min(self.initial_capacity, max_slots))
+            slots = slots if i in self.held else 0
             self._k.append(Pool(keys, g.n_kv_heads, slots, g.head_dim))
             self._v.append(Pool(values, g.n_kv_heads, slots, g.head_dim))
 

@@ -147,12 +147,14 @@ class Program:
         self.plan = Plan(on_cpu(), prepared, **self.rounding)
         return prepared
 
-    def load_method(self, name: str, cache: SequenceCache | None = None) -> Method:
+    def load_method(self, name: str, cache: SequenceCache | None = None, stage=None) -> Method:
         """Prepare a method to run; delegated methods decode their program now.
 
         Args:
             name: the method name (see ``method_names``).
             cache: the off-graph cache, required when the program has one.
+            stage: a pipeline rank's share of the method (``pipeline.py``):
+                only its nodes run, only the constants they read are loaded.
         """
         plan = self._plan(name)
         if not plan.delegates and not plan.kernel_calls:
@@ -167,19 +169,24 @@ class Program:
             )
         if cache is not None and uses_cache:
             self._check_cache(cache)
+        key, only = name, None
+        if stage is not None:
+            graph, only = stage.graph(graph)
+            key = f"{name} {stage}"
         try:
-            constants = self._load_constants(name, graph)
+            constants = self._load_constants(key, graph, only)
             taken = self._layouts(graph, constants)
             executor = GraphExecutor(
                 graph, constants, cache if uses_cache else None, self._dtype_map, self.plan,
                 {w: layout for w, (*_, layout) in taken.items()},
             )
-            self._interleave(name, executor, taken)
+            self._interleave(key, executor, taken)
         except (PteError, MemoryError):
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
             raise PteError(f"{name}: its MLX program cannot be loaded ({type(e).__name__}: {e})") from None
-        run = self._calls[name].wrap(executor.execute, len(plan.inputs))
+        execute = executor.execute if stage is None else stage.wrap(executor.execute, self._calls[name], self._dtype_map)
+        run = self._calls[name].wrap(execute, len(plan.inputs))
         return Method(name, run, len(plan.inputs), tuple(executor.node_names), self.plan.steps)
 
     def _plan(self, name: str) -> Plan:
@@ -207,6 +214,10 @@ class Program:
         dtype = mlx_dtype(t.scalar_type)
         nbytes = math.prod(t.sizes) * dtype.size  # Python ints: a corrupt shape cannot wrap around
         return array_from_buffer(self.pte.constant_data(t.data_buffer_idx, nbytes), t.sizes, dtype)
+
+    def graph(self, name: str) -> md.MLXGraphT:
+        """The MLX program a delegated method runs, decoded (read it, do not change it)."""
+        return self._graph(name)
 
     def _graph(self, name: str) -> md.MLXGraphT:
         graph = self._graphs.get(name)
@@ -237,8 +248,9 @@ class Program:
         self._graphs[name] = graph
         return graph
 
-    def _load_constants(self, name: str, graph: md.MLXGraphT) -> list[mx.array]:
-        """Weights as MLX arrays in the compute route's dtype, shared by every load."""
+    def _load_constants(self, name: str, graph: md.MLXGraphT, only: set[int] | None = None) -> list[mx.array]:
+        """Weights as MLX arrays in the compute route's dtype, shared by every
+        load; ``only`` these constant slots (the others None, never read)."""
         cached = self._constants.get(name)
         if cached is not None:
             return cached
@@ -251,6 +263,9 @@ class Program:
         as_stored = self._bf16_kept(graph)
         constants = []
         for tid in range(graph.numConstantTensors):
+            if only is not None and tid not in only:
+                constants.append(None)
+                continue
             key = names.get(tid)
             if key is None or tid >= len(metas) or metas[tid] is None:
                 raise PteError(f"{name}: constant tensor {tid} has no name or metadata")
@@ -366,6 +381,7 @@ class Program:
         initial_capacity: int | None = None,
         windows=None,
         value_dtype: str | None = None,
+        held: range | None = None,
     ) -> SequenceCache:
         """Build an off-graph cache for this program.
 
@@ -376,6 +392,8 @@ class Program:
             initial_capacity: starting slots of flat pools (default 512).
             windows: a window pattern replacing the model's own.
             value_dtype: the values' storage (default: ``dtype``).
+            held: the layers whose pools this process holds (a pipeline
+                rank's); the cache still answers for every layer.
         """
         m = self.metadata
         layers = self.cache_geometry(windows)
@@ -396,6 +414,7 @@ class Program:
             value_dtype=value_dtype,
             initial_capacity=initial_capacity,
             max_write=max_write,
+            held=held,
         )
         # The pools are lazy until a step evaluates them: a geometry no machine
         # can hold (a corrupt window, an absurd capacity) is refused here.

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 
+from .. import distributed
 from ..runtime import load_program
+from ..runtime.pipeline import Pipeline
 from .conversation import ReplyMemory
 from .session import SessionPool
 from .tokenizer import load_tokenizer
@@ -42,6 +44,9 @@ def get_program(path: str, compute: str = "auto", int8_activations: bool = True,
         program = load_program(path, compute=compute, int8_activations=int8_activations,
                                bf16_activations=bf16_activations)
         program.prepare_cpu_kernels()  # builds them at the first generation, before a method loads
+        group = distributed.group()
+        if group is not None:  # one rank of an mlx.launch group: its layers only
+            program = Pipeline(program, group, distributed.layers_per_rank())
         _programs[key] = program
     return key, _programs[key]
 

@@ -616,9 +616,11 @@ def to_mlx(x, meta, position: int, dtype_map=None):
     Returns ``(array, host)``, ``host`` being a numpy copy when the input came
     from the host (so a position can be read without a device sync).
     """
+    host = None
+    if meta.shape is None and isinstance(x, mx.array):
+        return x, host  # its meta declares nothing (check_graph): a pipeline stage's residual
     want = mlx_dtype(meta.scalarType)
     want = (dtype_map or {}).get(want, want)
-    host = None
     if isinstance(x, mx.array):
         arr = x
     else:

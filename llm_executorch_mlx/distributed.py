@@ -1,0 +1,174 @@
+"""An ``llm`` process started by ``mlx.launch``: one rank of a pipeline group.
+
+``mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- llm -m pte:NAME "..."``
+starts one ``llm`` per rank with ``MLX_RANK`` and ``MLX_HOSTFILE`` (a file
+holding the ranks' ``"ip:port"`` as a JSON list). Each rank runs the same
+command: it tokenizes, samples (with the same seed) and takes every cache
+decision as the others do, on the same logits (``runtime/pipeline.py``);
+only rank 0 prints the reply and logs it. A process without ``MLX_RANK``
+is a single process and never reads this module past ``launched()``.
+
+Standard input: the launcher forwards what the user types to every rank but
+never closes the ranks' standard input, and ``llm prompt`` reads a piped
+standard input to its end, so it would wait forever. Under the launcher,
+reading standard input *to its end* returns nothing at once (the prompt is
+an argument); reading lines (``llm chat``) reads what the launcher forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+LAYERS = "LLM_PTE_LAYERS"  # layers per rank, "12,18"; default: as even as can be
+CONNECT_TIMEOUT = "LLM_PTE_CONNECT_TIMEOUT"  # seconds a rank waits for the others (default 60)
+DEFAULT_CONNECT_TIMEOUT = 60.0
+
+
+class GroupError(Exception):
+    """A launch that cannot form, or keep, its group; the message says what to do."""
+
+
+def launched() -> bool:
+    """Whether ``mlx.launch`` started this process (the environment alone says)."""
+    return "MLX_RANK" in os.environ
+
+
+class _UnendingStdin:
+    """Standard input whose read to the end returns nothing (see above)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def read(self, size: int = -1) -> str:
+        return "" if size is None or size < 0 else self._stream.read(size)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def __iter__(self):
+        return iter(self._stream)
+
+
+def guard_stdin() -> None:
+    """Under the launcher, make ``llm``'s read of a piped prompt return."""
+    if launched() and not isinstance(sys.stdin, _UnendingStdin) and sys.stdin is not None:
+        sys.stdin = _UnendingStdin(sys.stdin)
+
+
+_joined: list = []  # [group or None], once joined
+
+
+def group():
+    """This process's ring group, joined at the first call (a few seconds,
+    while every rank starts); None for a single process."""
+    if not _joined:
+        _joined.append(_join() if launched() else None)
+    return _joined[0]
+
+
+def _hosts() -> list[str]:
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        raise GroupError("this rank was launched without MLX_HOSTFILE: split models run over MLX's ring "
+                         "backend, launch with `mlx.launch --backend ring`")
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+        hosts = json.loads(text) if text else []
+    except (OSError, ValueError) as e:
+        raise GroupError(f"MLX_HOSTFILE {path} is not a JSON list of \"ip:port\" ({e}): launch with mlx.launch") from None
+    if not isinstance(hosts, list):
+        return []
+    # mlx.launch lists each rank's addresses (one per connection); by hand, one address each
+    return [h if isinstance(h, str) else ",".join(map(str, h)) for h in hosts]
+
+
+# Watches a rank while it connects: ``mx.distributed.init`` holds the GIL
+# until every neighbour answers, so no thread of the rank itself can time it
+# out. The rank closes the watchdog's stdin once connected (or by exiting).
+_WATCHDOG = """
+import os, select, signal, sys
+pid, timeout, message = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if not select.select([sys.stdin], [], [], timeout)[0]:
+    os.write(2, message.encode())
+    os.kill(pid, signal.SIGTERM)
+"""
+
+
+def _join():
+    hosts = _hosts()
+    if len(hosts) < 2:
+        return None  # `mlx.launch -n 1`: a single process
+    import subprocess
+
+    from . import runtime  # noqa: F401  (binds a fast CPU BLAS before mlx.core loads)
+
+    import mlx.core as mx
+
+    rank, timeout = os.environ.get("MLX_RANK", "?"), _connect_timeout()
+    message = (f"Error: rank {rank} of {len(hosts)} could not connect to the other ranks ({', '.join(hosts)}) "
+               f"within {timeout:g} s: start every rank (mlx.launch does), or raise {CONNECT_TIMEOUT}\n")
+    watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
+                                stdin=subprocess.PIPE)
+    try:
+        return mx.distributed.init(backend="ring", strict=True)
+    except RuntimeError as e:
+        raise GroupError(f"rank {rank} could not join the ring group ({e}): check MLX_HOSTFILE's addresses") from None
+    finally:
+        watchdog.stdin.close()
+        watchdog.wait()
+
+
+def _connect_timeout() -> float:
+    text = os.environ.get(CONNECT_TIMEOUT, "")
+    try:
+        value = float(text) if text else DEFAULT_CONNECT_TIMEOUT
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise GroupError(f"{CONNECT_TIMEOUT}={text!r} is not a number of seconds above 0, e.g. 60")
+    return value
+
+
+def layers_per_rank() -> list[int] | None:
+    """The split the user asked for in ``LLM_PTE_LAYERS``, or None (even)."""
+    text = os.environ.get(LAYERS, "").strip()
+    if not text:
+        return None
+    try:
+        return [int(n) for n in text.split(",")]
+    except ValueError:
+        raise GroupError(f"{LAYERS}={text!r} is not layers per rank such as 12,18") from None
+
+
+def lost(error: Exception) -> str | None:
+    """Our message for an MLX error that says a rank is gone, else None."""
+    text, g = str(error), group()
+    if g is None or not text.startswith("[ring]"):
+        return None
+    return (f"rank {g.rank()} of {g.size()} lost the other ranks ({text}): one of them ended; "
+            "its own error, if it had one, is above")
+
+
+def shared_seed() -> int:
+    """A seed every rank of the group samples with: rank 0's, drawn at random
+    (ranks drawing their own would sample different tokens and part ways)."""
+    import secrets
+
+    import mlx.core as mx
+
+    g = group()
+    seed = mx.array(secrets.randbits(31) if g.rank() == 0 else 0, dtype=mx.int32)
+    return int(mx.distributed.all_sum(seed, group=g).item())
+
+
+def quiet_unless_first(response) -> None:
+    """On ranks other than 0, print nothing and log nothing: rank 0 does
+    both for the group. (llm prints to ``sys.stdout`` and logs the response
+    object our model is handed.)"""
+    if group().rank() == 0:
+        return
+    sys.stdout = open(os.devnull, "w")
+    response.log_to_db = lambda db: None

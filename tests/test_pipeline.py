@@ -1,0 +1,207 @@
+"""Pipeline parallel over MLX's ring backend: a forward split between ranks on 127.0.0.1.
+
+Ranks are started as ``mlx.launch`` starts them (``MLX_RANK``, and
+``MLX_HOSTFILE`` naming a JSON list of ``"ip:port"``), or by ``mlx.launch``
+itself; each run is under a timeout. The reference is the same program run
+whole in one process: every rank of a split must produce its tokens, take
+its cache decisions (hit, rewind, a sliding window's reset) and print (rank
+0 alone) the same.
+"""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from llm.cli import cli
+from models import make_tokenizer
+
+from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime.cut import DataFlow, plan_stages, stage_graph
+from llm_executorch_mlx.runtime.errors import PteError
+
+TESTS = pathlib.Path(__file__).parent
+RANK_SCRIPT = TESTS / "pipeline_rank.py"
+TIMEOUT = 180  # s: a run that outlives it hangs, and fails
+
+
+@pytest.fixture(scope="module")
+def llama(exported):
+    return exported("llama", trained=True)[1]
+
+
+@pytest.fixture(scope="module")
+def gemma3(exported):
+    """Layers: sliding, sliding, full (window 16)."""
+    return exported("gemma3")[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` consecutive free ports on 127.0.0.1 (``mlx.launch`` counts up from one)."""
+    for _ in range(100):
+        start = random.randrange(20000, 60000)
+        sockets = []
+        try:
+            for port in range(start, start + n):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return list(range(start, start + n))
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+def env_with(**extra) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")]))
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_ranks(commands: list[list[str]], tmp_path, **extra) -> list[tuple[int, str, str]]:
+    """Start one process per command as rank 0, 1, ... of a ring group, their
+    standard input left open as the launcher leaves it; (rc, out, err) each."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in free_ports(len(commands))]))
+    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env_with(MLX_RANK=r, MLX_HOSTFILE=hostfile, **extra))
+             for r, cmd in enumerate(commands)]
+    try:
+        return [(p.wait(TIMEOUT), p.stdout.read(), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def rank_script(pte, layers=None) -> list[str]:
+    return [sys.executable, str(RANK_SCRIPT), str(pte)] + ([",".join(map(str, layers))] if layers else [])
+
+
+# -- the cut --------------------------------------------------------------
+
+
+def test_one_value_crosses_each_cut_and_each_layer_is_loaded_once(llama):
+    graph = load_program(llama).graph("forward")
+    flow = DataFlow(graph)
+    at, residual = flow.cut(1)
+    # the residual: layer 0's last add, the one value live there that depends on attention
+    assert flow.names[residual[1]] == "AddNode" and flow.names[at] == "RMSNormNode"
+    assert [d for d in flow.live(at) if d[1] >= 0 and flow.activation[d[1]]] == [residual]
+    first, last = plan_stages(graph, 2)
+    # the last stage reruns what it needs from the inputs alone, never an activation
+    assert last.rerun and not any(flow.activation[i] for i in last.rerun)
+    held_first, held_last = stage_graph(graph, first)[1], stage_graph(graph, last)[1]
+    read = {s for uses in flow.uses for s in uses if s < graph.numConstantTensors}
+    assert held_first | held_last == read
+    shared = held_first & held_last
+    # both ranks hold only small tables (RoPE's), no layer's weights
+    metas = graph.tensorMeta
+    assert all(len(metas[s].shape) <= 1 for s in shared)
+
+
+def test_a_split_that_does_not_fit_the_layers_is_refused(gemma3):
+    graph = load_program(gemma3).graph("forward")
+    with pytest.raises(PteError, match=r"layers per rank \[2, 2\] must be 2 counts .* "
+                                       r"summing to the model's 3 layers, e\.g\. 2,1"):
+        plan_stages(graph, 2, [2, 2])
+    with pytest.raises(PteError, match="the model has 3 layers, fewer than the 4 ranks: launch at most 3 ranks"):
+        plan_stages(graph, 4)
+
+
+# -- token-identical splits -----------------------------------------------
+
+
+@pytest.mark.parametrize("model, layers", [
+    ("llama", [1, 1]),
+    ("gemma3", [1, 2]),
+    ("gemma3", [2, 1]),  # the last rank holds the full layer alone: its floors are still the sliding ones'
+    ("gemma3", [1, 1, 1]),
+])
+def test_split_is_token_identical_across_turns(model, layers, request, tmp_path):
+    pte = request.getfixturevalue(model)
+    whole = subprocess.run(rank_script(pte), capture_output=True, text=True, env=env_with(), timeout=TIMEOUT)
+    assert whole.returncode == 0, whole.stderr
+    reference = json.loads(whole.stdout)
+    assert reference["paths"] == ["cold", "hit", "trim" if model == "llama" else "reset"]
+    ranks = run_ranks([rank_script(pte, layers)] * len(layers), tmp_path)
+    for rc, out, err in ranks:
+        assert rc == 0, err
+        assert json.loads(out) == reference
+
+
+# -- llm under mlx.launch -------------------------------------------------
+
+
+@pytest.fixture
+def registered(llama, tmp_path, monkeypatch):
+    """``pte:tiny`` registered in a fresh llm user dir, which the ranks share."""
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    make_tokenizer(tmp_path / "tok")
+    r = CliRunner().invoke(cli, ["pte", "register", str(llama), "--tokenizer", str(tmp_path / "tok" / "tokenizer.json"),
+                                 "--name", "tiny"])
+    assert r.exit_code == 0, r.output
+    return "pte:tiny"
+
+
+PROMPT = ["Why is the sky blue?", "-o", "max_tokens", "12"]
+
+
+def llm_command(model: str) -> list[str]:
+    return [sys.executable, "-m", "llm", "-m", model, *PROMPT]
+
+
+def logged(tmp_path) -> list[str]:
+    r = CliRunner().invoke(cli, ["logs", "-n", "0", "--json"])
+    return [entry["response"] for entry in json.loads(r.output)]
+
+
+def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, tmp_path):
+    whole = subprocess.run(llm_command(registered), capture_output=True, text=True, env=env_with(),
+                           stdin=subprocess.DEVNULL, timeout=TIMEOUT)
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout.strip()
+    port = free_ports(2)[0]
+    # as a user types it: mlx.launch keeps each rank's standard input open
+    launcher = subprocess.Popen([str(pathlib.Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
+                                 "--hosts", "127.0.0.1", "--starting-port", str(port), "--", *llm_command(registered)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env_with(), start_new_session=True)
+    try:
+        out, err = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the ranks it started
+    assert launcher.returncode == 0, err
+    assert out == whole.stdout  # rank 0's reply, once
+    assert logged(tmp_path) == [whole.stdout.strip()] * 2  # the single process's, and rank 0's
+
+
+def test_a_killed_rank_ends_the_group_with_our_error(registered, tmp_path):
+    # rank 1 joins the group, then is killed before the first step
+    dies = [sys.executable, "-c", "import os, signal, mlx.core as mx; mx.distributed.init(backend='ring', strict=True); "
+            "os.kill(os.getpid(), signal.SIGKILL)"]
+    (rc, out, err), (rc1, _, _) = run_ranks([llm_command(registered), dies], tmp_path)
+    assert rc1 == -signal.SIGKILL
+    assert rc == 1 and out == ""
+    assert "Error: rank 0 of 2 lost the other ranks ([ring] connection to a peer was lost): one of them ended" in err
+    assert "Traceback" not in err
+
+
+def test_a_rank_alone_gives_up_connecting(registered, tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([f"127.0.0.1:{p}" for p in free_ports(2)]))
+    alone = subprocess.run(llm_command(registered), capture_output=True, text=True, stdin=subprocess.PIPE,
+                           env=env_with(MLX_RANK=0, MLX_HOSTFILE=hostfile, LLM_PTE_CONNECT_TIMEOUT=2), timeout=TIMEOUT)
+    assert alone.returncode == -signal.SIGTERM  # ended by its watchdog: MLX's connect holds the interpreter
+    assert alone.stderr.startswith("Error: rank 0 of 2 could not connect to the other ranks (127.0.0.1:")
+    assert "within 2 s: start every rank (mlx.launch does), or raise LLM_PTE_CONNECT_TIMEOUT" in alone.stderr
