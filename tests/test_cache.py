@@ -291,7 +291,7 @@ def test_program_free_validation_errors():
         SequenceCache([LayerGeometry(H_KV, D)], capacity=0)
     with pytest.raises(PteError, match="storage dtype 'int3'"):
         SequenceCache([LayerGeometry(H_KV, D)], capacity=8, dtype="int3")
-    with pytest.raises(PteError, match="head size is 48: use -o kv_storage_dtype bf16, fp16 or fp32"):
+    with pytest.raises(PteError, match="head size is 48: store keys and values in bf16, fp16 or fp32"):
         SequenceCache([LayerGeometry(H_KV, 48)], capacity=8, value_dtype="int4")
 
 
