@@ -8,8 +8,12 @@ model's (H 32, H_kv 8, D 64) at S 2048 and 8192, groups of 64.
 
 Ours runs as in a decode step, the host thread helping (submit_helping,
 wait_helping); the cache hands both routes slices of larger pools.
+``--rotated``: ours reads the cache as stored rotated (as the cache stores
+it: the queries' and output's groups go through a Walsh-Hadamard transform);
+``--shape`` and ``--S`` pick one shape and lengths.
 
     python benchmarks/bench_quantized_attention.py --reps 30
+    python benchmarks/bench_quantized_attention.py --shape smollm2 --S 2048 --rotated
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--rotated", action="store_true", help="ours over a cache stored rotated")
+    parser.add_argument("--shape", choices=[name.split()[0] for name in SHAPES], help="only this shape")
+    parser.add_argument("--S", type=int, nargs="+", default=[2048, 8192], help="history lengths")
     args = parser.parse_args()
     ext = extension.build().module
     assert ext is not None, "the CPU extension did not build"
@@ -75,12 +82,15 @@ def main():
 
     rng = np.random.default_rng(0)
     columns = ["ours fp16"] + [f"ours {k}/{v}" for k, v in BITS] + [f"mlx qmm {k}/{v}" for k, v in BITS]
-    print(f"ms per call, median of {args.reps}; group {args.group}; ours with the host helping")
+    print(f"ms per call, median of {args.reps}; group {args.group}; ours with the host helping"
+          + ("; ours rotated" if args.rotated else ""))
     print(f"| shape | S | {' | '.join(columns)} |")
     print("|" + "---|" * (len(columns) + 2))
     with mx.stream(mx.cpu):
         for name, (H, H_kv, D) in SHAPES.items():
-            for S in (2048, 8192):
+            if args.shape and name.split()[0] != args.shape:
+                continue
+            for S in args.S:
                 pools = [mx.array(rng.standard_normal((1, H_kv, S + 64, D)).astype(np.float32)) for _ in range(2)]
                 q = mx.array(rng.standard_normal((1, H, 1, D)).astype(np.float32))
                 scale = D**-0.5
@@ -95,7 +105,8 @@ def main():
 
                 for k_bits, v_bits in BITS:
                     cells.append(ms_per_call(helped(lambda: ext.quantized_attention(
-                        q, *rows(k_bits, 0), *rows(v_bits, 1), scale, False, k_bits, v_bits, args.group)), args.reps))
+                        q, *rows(k_bits, 0), *rows(v_bits, 1), scale, False, k_bits, v_bits, args.group,
+                        rotated=args.rotated)), args.reps))
                 for k_bits, v_bits in BITS:
                     cells.append(ms_per_call(alone(lambda: mlx_route(
                         q, rows(k_bits, 0), rows(v_bits, 1), k_bits, v_bits, args.group, scale)), args.reps))

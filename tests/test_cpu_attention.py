@@ -442,18 +442,45 @@ def test_a_prefill_chunk_shared_with_the_host_is_the_same_bits(kernel):
     np.testing.assert_allclose(np.array(helped), reference, atol=1e-4, rtol=1e-4)
 
 
-def quantized_pool(rng, B, Hkv, S, D, bits, group, slots, start=0, words_strided=False):
+def sylvester(n):
+    """The orthonormal Walsh-Hadamard matrix of size n, Sylvester's order:
+    H_2n = [[H, H], [H, -H]], over sqrt(n)."""
+    h = np.ones((1, 1))
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.sqrt(n)
+
+
+def rotate_groups(x, group):
+    """Each group of `group` values along the last axis times sylvester(group)
+    (its own inverse: rotating twice gives x back)."""
+    x = np.asarray(x)
+    grouped = x.reshape(*x.shape[:-1], -1, group).astype(np.float64)
+    return (grouped @ sylvester(group)).reshape(x.shape).astype(np.float32)
+
+
+def quantized_pool(rng, B, Hkv, S, D, bits, group, slots, start=0, words_strided=False, rotated=False):
     """Keys or values as a quantized cache hands them over: rows start ..
     start + S of a pool of `slots` rows, quantized along D with float16
     scales and biases. words_strided: the words a transposed view (rows not
-    contiguous along D)."""
-    x = mx.array(rng.standard_normal((B, Hkv, slots, D)).astype(np.float32))
-    data, scales, biases = mx.quantize(x, group_size=group, bits=bits)
+    contiguous along D). rotated: each group rotated before quantizing, as
+    the cache stores it."""
+    x = rng.standard_normal((B, Hkv, slots, D)).astype(np.float32)
+    data, scales, biases = mx.quantize(mx.array(rotate_groups(x, group) if rotated else x), group_size=group, bits=bits)
     if words_strided:
         data = mx.array(np.ascontiguousarray(np.array(data).swapaxes(2, 3))).swapaxes(2, 3)
     rows = slice(start, start + S)
     return QuantizedKV(data[:, :, rows], scales.astype(mx.float16)[:, :, rows], biases.astype(mx.float16)[:, :, rows],
-                       bits, group)
+                       bits, group, rotated)
+
+
+def quantized_reference(q, K, V, scale, causal, window=0):
+    """torch's attention over the dequantized cache; over rotated rows, of the
+    queries rotated as the keys, the output rotated back."""
+    if not K.rotated:
+        return torch_attention(q, K.dequantize(), V.dequantize(), scale, causal, window)
+    out = torch_attention(rotate_groups(q, K.group_size), K.dequantize(), V.dequantize(), scale, causal, window)
+    return rotate_groups(out, V.group_size)
 
 
 def assert_close_to_scale(out, expected):
@@ -466,9 +493,10 @@ def assert_close_to_scale(out, expected):
 
 def quantized_attention(kernel, q, K, V, causal, window=0):
     return kernel.quantized_attention(q, K.data, K.scales, K.biases, V.data, V.scales, V.biases, q.shape[-1]**-0.5,
-                                      causal, K.bits, V.bits, K.group_size, window=window)
+                                      causal, K.bits, V.bits, K.group_size, window=window, rotated=K.rotated)
 
 
+@pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("k_bits, v_bits", [(8, 8), (8, 4), (4, 8), (4, 4)])
 @pytest.mark.parametrize(
     "B, Hq, Hkv, T, S, D, group, causal, window, start",
@@ -485,25 +513,24 @@ def quantized_attention(kernel, q, K, V, causal, window=0):
     ],
 )
 def test_quantized_attention_matches_torch_on_the_dequantized_cache(kernel, k_bits, v_bits, B, Hq, Hkv, T, S, D,
-                                                                     group, causal, window, start):
+                                                                     group, causal, window, start, rotated):
     rng = np.random.default_rng(S * T + D + k_bits * 3 + v_bits)
     q = mx.array(rng.standard_normal((B, Hq, T, D)).astype(np.float32) * 2)
-    K = quantized_pool(rng, B, Hkv, S, D, k_bits, group, start + S + 9, start)
-    V = quantized_pool(rng, B, Hkv, S, D, v_bits, group, start + S + 9, start)
+    K = quantized_pool(rng, B, Hkv, S, D, k_bits, group, start + S + 9, start, rotated=rotated)
+    V = quantized_pool(rng, B, Hkv, S, D, v_bits, group, start + S + 9, start, rotated=rotated)
     out = quantized_attention(kernel, q, K, V, causal, window)
-    expected = torch_attention(q, K.dequantize(), V.dequantize(), D**-0.5, causal, window)
-    assert_close_to_scale(np.array(out), expected)
+    assert_close_to_scale(np.array(out), quantized_reference(q, K, V, D**-0.5, causal, window))
 
 
+@pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("T", [3, 70])  # rows, and what would be tiles
-def test_quantized_attention_reads_words_at_any_strides(kernel, T):
+def test_quantized_attention_reads_words_at_any_strides(kernel, T, rotated):
     rng = np.random.default_rng(T)
     q = mx.array(rng.standard_normal((1, 6, T, 64)).astype(np.float32))
-    K = quantized_pool(rng, 1, 2, 129, 64, 8, 32, 140, words_strided=True)
-    V = quantized_pool(rng, 1, 2, 129, 64, 4, 32, 140, words_strided=True)
+    K = quantized_pool(rng, 1, 2, 129, 64, 8, 32, 140, words_strided=True, rotated=rotated)
+    V = quantized_pool(rng, 1, 2, 129, 64, 4, 32, 140, words_strided=True, rotated=rotated)
     out = quantized_attention(kernel, q, K, V, True)
-    expected = torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True)
-    assert_close_to_scale(np.array(out), expected)
+    assert_close_to_scale(np.array(out), quantized_reference(q, K, V, 0.125, True))
 
 
 @pytest.mark.parametrize("T", [3, 70])  # rows, and tiles
@@ -559,6 +586,10 @@ def test_quantized_attention_wrapper_hands_the_kernel_what_it_takes_and_the_rest
     attend = extension_ops.quantized_attention(kernel, fallback)
     out = attend(q, K, V, 0.125, "causal")
     assert_close_to_scale(np.array(out), torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True))
+    # a rotated history (as the cache stores it) goes to the kernel too
+    Kr, Vr = (kv._replace(rotated=True) for kv in (K, V))
+    assert extension_ops.quantized_kernel_takes(q, Kr, Vr, True)
+    assert_close_to_scale(np.array(attend(q, Kr, Vr, 0.125, "causal")), quantized_reference(q, Kr, Vr, 0.125, True))
     band = mx.ones((2, 9), dtype=mx.bool_)
     assert extension_ops.quantized_kernel_takes(q, K, V, True)
     for Q, K2, V2, mask in [
@@ -567,10 +598,11 @@ def test_quantized_attention_wrapper_hands_the_kernel_what_it_takes_and_the_rest
         (q, K, V._replace(group_size=32), "causal"),  # groups of two sizes
         (q, K._replace(scales=K.scales.astype(mx.float32)), V, "causal"),
         (q, K, V._replace(bits=2), "causal"),
+        (q, K, Vr, "causal"),  # one rotated, one not: the kernel takes one flag for both
         (mx.zeros((1, 4, 10, 64)), K, V, "causal"),  # more queries than keys
     ]:
         assert attend(Q, K2, V2, 0.125, mask) == "fallback"
-    assert len(calls) == 6
+    assert len(calls) == 7
     windowed = extension_ops.quantized_attention(kernel, fallback, window=4)
     out = windowed(q, K, V, 0.125, band)
     assert_close_to_scale(np.array(out), torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True, 4))

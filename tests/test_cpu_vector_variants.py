@@ -113,6 +113,20 @@ for k_bits, v_bits in ((8, 8), (8, 4), (4, 8), (4, 4)):
                                                 k_bits, v_bits, 32))
         reference = attention_reference(q, quantized[0][1], quantized[1][1], 0.125)
         worst[f"quantized attention k{k_bits} v{v_bits} T{T}"] = float(np.abs(ours - reference).max() / 1e-5)
+# the last pair's cache read as stored rotated (groups of 32 times Sylvester's
+# Hadamard matrix): the queries' groups rotated in, the output's out
+hadamard = np.ones((1, 1))
+while len(hadamard) < 32:
+    hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
+hadamard /= np.sqrt(32)
+def rotate(x):
+    return (x.reshape(*x.shape[:-1], -1, 32) @ hadamard).reshape(x.shape).astype(np.float32)
+for T in (3, 70):
+    q = rng.standard_normal((1, 6, T, 64)).astype(np.float32)
+    ours = np.array(ext.quantized_attention(mx.array(q), *quantized[0][0], *quantized[1][0], 0.125, True,
+                                            k_bits, v_bits, 32, rotated=True))
+    reference = rotate(attention_reference(rotate(q), quantized[0][1], quantized[1][1], 0.125))
+    worst[f"rotated quantized attention k{k_bits} v{v_bits} T{T}"] = float(np.abs(ours - reference).max() / 1e-5)
 # the int8-activation products, against numpy's integer math (test_cpu_int8_products.py)
 sys.path.insert(0, sys.argv[1])
 from test_cpu_int8_products import int8_reference

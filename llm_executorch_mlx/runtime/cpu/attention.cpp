@@ -15,7 +15,8 @@
 // - from 64 queries a head (a prefill chunk): GEMM-style register tiles over
 //   K packed into panels, then over V (below).
 // Causal or not, optionally a sliding window; any strides (the cache hands
-// over slices of its pools). The loops read keys and values through a
+// over slices of its pools); a quantized cache's groups optionally stored
+// rotated (rotate_groups). The loops read keys and values through a
 // storage type (DenseRows, QuantizedRows) that says how a row is stored.
 // extension.py builds it into the CPU kernel
 // extension (nanobind, in MLX's type domain) once per machine and checks it
@@ -121,16 +122,60 @@ inline float softmax_numerators(float* row, int n, float* top_out = nullptr) {
   return sum8(sum);
 }
 
+// Each group of n values of x[0 .. D) (n a power of two from 8, dividing D)
+// times the orthonormal Walsh-Hadamard matrix of size n, Sylvester's order
+// (H_2n = [[H, H], [H, -H]] / sqrt 2), in place: log2(n) passes of
+// butterflies, the first three within each vector of eight. A quantized
+// cache stores its groups rotated so, as llama.cpp does: a few channels of K
+// and V carry outliers, which the rotation spreads over the whole group,
+// shrinking its quantization step. The matrix is symmetric and its own
+// inverse, so queries rotated as the keys are score the same, and the output
+// of rotated values, rotated again, is the output of the values.
+inline f8 butterflies8(f8 x) {  // values 1, 2 and 4 apart: (a, b) -> (a + b, a - b)
+  x = __builtin_shufflevector(x, x, 0, 0, 2, 2, 4, 4, 6, 6) +
+      f8{1, -1, 1, -1, 1, -1, 1, -1} * __builtin_shufflevector(x, x, 1, 1, 3, 3, 5, 5, 7, 7);
+  x = __builtin_shufflevector(x, x, 0, 1, 0, 1, 4, 5, 4, 5) +
+      f8{1, 1, -1, -1, 1, 1, -1, -1} * __builtin_shufflevector(x, x, 2, 3, 2, 3, 6, 7, 6, 7);
+  return __builtin_shufflevector(x, x, 0, 1, 2, 3, 0, 1, 2, 3) +
+         f8{1, 1, 1, 1, -1, -1, -1, -1} * __builtin_shufflevector(x, x, 4, 5, 6, 7, 4, 5, 6, 7);
+}
+
+inline void rotate_groups(float* x, int D, int n) {
+  const f8 norm = splat(1.0f / std::sqrt(float(n)));
+  for (float* group = x; group < x + D; group += n) {
+    for (int i = 0; i < n; i += 8) store8(group + i, butterflies8(load8(group + i)));
+    for (int half = 8; half < n; half *= 2)
+      for (int i = 0; i < n; i += 2 * half)
+        for (int j = i; j < i + half; j += 8) {
+          const f8 a = load8(group + j), b = load8(group + j + half);
+          store8(group + j, a + b), store8(group + j + half, a - b);
+        }
+    for (int i = 0; i < n; i += 8) store8(group + i, load8(group + i) * norm);
+  }
+}
+
 struct Geometry {
   int B, Hq, Hkv, T, S, D;
   bool causal;
   int window;  // > 0: a query sees only the last `window` of its keys
   float scale;
   mx::Strides q;  // in elements
+  int rotation = 0;  // > 0: K and V stored with each group of this size rotated (rotate_groups)
 
   // Query t sees keys [first_key(t), end_key(t)).
   int end_key(int t) const { return causal ? S - T + t + 1 : S; }
   int first_key(int t) const { return window > 0 ? std::max(0, end_key(t) - window) : 0; }
+
+  // dst = query (b, head, t) times the scale, rotated as the keys are.
+  void query_row(const float* queries, int b, int head, int t, float* dst) const {
+    const float* src = queries + b * q[0] + head * q[1] + t * q[2];
+    for (int d = 0; d < D; ++d) dst[d] = src[d * q[3]] * scale;
+    if (rotation) rotate_groups(dst, D, rotation);
+  }
+  // An output row of rotated values, rotated back.
+  void unrotate_output(float* row) const {
+    if (rotation) rotate_groups(row, D, rotation);
+  }
 };
 
 // ---- How keys and values are stored, as the loops below read them.
@@ -314,7 +359,7 @@ constexpr int kRowsTogether = 4;
 
 template <typename Keys, typename Values>
 struct PartsTask {
-  const float* q;
+  const float* rows;  // the query rows as query_row makes them, [B, T, Hq, D]
   Keys k;
   Values v;
   Geometry g;
@@ -341,8 +386,8 @@ void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
   const Geometry& g = task.g;
   const int rep = g.Hq / g.Hkv, D = g.D, parts = task.parts;
   const bool fast = task.k.vectorised(D) && task.v.vectorised(D);
-  thread_local std::vector<float> scores, qrows;  // this thread's, reused
-  scores.resize(kRowsTogether * (kKeysPerPart + 8)), qrows.resize(kRowsTogether * D);
+  thread_local std::vector<float> scores;  // this thread's, reused
+  scores.resize(kRowsTogether * (kKeysPerPart + 8));
   const int slot_row = g.T * parts * (D + 2);  // between consecutive heads' slots of one t and part
   for (int64_t unit = lo; unit < hi; ++unit) {
     const int b = int(unit / (int64_t(g.Hkv) * parts)), h = int(unit / parts % g.Hkv), part = int(unit % parts);
@@ -364,21 +409,18 @@ void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
         }
         const Keys kr = kh.from(j0);
         const Values vr = vh.from(j0);
-        for (int r = 0; r < R; ++r) {
-          const float* src = task.q + b * g.q[0] + (h * rep + first + r) * g.q[1] + t * g.q[2];
-          for (int d = 0; d < D; ++d) qrows[r * D + d] = src[d * g.q[3]] * g.scale;
-        }
+        const float* qrows = task.rows + ((int64_t(b) * g.T + t) * g.Hq + h * rep + first) * D;
         if (fast) {
           switch (R) {
-            case 1: attend_rows<1>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row); break;
-            case 2: attend_rows<2>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row); break;
-            case 3: attend_rows<3>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row); break;
-            default: attend_rows<4>(qrows.data(), kr, vr, g, n, scores.data(), slots[0], slot_row);
+            case 1: attend_rows<1>(qrows, kr, vr, g, n, scores.data(), slots[0], slot_row); break;
+            case 2: attend_rows<2>(qrows, kr, vr, g, n, scores.data(), slots[0], slot_row); break;
+            case 3: attend_rows<3>(qrows, kr, vr, g, n, scores.data(), slots[0], slot_row); break;
+            default: attend_rows<4>(qrows, kr, vr, g, n, scores.data(), slots[0], slot_row);
           }
           continue;
         }
         for (int r = 0; r < R; ++r) {  // any strides: one row at a time
-          const float* qrow = qrows.data() + r * D;
+          const float* qrow = qrows + r * D;
           float* row_scores = scores.data();
           for (int j = 0; j < n; ++j) {
             float s = 0.0f;
@@ -397,7 +439,8 @@ void attend_parts(const SharedJob& job, int64_t lo, int64_t hi) {
 }
 
 // out from the parts attend_parts left: each row's parts rescaled to their
-// common max, summed, and divided by the summed denominators.
+// common max, summed, and divided by the summed denominators (then rotated
+// back, over rotated values).
 inline void merge_parts(const Geometry& g, int parts, const float* partial, float* out) {
   const int D = g.D;
   for (int64_t row = 0; row < int64_t(g.B) * g.Hq * g.T; ++row) {
@@ -416,6 +459,7 @@ inline void merge_parts(const Geometry& g, int parts, const float* partial, floa
     }
     const float inv = 1.0f / sum;
     for (int d = 0; d < D; ++d) o[d] *= inv;
+    g.unrotate_output(o);
   }
 }
 
@@ -571,8 +615,7 @@ void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
     for (int block = share * blocks / kTiledSplit; block < (share + 1) * blocks / kTiledSplit; ++block) {
       const int t0 = block * kRows, R = std::min(kRows, g.T - t0);
       for (int r = 0; r < R; ++r) {
-        const float* src = q + b * g.q[0] + head * g.q[1] + (t0 + r) * g.q[2];
-        for (int d = 0; d < D; ++d) qs[r * D + d] = src[d * g.q[3]] * g.scale;
+        g.query_row(q, b, head, t0 + r, qs.data() + r * D);
         lo_key[r] = g.first_key(t0 + r), hi_key[r] = g.end_key(t0 + r);
       }
       using V = std::remove_const_t<std::remove_pointer_t<decltype(vh.p)>>;
@@ -585,6 +628,7 @@ void attend_tiles(const SharedJob& job, int64_t lo, int64_t hi) {
         case 2: run_block = attend_block<2, V>; break;
       }
       run_block(qs.data(), panels.data(), vh.p, vh.stride[2], lo_key, hi_key, D, scores.data(), s_stride, o.data());
+      for (int r = 0; r < R; ++r) g.unrotate_output(o.data() + r * D);
       float* dst = task.out + ((static_cast<size_t>(b) * g.Hq + head) * g.T + t0) * D;
       std::memcpy(dst, o.data(), static_cast<size_t>(R) * D * sizeof(float));
     }
@@ -605,9 +649,15 @@ void attend(const float* q, const Keys& k, const Values& v, float* out, const Ge
     }
     return;
   }
+  // the query rows made once here, not once per part that reads them
+  std::vector<float> rows(int64_t(g.B) * g.T * g.Hq * g.D);
+  for (int b = 0; b < g.B; ++b)
+    for (int t = 0; t < g.T; ++t)
+      for (int head = 0; head < g.Hq; ++head)
+        g.query_row(q, b, head, t, rows.data() + ((int64_t(b) * g.T + t) * g.Hq + head) * g.D);
   const int parts = (g.S + kKeysPerPart - 1) / kKeysPerPart;
   std::vector<float> partial(int64_t(g.B) * g.Hq * g.T * parts * (g.D + 2));
-  PartsTask<Keys, Values> task{q, k, v, g, parts, partial.data()};
+  PartsTask<Keys, Values> task{rows.data(), k, v, g, parts, partial.data()};
   SharedJob job(attend_parts<Keys, Values>, &task, int64_t(g.B) * g.Hkv * parts, 1);
   run_shared(job);
   merge_parts(g, parts, partial.data(), out);
@@ -689,15 +739,17 @@ void with_bits(int k_bits, int v_bits, F f) {
 }
 
 // FusedAttention over a quantized cache: inputs q, then K's words, scales
-// and biases, then V's.
+// and biases, then V's; rotated: K's and V's groups stored rotated.
 class QuantizedAttention : public CpuPrimitive<QuantizedAttention, SharedPrimitive> {
  public:
   static constexpr const char* kName = "QuantizedAttention";
   QuantizedAttention(mx::Stream stream, float scale, bool causal, int window, bool few_queries, int k_bits,
-                     int v_bits, int group_size)
+                     int v_bits, int group_size, bool rotated)
       : CpuPrimitive(stream), scale_(scale), causal_(causal), window_(window), few_queries_(few_queries),
-        k_bits_(k_bits), v_bits_(v_bits), group_size_(group_size) {}
-  auto params() const { return std::tuple(scale_, causal_, window_, few_queries_, k_bits_, v_bits_, group_size_); }
+        k_bits_(k_bits), v_bits_(v_bits), group_size_(group_size), rotated_(rotated) {}
+  auto params() const {
+    return std::tuple(scale_, causal_, window_, few_queries_, k_bits_, v_bits_, group_size_, rotated_);
+  }
 
   bool shares_work() const override { return few_queries_; }  // as FusedAttention's
 
@@ -707,7 +759,7 @@ class QuantizedAttention : public CpuPrimitive<QuantizedAttention, SharedPrimiti
     auto& out = outputs[0];
     auto started = read_ahead_later(inputs[1], nullptr, 0);  // as FusedAttention's
     Geometry g{q.shape(0), q.shape(1), inputs[1].shape(1), q.shape(2), inputs[1].shape(2), q.shape(3),
-               causal_,    window_,    scale_,             q.strides()};
+               causal_,    window_,    scale_,             q.strides(),        rotated_ ? group_size_ : 0};
     with_bits(k_bits_, v_bits_, [&](auto k_bits, auto v_bits) {
       const auto k = quantized_rows<decltype(k_bits)::value>(inputs[1], inputs[2], inputs[3], group_size_);
       const auto v = quantized_rows<decltype(v_bits)::value>(inputs[4], inputs[5], inputs[6], group_size_);
@@ -728,6 +780,7 @@ class QuantizedAttention : public CpuPrimitive<QuantizedAttention, SharedPrimiti
   int window_;
   bool few_queries_;
   int k_bits_, v_bits_, group_size_;
+  bool rotated_;
 };
 
 // fp32 key or value rows in a pool's storage dtype, rounded as MLX's astype
@@ -895,7 +948,7 @@ std::string check_quantized(const char* name, const mx::array& words, const mx::
 mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::array& k_scales,
                               const mx::array& k_biases, const mx::array& v, const mx::array& v_scales,
                               const mx::array& v_biases, float scale, bool causal, int k_bits, int v_bits,
-                              int group_size, int window, mx::StreamOrDevice s) {
+                              int group_size, int window, bool rotated, mx::StreamOrDevice s) {
   std::string err;
   if (q.ndim() != 4 || q.dtype() != mx::float32 || k.ndim() != 4) {
     err = "q must be 4-D float32, k 4-D";
@@ -919,7 +972,7 @@ mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::
   const auto stream = cpu_stream("quantized_attention", err, s);
   return mx::array(q.shape(), mx::float32,
                    std::make_shared<QuantizedAttention>(stream, scale, causal, window, q.shape(2) < kTiledMinQueries,
-                                                        k_bits, v_bits, group_size),
+                                                        k_bits, v_bits, group_size, rotated),
                    {q, k, k_scales, k_biases, v, v_scales, v_biases});
 }
 

@@ -36,6 +36,7 @@ from types import ModuleType
 
 import mlx.core as mx
 
+from ..quantized_kv import rotate
 from . import native
 
 HERE = pathlib.Path(__file__).parent
@@ -193,7 +194,7 @@ def _agrees_with_mlx(module: ModuleType) -> bool:
     """Both parts against MLX's own ops. Attention: grouped-query cases with
     strided keys, two queries (the kernel's row loops), 67 (its tiled path,
     a partial block), and 67 with a window of five; two queries over 8-bit
-    keys and 4-bit values. GEMV: one row
+    keys and 4-bit values, stored as they are and rotated. GEMV: one row
     against a row-major weight; two rows against 4- and 8-bit weights.
     RMSNorm: three rows of a width that is not a whole vector."""
     pool = mx.random.normal((2, 1, 2, 80, 16), key=mx.random.key(1))
@@ -210,18 +211,21 @@ def _agrees_with_mlx(module: ModuleType) -> bool:
             reference = mx.softmax(scores, axis=-1) @ mx.repeat(v, 2, axis=1)
             if not mx.allclose(ours, reference, atol=1e-5, rtol=1e-5):
                 return False
-    # over a quantized cache: 8-bit keys, 4-bit values, two queries
+    # over a quantized cache: 8-bit keys, 4-bit values, two queries; rotated,
+    # the same rows read as stored rotated (queries and output rotated too)
     q = mx.random.normal((1, 2, 2, 32), key=mx.random.key(8))
     kv = [mx.quantize(mx.random.normal((1, 1, 40, 32), key=mx.random.key(9 + bits)), group_size=32, bits=bits)
           for bits in (8, 4)]
     kv = [(data, scales.astype(mx.float16), biases.astype(mx.float16)) for data, scales, biases in kv]
-    ours = module.quantized_attention(q, *kv[0], *kv[1], 0.25, True, 8, 4, 32, stream=mx.cpu)
-    with mx.stream(mx.cpu):
-        k, v = (mx.repeat(mx.dequantize(data, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits), 2, axis=1)
-                for (data, scales, biases), bits in zip(kv, (8, 4)))
-        reference = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask="causal")
-        if not mx.allclose(ours, reference, atol=1e-5, rtol=1e-5):
-            return False
+    for rotated in (False, True):
+        ours = module.quantized_attention(q, *kv[0], *kv[1], 0.25, True, 8, 4, 32, rotated=rotated, stream=mx.cpu)
+        with mx.stream(mx.cpu):
+            k, v = (mx.repeat(mx.dequantize(data, scales.astype(mx.float32), biases.astype(mx.float32), 32, bits), 2,
+                              axis=1) for (data, scales, biases), bits in zip(kv, (8, 4)))
+            turn = (lambda x: rotate(x, 32)) if rotated else (lambda x: x)
+            reference = turn(mx.fast.scaled_dot_product_attention(turn(q), k, v, scale=0.25, mask="causal"))
+            if not mx.allclose(ours, reference, atol=1e-5, rtol=1e-5):
+                return False
     x, w = mx.random.normal((1, 1, 24), key=mx.random.key(2)), mx.random.normal((40, 24), key=mx.random.key(3))
     with mx.stream(mx.cpu):
         if not mx.allclose(module.gemv(x, w.T, stream=mx.cpu), x @ w.T, atol=1e-4, rtol=1e-5).item():

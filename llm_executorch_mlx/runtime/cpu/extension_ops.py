@@ -65,15 +65,16 @@ def attention(extension, fallback, window: int = 0):
 def quantized_attention(extension, fallback, window: int = 0):
     """``attention``'s drop-in over a quantized cache: K and V are each a
     ``QuantizedKV`` (4 or 8 bits, each its own; one group size; float16
-    scales and biases), dequantized in registers as they are read, so no
-    widened copy of the history is made. Masks as ``attention``'s; what the
-    kernel does not take (``quantized_kernel_takes``) goes to ``fallback``."""
+    scales and biases; both rotated or neither), dequantized in registers as
+    they are read, so no widened copy of the history is made. Masks as
+    ``attention``'s; what the kernel does not take (``quantized_kernel_takes``)
+    goes to ``fallback``."""
 
     def extension_quantized_attention(Q, K, V, scale, mask):
         if (window > 0 or not isinstance(mask, mx.array)) and quantized_kernel_takes(Q, K, V, mask is not None):
             return extension.quantized_attention(Q, K.data, K.scales, K.biases, V.data, V.scales, V.biases, scale,
                                                  mask is not None, K.bits, V.bits, K.group_size, window=window,
-                                                 stream=mx.cpu)
+                                                 rotated=K.rotated, stream=mx.cpu)
         return fallback(Q, K, V, scale=scale, mask=mask)
 
     return extension_quantized_attention
@@ -113,9 +114,12 @@ def quantized_kernel_takes(Q, K: QuantizedKV, V: QuantizedKV, causal: bool) -> b
     """What the quantized attention kernel attends over (``attention.cpp``'s
     ``quantized_attention``): fp32 queries [B, H, T, D]; K and V quantized
     along D at 4 or 8 bits in one group size of 32, 64 or 128 dividing D,
-    uint32 words and float16 scales and biases of the [B, H_kv, S, D] rows."""
-    if not (isinstance(K, QuantizedKV) and isinstance(V, QuantizedKV)) or K.rotated or V.rotated:
+    uint32 words and float16 scales and biases of the [B, H_kv, S, D] rows;
+    both rotated (as the cache stores them) or neither."""
+    if not (isinstance(K, QuantizedKV) and isinstance(V, QuantizedKV)):
         return False  # one of them stored as floats: the fallback
+    if K.rotated != V.rotated:  # the kernel takes one flag for both
+        return False
     if Q.dtype != mx.float32 or Q.ndim != 4 or K.group_size != V.group_size or K.group_size not in (32, 64, 128):
         return False
     B, H, T, D = Q.shape

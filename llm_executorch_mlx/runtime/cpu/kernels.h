@@ -26,10 +26,14 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 // mx.quantize makes them along D (uint32 words of 4- or 8-bit values, k_bits
 // and v_bits each, float16 scales and biases per group of 32, 64 or 128),
 // dequantized in registers as they are read (q * scale + bias in fp32).
+// rotated: each group of K and V stored times the orthonormal Walsh-Hadamard
+// matrix of its size (as the cache stores them); the queries' groups are
+// rotated so before scoring and the output's after, so the result is
+// attention over the values as they were before rotation.
 mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::array& k_scales,
                               const mx::array& k_biases, const mx::array& v, const mx::array& v_scales,
                               const mx::array& v_biases, float scale, bool causal, int k_bits, int v_bits,
-                              int group_size, int window, mx::StreamOrDevice s);
+                              int group_size, int window, bool rotated, mx::StreamOrDevice s);
 
 // A flat cache layer's step as one op: k and v [1, Hkv, T, D] (fp32) written
 // into the pools [1, Hkv, slots, D] (fp32, bf16 or fp16) at `position`, then

@@ -20,10 +20,12 @@ NB_MODULE(cpu_kernels, m) {
         "only the last `window` keys up to its own.");
   m.def("quantized_attention", &llm_pte::quantized_attention, "q"_a, "k"_a, "k_scales"_a, "k_biases"_a, "v"_a,
         "v_scales"_a, "v_biases"_a, "scale"_a, "causal"_a, "k_bits"_a, "v_bits"_a, "group_size"_a, nb::kw_only(),
-        "window"_a = 0, "stream"_a = nb::none(),
+        "window"_a = 0, "rotated"_a = false, "stream"_a = nb::none(),
         "attention(q, K, V, scale, causal, window=window) over a quantized cache: K and V [B, Hkv, S, D] as\n"
         "mx.quantize(x, group_size, bits) returns them (uint32 words of k_bits / v_bits values, 4 or 8;\n"
-        "float16 scales and biases per group of 32, 64 or 128 along D), dequantized as they are read.");
+        "float16 scales and biases per group of 32, 64 or 128 along D), dequantized as they are read.\n"
+        "rotated: K and V quantized from rotate(x, group_size) (quantized_kv.py); the queries' groups are\n"
+        "rotated before scoring and the output's after, so the result is attention over x.");
   m.def("update_and_attend", &llm_pte::update_and_attend, "q"_a, "k"_a, "v"_a, "k_pool"_a, "v_pool"_a,
         "position"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
         "A flat cache layer's step as one op on the CPU: k and v [1, Hkv, T, D] (fp32) written into\n"
