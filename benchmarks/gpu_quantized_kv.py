@@ -4,8 +4,9 @@ one): the cache's attention against MLX's own, and its time per decode step.
 - **check**: a flat and a sliding-window layer (8 kv heads of 64, 32 query
   heads) fed prefill chunks and single tokens in each storage (int8, int8/int4,
   int4), bf16 and fp32 queries: ``quantized_kv.attention`` over what the
-  cache holds against ``mx.fast.scaled_dot_product_attention`` over the same
-  history dequantized and rotated back in fp32; the worst error as a fraction
+  cache holds, as the plan attends on a GPU (``widened_attention``), against
+  ``mx.fast.scaled_dot_product_attention`` over the same history dequantized
+  and rotated back in fp32; the worst error as a fraction
   of the output's largest value.
 - **time**: one decode step's attention at 2,048 and 8,192 keys, the bf16
   cache's SDPA against each quantized storage (rotations included), median of
@@ -23,7 +24,7 @@ import time
 import mlx.core as mx
 
 from llm_executorch_mlx.runtime.cache import LayerGeometry, SequenceCache
-from llm_executorch_mlx.runtime.quantized_kv import QuantizedKV, attention, rotate
+from llm_executorch_mlx.runtime.quantized_kv import QuantizedKV, rotate, widened_attention
 
 H, H_KV, D = 32, 8, 64
 STORAGES = (("int8", "int8"), ("int8", "int4"), ("int4", "int4"))
@@ -49,7 +50,7 @@ def check() -> None:
                     q, k, v = (mx.random.normal((1, n, T, D), key=mx.random.key(100 * i + 10 * layer + j))
                                for j, n in enumerate((H, H_KV, H_KV)))
                     K, V, mask = cache.update_and_fetch(layer, position, k, v)
-                    ours = attention(q.astype(qdtype), K, V, 0.125, mask).astype(mx.float32)
+                    ours = widened_attention(q.astype(qdtype), K, V, 0.125, mask).astype(mx.float32)
                     ref = mx.fast.scaled_dot_product_attention(q.astype(qdtype).astype(mx.float32), widened(K),
                                                                widened(V), scale=0.125, mask=mask)
                     worst = max(worst, (mx.abs(ours - ref).max() / mx.abs(ref).max()).item())
@@ -79,7 +80,7 @@ def timing(reps: int) -> None:
             cache = SequenceCache([LayerGeometry(H_KV, D)], S, keys, values)
             K, V, _ = cache.update_and_fetch(0, 0, k, v)
             mx.eval(K.fields, V.fields)
-            row[f"{keys}/{values}"] = median_ms(lambda K=K, V=V: attention(q, K, V, 0.125, None), reps)
+            row[f"{keys}/{values}"] = median_ms(lambda K=K, V=V: widened_attention(q, K, V, 0.125, None), reps)
         print(f"time {S} keys: " + ", ".join(f"{name} {ms:.3f} ms" for name, ms in row.items()))
 
 

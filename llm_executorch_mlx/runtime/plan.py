@@ -17,7 +17,8 @@ linear layers   the extension's products    MLX (``quantized_matmul``, GEMM)
                 up to their rows, BLAS
                 above
 attention       the extension's kernel      ``mx.fast`` SDPA
-quantized KV    the extension's kernel      ``quantized_kv.attention``
+quantized KV    the extension's kernel      ``quantized_kv``'s, the
+                                            history widened per layer
 RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
 SwiGLU          the extension's kernel      one compiled MLX kernel
 ==============  ==========================  ================================
@@ -159,6 +160,8 @@ class Plan:
         may be stored in another dtype than the queries (``kv_storage_dtype``)
         or ``quantized`` (either of them a ``QuantizedKV``)."""
         if quantized:
+            if not self.cpu:
+                return quantized_kv.widened_attention
             if self.extension is None or not self.kernels.attention.on:
                 return quantized_kv.attention
             return extension_ops.quantized_attention(self.extension, quantized_kv.attention, window)

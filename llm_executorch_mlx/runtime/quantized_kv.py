@@ -9,9 +9,11 @@ a value is ``q * scale + bias``, exactly what ``mx.quantize`` returns.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 
 class QuantizedKV(NamedTuple):
@@ -50,13 +52,17 @@ class QuantizedKV(NamedTuple):
         return wide if dtype == mx.float32 else wide.astype(dtype)
 
 
-def hadamard(n: int) -> mx.array:
+@functools.lru_cache(maxsize=None)
+def hadamard(n: int, dtype: mx.Dtype = mx.float32) -> mx.array:
     """The orthonormal Walsh-Hadamard matrix of size ``n`` (a power of two):
-    symmetric, its own inverse."""
-    h = mx.array([[1.0]])
-    while h.shape[0] < n:
-        h = mx.concatenate([mx.concatenate([h, h], axis=1), mx.concatenate([h, -h], axis=1)], axis=0)
-    return h / n**0.5
+    symmetric, its own inverse. Made once per size and dtype (as an
+    evaluated array: a step reads it, never builds it)."""
+    h = np.ones((1, 1), dtype=np.float32)
+    while len(h) < n:
+        h = np.block([[h, h], [h, -h]])
+    matrix = mx.array(h / np.sqrt(n, dtype=np.float32)).astype(dtype)
+    mx.eval(matrix)
+    return matrix
 
 
 def rotate(x: mx.array, group_size: int) -> mx.array:
@@ -67,7 +73,7 @@ def rotate(x: mx.array, group_size: int) -> mx.array:
     and rotating twice is the identity."""
     shape = x.shape
     grouped = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    return (grouped @ hadamard(group_size).astype(x.dtype)).reshape(shape)
+    return (grouped @ hadamard(group_size, x.dtype)).reshape(shape)
 
 
 def attention(Q: mx.array, K, V, scale: float, mask) -> mx.array:
@@ -80,6 +86,20 @@ def attention(Q: mx.array, K, V, scale: float, mask) -> mx.array:
         Q = rotate(Q, K.group_size)  # Q's groups rotated as K's: the same scores
     out = _attend(Q, K, V, scale, mask)
     # rotated values give the rotated output: rotating it again undoes that
+    return rotate(out, V.group_size) if isinstance(V, QuantizedKV) and V.rotated else out
+
+
+def widened_attention(Q: mx.array, K, V, scale: float, mask) -> mx.array:
+    """``attention``'s result through ``mx.fast.scaled_dot_product_attention``
+    over the history widened to the queries' dtype, one layer at a time:
+    what a GPU runs, where MLX's ``quantized_matmul`` has no kernel for many
+    of attention's shapes (CUDA: an fp32 query chunk of 70 rows over 8-bit
+    keys, for one). The cache stays quantized; the widened copy lives for
+    the op."""
+    if isinstance(K, QuantizedKV) and K.rotated:
+        Q = rotate(Q, K.group_size)
+    keys, values = (kv.dequantize(Q.dtype) if isinstance(kv, QuantizedKV) else kv.astype(Q.dtype) for kv in (K, V))
+    out = mx.fast.scaled_dot_product_attention(Q, keys, values, scale=scale, mask=mask)
     return rotate(out, V.group_size) if isinstance(V, QuantizedKV) and V.rotated else out
 
 
