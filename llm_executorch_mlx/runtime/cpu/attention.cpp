@@ -1,7 +1,10 @@
 // Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32,
 // bf16 or fp16 keys and values (a half-precision cache is widened as it is
 // read), or over a quantized cache in MLX's affine layout (4 or 8 bits,
-// dequantized in registers as it is read).
+// dequantized in registers as it is read); and a flat cache layer's whole
+// step, its keys and values written into the pools and attended, as one op
+// (UpdateAndAttend; QuantizedUpdateAndAttend, which quantizes them as
+// mx.quantize does).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
 // them) with a BLAS call per kv head for each product and a scalar exp: for
@@ -931,7 +934,8 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
 // value comes out as the exact rotation rounded once, to fp32 by the caller
 // (numpy's float64 product, rounded so, gives the same bits). fp32
 // butterflies round each of log2(n) passes, which changes the fp16 value
-// stored for one value in two thousand. A step's few rows make it cheap.
+// stored for about one value in 1,500 (as MLX's fp32 product of
+// quantized_kv.rotate does). A step's few rows make it cheap.
 inline void rotate_group_exactly(double* x, int n) {
   for (int half = 1; half < n; half *= 2)
     for (int i = 0; i < n; i += 2 * half)

@@ -98,9 +98,10 @@ def update_and_attend(extension, scale: float):
 def quantized_update_and_attend(extension, scale: float, keys: Storage, values: Storage):
     """``update_and_attend``'s op over quantized pools (``keys`` and
     ``values`` their storages): each pool's words, scales and biases. The
-    step's keys and values are rotated and quantized as ``Storage.encode``
-    stores them, in the op: a few hundred MLX nodes a step fewer than
-    encoding, writing and slicing three arrays a pool."""
+    op rotates and quantizes the step's keys and values as ``Storage.encode``
+    does (its rotation rounded once, where MLX's fp32 product rounds a
+    value's fp16 differently about once in 1,500): a few hundred MLX nodes a
+    step fewer than encoding, writing and slicing three arrays a pool."""
 
     def in_op(Q, Kn, Vn, K, V, position):
         y, *pools = extension.quantized_update_and_attend(
