@@ -16,7 +16,8 @@ from executorch.extension.llm.cache.reference_cache import (
 )
 from opgraph import OpGraph, md
 
-from llm_executorch_mlx.runtime import CacheFullError, LayerGeometry, PteError, SequenceCache
+from llm_executorch_mlx.runtime import CacheFullError, LayerGeometry, PteError, SequenceCache, cpu
+from llm_executorch_mlx.runtime.dtypes import on_cpu
 
 H_Q, H_KV, D = 4, 2, 32  # D a multiple of 16: chunks of 8+ queries take the kernel's tiled path;
 # of 32: a quantized cache takes it (groups of 32)
@@ -165,14 +166,37 @@ def test_half_precision_storage_matches_reference(dtype):
     assert cache.state[0].dtype == {"fp16": mx.float16, "bf16": mx.bfloat16}[dtype]
 
 
+def one_op_steps(monkeypatch, name):
+    """The T of each call of the CPU extension's op ``name`` from now on, or
+    None where the plan has no extension here (no compiler, or a GPU)."""
+    kernels = cpu.kernels(build=True)
+    if not (on_cpu() and kernels.attention.on):
+        return None
+    calls, real = [], getattr(kernels.extension, name)
+    monkeypatch.setattr(kernels.extension, name, lambda q, *a, **k: calls.append(q.shape[2]) or real(q, *a, **k))
+    return calls
+
+
 @pytest.mark.parametrize("dtype, value_dtype", [("int8", "int8"), ("int8", "int4"), ("int4", "int4"),
                                                  ("fp16", "int4")])
-def test_quantized_storage_attends_as_the_reference_over_the_rounded_history(dtype, value_dtype):
+def test_quantized_storage_attends_as_the_reference_over_the_rounded_history(dtype, value_dtype, monkeypatch):
     # flat and ring layers, prefill chunks (the tiled path from 8 queries) and
     # single tokens, the 8 + 8 - 1-slot rings wrapping several times
-    cache = run_side_by_side([8, 0], [8, 3, 1, 1, 8, 5] + [1] * 6 + [8] * 3, dtype=dtype,
-                             value_dtype=value_dtype, atol=2e-5)
+    steps = [8, 3, 1, 1, 8, 5] + [1] * 6 + [8] * 3
+    in_op = one_op_steps(monkeypatch, "quantized_update_and_attend")
+    cache = run_side_by_side([8, 0], steps, dtype=dtype, value_dtype=value_dtype, atol=2e-5)
     assert (cache.dtype, cache.value_dtype) == (dtype, value_dtype)
+    # with the CPU kernels, the flat layer's steps are each one op where
+    # keys and values are both quantized (writing them as mx.quantize does)
+    if in_op is not None:
+        assert in_op == (steps if dtype != "fp16" else [])
+
+
+def test_keys_and_values_in_two_float_dtypes_take_the_mlx_writes(monkeypatch):
+    # the one-op write takes pools of one dtype: fp16 keys beside bf16 values go through update_and_fetch
+    in_op = one_op_steps(monkeypatch, "update_and_attend")
+    run_side_by_side([0, 8], [5, 1, 1, 4, 1], dtype="fp16", value_dtype="bf16", max_write=5, atol=2e-2)
+    assert not in_op
 
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])

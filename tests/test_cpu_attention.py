@@ -15,6 +15,7 @@ import torch
 
 from llm_executorch_mlx.runtime import cpu
 from llm_executorch_mlx.runtime.cpu import extension_ops
+from llm_executorch_mlx.runtime.kv_storage import storage
 from llm_executorch_mlx.runtime.plan import Plan
 from llm_executorch_mlx.runtime.quantized_kv import QuantizedKV
 
@@ -302,11 +303,12 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
     # the op as a model runs it (test_cache's side-by-side with ExecuTorch's
     # reference cache), routed through the kernels or, without them, MLX ops:
     # a flat layer's step is one update_and_attend, a ring's the attention
-    # kernel over what the cache hands it
+    # kernel over what the cache hands it (over a quantized cache: their
+    # quantized versions)
     from test_cache import run_side_by_side
 
     calls = []
-    for name in ("attention", "update_and_attend"):
+    for name in ("attention", "update_and_attend", "quantized_attention", "quantized_update_and_attend"):
         real = getattr(kernel, name)
         monkeypatch.setattr(kernel, name, lambda *a, real=real, name=name, **k: calls.append((name, a[0].shape[2]))
                             or real(*a, **k))
@@ -335,6 +337,10 @@ def test_update_and_attend_matches_the_reference_cache_with_and_without_it(kerne
     calls.clear()
     run([0], [3, 1, 1, 8, 1, 2], initial=2, capacity=20)
     assert calls == expected([0], [3, 1, 1, 8, 1, 2])
+    # int8 keys and int4 values: the flat layer's rows quantized in the op
+    calls.clear()
+    run([0, 12], [9, 1, 1, 10], dtype="int8", value_dtype="int4", max_write=10, atol=2e-5)
+    assert calls == [("quantized_" + kind, T) for kind, T in expected([0, 12], [9, 1, 1, 10])]
 
 
 MX_DTYPES = {"fp32": mx.float32, "bf16": mx.bfloat16, "fp16": mx.float16}
@@ -606,3 +612,158 @@ def test_quantized_attention_wrapper_hands_the_kernel_what_it_takes_and_the_rest
     windowed = extension_ops.quantized_attention(kernel, fallback, window=4)
     out = windowed(q, K, V, 0.125, band)
     assert_close_to_scale(np.array(out), torch_attention(q, K.dequantize(), V.dequantize(), 0.125, True, 4))
+
+
+def quantized_layer_pool(rng, Hkv, slots, D, bits, group, rotated=True):
+    """One layer's keys or values as a quantized cache holds them: the words,
+    scales and biases of `slots` rows, quantized from random fp16 values
+    (each group rotated first, as the cache stores them)."""
+    x = rng.standard_normal((1, Hkv, slots, D)).astype(np.float32)
+    return list(mx.quantize(mx.array(rotate_groups(x, group) if rotated else x).astype(mx.float16), group_size=group,
+                            bits=bits))
+
+
+def written(pool, position, x, bits, group, rotated=True):
+    """The pool as the op must leave it, as numpy arrays: rows position ..
+    position + T those of mx.quantize of x's rows (numpy-rotated where asked)
+    rounded to fp16, the rest as they were."""
+    x = np.asarray(x)
+    step = mx.quantize(mx.array(rotate_groups(x, group) if rotated else x).astype(mx.float16), group_size=group,
+                       bits=bits)
+    want = [np.array(a).copy() for a in pool]
+    for w, s in zip(want, step):
+        w[:, :, position : position + x.shape[2]] = np.array(s)
+    return want
+
+
+def assert_same_bits(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == mx.array(w).dtype
+        np.testing.assert_array_equal(np.array(g).view(np.uint8), w.view(np.uint8))
+
+
+def history_reference(q, pools, k_bits, v_bits, group, end, rotated=True):
+    """torch's attention of q over the first `end` rows of written pools,
+    dequantized and (where stored rotated) rotated back: causal for several
+    queries, as the op attends."""
+    K, V = (QuantizedKV(*(f[:, :, :end] for f in fields), bits, group).dequantize()
+            for fields, bits in ((pools[:3], k_bits), (pools[3:], v_bits)))
+    K, V = (rotate_groups(x, group) if rotated else np.array(x) for x in (K, V))
+    return torch_attention(q, K, V, q.shape[-1]**-0.5, q.shape[2] > 1)
+
+
+@pytest.mark.parametrize("k_bits, v_bits", [(8, 8), (8, 4), (4, 4)])
+@pytest.mark.parametrize("Hq, Hkv, T, D, group, position, rotated", [
+    (9, 3, 1, 64, 64, 37, True),  # a SmolLM-shaped decode step
+    (4, 2, 3, 64, 32, 20, True),  # a chat turn's few queries: two groups a row
+    (6, 2, 70, 64, 64, 5, True),  # a prefill chunk: the tiled path
+    (2, 2, 1, 128, 128, 0, True),  # the first token: attends to itself alone
+    (4, 2, 3, 64, 32, 9, False),  # a history stored as it is
+])
+def test_quantized_update_and_attend_writes_the_step_and_attends_the_history(kernel, k_bits, v_bits, Hq, Hkv, T, D,
+                                                                            group, position, rotated):
+    rng = np.random.default_rng(T * 100 + D + k_bits + v_bits)
+    slots = position + T + 6
+    K = quantized_layer_pool(rng, Hkv, slots, D, k_bits, group, rotated)
+    V = quantized_layer_pool(rng, Hkv, slots, D, v_bits, group, rotated)
+    q = mx.array(rng.standard_normal((1, Hq, T, D)).astype(np.float32))
+    # keys and values as a projection hands them over: a transposed view
+    k, v = (mx.array(rng.standard_normal((1, T, Hkv, D)).astype(np.float32) * 3).transpose(0, 2, 1, 3)
+            for _ in range(2))
+    y, *pools = kernel.quantized_update_and_attend(q, k, v, *K, *V, position, D**-0.5, k_bits, v_bits, group,
+                                                   rotated=rotated)
+    # the pools: the history, with the step's rows as mx.quantize stores them
+    assert_same_bits(pools, written(K, position, k, k_bits, group, rotated)
+                     + written(V, position, v, v_bits, group, rotated))
+    assert_close_to_scale(y, history_reference(q, pools, k_bits, v_bits, group, position + T, rotated))
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_update_and_attend_rounds_as_mx_quantize_bit_for_bit(kernel, bits, rotated):
+    """Rows that probe each step of MLX's affine quantization: zeros,
+    all-equal groups (no range), a negative end of the larger magnitude,
+    large and tiny (fp16-subnormal) values, an outlier, evenly spaced values
+    (ties to even), and values halfway between two fp16 values."""
+    rng = np.random.default_rng(bits * 2 + rotated)
+    x = rng.standard_normal((1, 2, 12, 64)).astype(np.float32)
+    x[0, 0, 0] = 0
+    x[0, 0, 1] = 1.5
+    x[0, 0, 2, :32], x[0, 0, 2, 32:] = -0.75, 3e-5
+    x[0, 0, 3] = -np.abs(x[0, 0, 3])
+    x[0, 0, 4] *= 1000
+    x[0, 0, 5] *= 1e-6
+    x[0, 0, 6, 7] = 50
+    x[0, 0, 7] = np.tile(np.linspace(-1, 1, 32), 2)
+    x[0, 0, 8] = 1 + 2.0**-11 * np.arange(64) % 4
+    x[0, 1] = -x[0, 0]
+    K = quantized_layer_pool(rng, 2, 17, 64, bits, 32, rotated)
+    V = quantized_layer_pool(rng, 2, 17, 64, bits, 32, rotated)
+    q, k = mx.array(rng.standard_normal((1, 4, 12, 64)).astype(np.float32)), mx.array(x)
+    y, *pools = kernel.quantized_update_and_attend(q, k, -k, *K, *V, 3, 0.125, bits, bits, 32, rotated=rotated)
+    assert_same_bits(pools, written(K, 3, x, bits, 32, rotated) + written(V, 3, -x, bits, 32, rotated))
+
+
+def test_quantized_update_and_attend_writes_in_place_unless_the_pool_is_held(kernel):
+    rng = np.random.default_rng(8)
+    K, V = quantized_layer_pool(rng, 2, 16, 64, 8, 64), quantized_layer_pool(rng, 2, 16, 64, 4, 64)
+    mx.eval(K, V)
+    addresses = [data_address(a) for a in K + V]
+
+    def step(K, V, position):
+        q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
+        k, v = (mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)) for _ in range(2))
+        y, *pools = kernel.quantized_update_and_attend(q, k, v, *K, *V, position, 0.125, 8, 4, 64, rotated=True)
+        return y, pools, k, v
+
+    for position in range(3):  # a decode loop: each step's pools are the next step's
+        y, pools, _, _ = step(K, V, position)
+        K, V = pools[:3], pools[3:]
+        del pools
+        mx.eval(y, K, V)
+        assert [data_address(a) for a in K + V] == addresses  # no copy of the pools per step
+    # pools something else still holds (a saved state's slices, here the
+    # caller's names) are copied: the holders keep what they saw
+    held = [np.array(a).copy() for a in K + V]
+    y, pools, k, v = step(K, V, 2)
+    mx.eval(y, pools)
+    for a, before in zip(K + V, held):
+        np.testing.assert_array_equal(np.array(a), before)
+    assert_same_bits(pools, written(K, 2, k, 8, 64) + written(V, 2, v, 4, 64))
+
+
+def test_quantized_update_and_attend_refuses_what_it_cannot_write_with_the_reason(kernel):
+    rng = np.random.default_rng(9)
+    K, V = quantized_layer_pool(rng, 2, 4, 64, 8, 32), quantized_layer_pool(rng, 2, 4, 64, 4, 32)
+    q, k = mx.zeros((1, 4, 1, 64)), mx.zeros((1, 2, 1, 64))
+
+    def write(K=K, V=V, q=q, k=k, position=0, bits=(8, 4), group=32):
+        return kernel.quantized_update_and_attend(q, k, k, *K, *V, position, 1.0, *bits, group)
+
+    with pytest.raises(ValueError, match="overruns a pool of 4"):
+        write(position=4)
+    with pytest.raises(ValueError, match=r"needs words \(1,2,4,16\).*\(v pool\)"):
+        write(bits=(8, 8))
+    with pytest.raises(ValueError, match="group_size must be 32, 64 or 128"):
+        write(group=16)
+    with pytest.raises(ValueError, match="float16"):
+        write(K=[K[0], K[1].astype(mx.float32), K[2]])
+    with pytest.raises(ValueError, match="incompatible shapes"):
+        write(q=mx.zeros((1, 3, 1, 64)))
+    with pytest.raises(ValueError, match="float32"):
+        write(k=k.astype(mx.bfloat16))
+
+
+def test_the_plan_writes_and_attends_in_one_op_where_a_flat_layer_stores_keys_and_values_alike(kernels):
+    plan = Plan(True, kernels)
+
+    def op(window, keys, values):
+        in_op = plan.update_and_attend(0.5, window, (storage(keys), storage(values)))
+        return in_op and in_op.__qualname__.split(".")[0]
+
+    assert op(0, "int8", "int4") == "quantized_update_and_attend"
+    assert op(0, "bf16", "bf16") == "update_and_attend"
+    for window, keys, values in [(8, "int8", "int8"), (8, "fp32", "fp32"), (0, "fp16", "int4"), (0, "fp16", "bf16")]:
+        assert op(window, keys, values) is None
+    assert Plan(True, dataclasses.replace(kernels, attention=cpu.Use(False, "off"))).update_and_attend(
+        0.5, 0, (storage("int8"), storage("int8"))) is None

@@ -127,6 +127,30 @@ for T in (3, 70):
                                             k_bits, v_bits, 32, rotated=True))
     reference = rotate(attention_reference(rotate(q), quantized[0][1], quantized[1][1], 0.125))
     worst[f"rotated quantized attention k{k_bits} v{v_bits} T{T}"] = float(np.abs(ours - reference).max() / 1e-5)
+# a flat quantized layer's step as one op: the rows written as mx.quantize
+# writes the rotated rows (any byte else counts 2: past the tolerance), the
+# attention as above over the history written
+for k_bits, v_bits in ((8, 8), (8, 4)):
+    for T, position in ((1, 40), (70, 3)):
+        slots, end = position + T + 2, position + T
+        pools = [list(mx.quantize(mx.array(rotate(rng.standard_normal((1, 2, slots, 64)).astype(np.float32)))
+                                  .astype(mx.float16), group_size=32, bits=bits)) for bits in (k_bits, v_bits)]
+        q, k, v = (rng.standard_normal((1, h, T, 64)).astype(np.float32) for h in (6, 2, 2))
+        out, *written = ext.quantized_update_and_attend(mx.array(q), mx.array(k), mx.array(v), *pools[0], *pools[1],
+                                                        position, 0.125, k_bits, v_bits, 32, rotated=True)
+        wrong, history = 0, []
+        for got, pool, x, bits in ((written[:3], pools[0], k, k_bits), (written[3:], pools[1], v, v_bits)):
+            step = mx.quantize(mx.array(rotate(x)).astype(mx.float16), group_size=32, bits=bits)
+            for g, p, s in zip(got, pool, step):
+                want = np.array(p).copy()
+                want[:, :, position:end] = np.array(s)
+                wrong += int((np.array(g).view(np.uint8) != want.view(np.uint8)).sum())
+            flat = (got[0].reshape(2 * slots, -1), got[1].reshape(2 * slots, -1).astype(mx.float32),
+                    got[2].reshape(2 * slots, -1).astype(mx.float32))
+            history.append(rotate(by_hand(*flat, bits, 32).reshape(1, 2, slots, 64)[:, :, :end]))
+        worst[f"quantized update_and_attend k{k_bits} v{v_bits} T{T}: wrong bytes"] = 2.0 * wrong
+        reference = attention_reference(q, *history, 0.125)
+        worst[f"quantized update_and_attend k{k_bits} v{v_bits} T{T}"] = float(np.abs(np.array(out) - reference).max() / 1e-5)
 # the int8-activation products, against numpy's integer math (test_cpu_int8_products.py)
 sys.path.insert(0, sys.argv[1])
 from test_cpu_int8_products import int8_reference

@@ -73,7 +73,8 @@ def _seeing_a_gpu(monkeypatch):
             monkeypatch.setattr(module, "on_cpu", off_cpu)  # dtypes and every module that imported it
     for name in ("attention", "rms_norm", "swiglu"):
         monkeypatch.setattr(fastmath, name, cpu_branch(f"fastmath.{name}"))
-    for name in ("attention", "rms_norm", "swiglu", "update_and_attend"):
+    for name in ("attention", "rms_norm", "swiglu", "update_and_attend", "quantized_attention",
+                 "quantized_update_and_attend"):
         monkeypatch.setattr(extension_ops, name, cpu_branch(f"extension_ops.{name}"))
     monkeypatch.setattr(fusion, "_RopeTables", cpu_branch("_RopeTables"))
     counts = {}

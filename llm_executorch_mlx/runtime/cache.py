@@ -318,20 +318,22 @@ class SequenceCache:
     def update_in_op(self, layer: int, position: int, k: mx.array, op):
         """A flat layer's step whose op writes the keys and values itself.
 
-        ``op(K, V)`` gets the layer's pools (grown to hold ``position`` plus
-        this step's ``T`` tokens, in the storage dtype), writes the step at
-        ``position`` and returns ``(y, K', V')``: its result and the pools
-        written, which the layer keeps. Returns ``y``. ``k`` is only checked,
-        as ``update_and_fetch`` checks it. Ring layers and quantized pools
+        ``op(K, V)`` gets the layer's pools, each as its list of arrays (one
+        for a float storage; a quantized one's words, scales and biases),
+        grown to hold ``position`` plus this step's ``T`` tokens; it writes
+        the step at ``position`` and returns ``(y, K', V')``: its result and
+        the pools' arrays written, which the layer keeps. Returns ``y``.
+        ``k`` is only checked, as ``update_and_fetch`` checks it. Ring layers
         take ``update_and_fetch``.
         """
         g = self._check_step(layer, position, k)
-        if g.is_ring or self.quantized:
-            raise PteError(f"cache layer {layer} is a ring or quantized: its steps go through update_and_fetch")
+        if g.is_ring:
+            raise PteError(f"cache layer {layer} is a ring: its steps go through update_and_fetch")
         end = position + k.shape[2]
         self._grow(layer, end)
         K, V = self._k[layer], self._v[layer]
-        y, K.arrays[0], V.arrays[0] = op(K.arrays[0], V.arrays[0])
+        y, k_arrays, v_arrays = op(K.arrays, V.arrays)
+        K.arrays, V.arrays = list(k_arrays), list(v_arrays)
         self._advance(end)
         return y
 

@@ -27,6 +27,7 @@ from .quantized_kv import QuantizedKV
 GROUP_SIZES = (64, 32)  # the first that divides the head size
 SCALE_DTYPE = mx.float16
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
+ROTATED = True  # each group stored rotated by the Hadamard matrix (``quantized_kv.rotate``)
 
 
 @dataclass(frozen=True)
@@ -64,13 +65,14 @@ class Storage:
         """The fields that store the float history ``x``."""
         if not self.quantized:
             return [x.astype(self.dtype)]
-        return list(QuantizedKV.quantize(x, self.bits, self.group_size(x.shape[-1]), self.dtype, rotated=True).fields)
+        quantized = QuantizedKV.quantize(x, self.bits, self.group_size(x.shape[-1]), self.dtype, rotated=ROTATED)
+        return list(quantized.fields)
 
     def view(self, fields: list[mx.array], head_dim: int):
         """What attention reads: the array itself, or a ``QuantizedKV``."""
         if not self.quantized:
             return fields[0]
-        return QuantizedKV(*fields, self.bits, self.group_size(head_dim), rotated=True)
+        return QuantizedKV(*fields, self.bits, self.group_size(head_dim), rotated=ROTATED)
 
 
 STORAGES: dict[str, Storage] = {

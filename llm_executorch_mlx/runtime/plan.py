@@ -38,6 +38,7 @@ import mlx.core as mx
 
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
+from .kv_storage import Storage
 from .steps import PLAIN, Steps, helped
 
 # Without the extension's products: MLX's quantized_matmul is scalar code on
@@ -172,9 +173,16 @@ class Plan:
             return fallback
         return extension_ops.attention(self.extension, fallback, window)
 
-    def update_and_attend(self, scale: float):
-        """A flat cache layer's write and attention as one op, or None."""
-        if self.extension is None or not self.kernels.attention.on:
+    def update_and_attend(self, scale: float, window: int, storages: tuple[Storage, Storage]):
+        """A cache layer's write and attention as one op (``SequenceCache.update_in_op``'s),
+        or None: for a flat layer (``window`` 0) whose keys and values are
+        stored alike, both in one float dtype or both quantized."""
+        if window or self.extension is None or not self.kernels.attention.on:
+            return None
+        keys, values = storages
+        if keys.quantized and values.quantized:
+            return extension_ops.quantized_update_and_attend(self.extension, scale, keys, values)
+        if keys.quantized or values.quantized or keys.dtype != values.dtype:
             return None
         return extension_ops.update_and_attend(self.extension, scale)
 

@@ -1,7 +1,10 @@
 // Fused attention on MLX's CPU stream: one MLX op, fp32 queries over fp32,
 // bf16 or fp16 keys and values (a half-precision cache is widened as it is
 // read), or over a quantized cache in MLX's affine layout (4 or 8 bits,
-// dequantized in registers as it is read).
+// dequantized in registers as it is read); and a flat cache layer's whole
+// step, its keys and values written into the pools and attended, as one op
+// (UpdateAndAttend; QuantizedUpdateAndAttend, which quantizes them as
+// mx.quantize does).
 //
 // MLX's CPU backend runs attention as ~10 ops (its fast SDPA falls back to
 // them) with a BLAS call per kv head for each product and a scalar exp: for
@@ -795,10 +798,10 @@ inline void store(Half* dst, float x) {
   std::memcpy(dst, &h, sizeof *dst);
 }
 
-// The buffers of the pools an UpdateAndAttend writes (outputs 1 and 2, from
-// inputs 3 and 4): each input pool's own where MLX's rule would donate it,
-// else a new one the task copies the pool into. Returns whether each must
-// be copied.
+// The buffers of the N pools a step op writes (outputs 1 .. N, from inputs
+// 3 .. 3 + N): each input pool's own where MLX's rule would donate it, else
+// a new one the task copies the pool into (PoolCopy). Returns whether each
+// must be copied.
 //
 // Why: MLX donates an input's buffer where nothing else holds the input
 // (is_donatable), as its slice_update does; that makes a decode step's write
@@ -811,15 +814,16 @@ inline void store(Half* dst, float x) {
 // whatever else holds a pool (the caller, a saved state's slice, an op
 // queued to read it) has it copied, slower but never written under its
 // reader. Should MLX come to hold the inputs otherwise, the pools are
-// copied; test_cpu_attention.py's in-place test notices that.
-std::array<bool, 2> take_pools(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+// copied; test_cpu_attention.py's in-place tests notice that.
+template <size_t N>
+std::array<bool, N> take_pools(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const bool own = std::any_of(outputs.begin(), outputs.end(), [&](auto& o) { return &o.inputs() == &inputs; });
   if (own && !outputs[0].is_tracer()) {
     for (auto& o : outputs)
       if (&o.inputs() != &inputs) o.inputs().clear();
   }
-  std::array<bool, 2> copy;
-  for (int i = 0; i < 2; ++i) {
+  std::array<bool, N> copy;
+  for (size_t i = 0; i < N; ++i) {
     const auto& pool = inputs[3 + i];
     auto& out = outputs[1 + i];
     copy[i] = !(pool.is_donatable() && pool.flags().row_contiguous);
@@ -840,6 +844,39 @@ void copy_pool(const char* src, const mx::Strides& strides, const mx::Shape& sha
                       src + (a * strides[0] + h * strides[1] + s * strides[2] + d * strides[3]) * size, size);
 }
 
+// The copy of one input pool into its output's new buffer that take_pools
+// asked for, for the task to run first; none where the buffer was donated.
+struct PoolCopy {
+  const char* src = nullptr;
+  mx::Strides strides;
+  mx::Shape shape;
+  size_t size = 0;
+  char* dst = nullptr;
+
+  PoolCopy(const mx::array& pool, mx::array& out, bool copy)
+      : src(copy ? pool.data<char>() : nullptr), strides(pool.strides()), shape(pool.shape()),
+        size(pool.itemsize()), dst(out.data<char>()) {}
+  void run() const {
+    if (src) copy_pool(src, strides, shape, size, dst);
+  }
+};
+
+// A step op's eval_cpu up to its task: the output's buffer, the N pools'
+// (take_pools), the encoder with every input and output bound. Returns the
+// copies the task runs first.
+template <size_t N>
+std::array<PoolCopy, N> bind_step(mx::Stream stream, const std::vector<mx::array>& inputs,
+                                  std::vector<mx::array>& outputs) {
+  outputs[0].set_data(mx::allocator::malloc(outputs[0].nbytes()));
+  const auto copy = take_pools<N>(inputs, outputs);
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  for (auto& a : outputs) encoder.set_output_array(a);
+  return [&]<size_t... i>(std::index_sequence<i...>) {
+    return std::array<PoolCopy, N>{PoolCopy(inputs[3 + i], outputs[1 + i], copy[i])...};
+  }(std::make_index_sequence<N>{});
+}
+
 // A flat cache layer's step as one op: the step's keys and values written
 // into the layer's pools at `position` (outputs 1 and 2, the input pools'
 // buffers where nothing else holds them), then the queries attend to the
@@ -856,26 +893,21 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
   bool shares_work() const override { return few_queries_; }  // as FusedAttention's
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &kp = inputs[3], &vp = inputs[4];
+    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2], &kp = inputs[3];
     auto &out = outputs[0], &kout = outputs[1], &vout = outputs[2];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    const auto [copy_k, copy_v] = take_pools(inputs, outputs);
+    const auto copies = bind_step<2>(stream(), inputs, outputs);
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    for (const auto& a : inputs) encoder.set_input_array(a);
-    for (auto& a : outputs) encoder.set_output_array(a);
     auto started = read_ahead_later(out, nullptr, 0);  // out: holding a pool would keep it from donation
     const int T = q.shape(2);
     const Geometry g{q.shape(0), q.shape(1), kp.shape(1), T, position_ + T, q.shape(3), T > 1, 0, scale_, q.strides()};
     const Strides4 k_stride = strides4(kout), v_stride = strides4(vout);
     with_kv_type(kp, [&](auto* type) {
       using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
-      const char *kp_src = copy_k ? kp.data<char>() : nullptr, *vp_src = copy_v ? vp.data<char>() : nullptr;
       encoder.dispatch([=, q = q.data<float>(), k = k.data<float>(), v = v.data<float>(), ks = k.strides(),
-                        vs = v.strides(), kp_strides = kp.strides(), vp_strides = vp.strides(), shape = kp.shape(),
-                        kd = kout.data<KV>(), vd = vout.data<KV>(), o = out.data<float>(), position = position_]() {
+                        vs = v.strides(), kd = kout.data<KV>(), vd = vout.data<KV>(), o = out.data<float>(),
+                        position = position_]() {
         started->store(true, std::memory_order_relaxed);
-        if (kp_src) copy_pool(kp_src, kp_strides, shape, sizeof(KV), reinterpret_cast<char*>(kd));
-        if (vp_src) copy_pool(vp_src, vp_strides, shape, sizeof(KV), reinterpret_cast<char*>(vd));
+        for (const auto& c : copies) c.run();
         for (int h = 0; h < g.Hkv; ++h)
           for (int t = 0; t < g.T; ++t)
             for (int d = 0; d < g.D; ++d) {
@@ -895,6 +927,150 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
   float scale_;
   int position_;
   bool few_queries_;
+};
+
+// rotate_groups's transform of one group of n values, in double: a step's
+// keys and values are rotated so before they are stored, and in double each
+// value comes out as the exact rotation rounded once, to fp32 by the caller
+// (numpy's float64 product, rounded so, gives the same bits). fp32
+// butterflies round each of log2(n) passes, which changes the fp16 value
+// stored for about one value in 1,500 (as MLX's fp32 product of
+// quantized_kv.rotate does). A step's few rows make it cheap.
+inline void rotate_group_exactly(double* x, int n) {
+  for (int half = 1; half < n; half *= 2)
+    for (int i = 0; i < n; i += 2 * half)
+      for (int j = i; j < i + half; ++j) {
+        const double a = x[j], b = x[j + half];
+        x[j] = a + b, x[j + half] = a - b;
+      }
+  const double norm = 1.0 / std::sqrt(double(n));
+  for (int i = 0; i < n; ++i) x[i] *= norm;
+}
+
+// One row of D fp16 values (held as floats) as mx.quantize(row, group_size,
+// BITS) stores it, bit for bit: MLX's affine quantization as its CPU op
+// computes it (fast::Quantize), each step in fp32 as there. Per group, the
+// end of the larger magnitude (`edge`) is the bias, stored exactly, and the
+// step is the range over 2^BITS - 1, negative where the edge is the max,
+// refitted so that the edge is a whole number of steps from zero (where it
+// is not 0 steps); each value is then rounded to its nearest step (ties to
+// even) and clamped to [0, 2^BITS - 1]; scale and bias are stored in fp16.
+template <int BITS>
+void quantize_row(const float* row, int D, int group_size, uint32_t* words, Half* scales, Half* biases) {
+  constexpr int kPerWord = 32 / BITS;
+  const float n_bins = (1 << BITS) - 1, eps = 1e-7f;
+  for (int g = 0; g < D / group_size; ++g) {
+    const float* w = row + g * group_size;
+    float w_min = INFINITY, w_max = -INFINITY;
+    for (int j = 0; j < group_size; ++j) w_max = std::max(w_max, w[j]), w_min = std::min(w_min, w[j]);
+    const bool min_edge = std::abs(w_min) > std::abs(w_max);
+    float scale = std::max((w_max - w_min) / n_bins, eps);
+    scale = min_edge ? scale : -scale;
+    const float edge = min_edge ? w_min : w_max;
+    const float q0 = std::rint(edge / scale);
+    float bias = 0.0f;
+    if (q0 != 0.0f) scale = edge / q0, bias = edge;
+    for (int j = 0; j < group_size; j += kPerWord) {
+      uint64_t word = 0;  // as MLX packs it
+      for (int e = 0; e < kPerWord; ++e) {
+        const float q = std::min(std::max(std::rint((w[j + e] - bias) / scale), 0.0f), n_bins);
+        word |= static_cast<uint64_t>(q) << (e * BITS);
+      }
+      words[(g * group_size + j) / kPerWord] = uint32_t(word);
+    }
+    store(scales + g, scale), store(biases + g, bias);
+  }
+}
+
+// Where a step's rows of one quantized pool go: the words, scales and
+// biases of the op's output (row-contiguous: donated only so, else new).
+struct QuantizedPool {
+  uint32_t* words;
+  Half *scales, *biases;
+  Strides4 words_stride, groups_stride;  // the scales' and biases' (one shape)
+
+  QuantizedPool(mx::array& words, mx::array& scales, mx::array& biases)
+      : words(words.data<uint32_t>()), scales(static_cast<Half*>(scales.data<void>())),
+        biases(static_cast<Half*>(biases.data<void>())), words_stride(strides4(words)),
+        groups_stride(strides4(scales)) {}
+};
+
+// The T rows of x [1, Hkv, T, D] (fp32, any strides) rotated (where asked),
+// rounded to fp16 and quantized into rows position .. position + T of the
+// pool: mx.quantize(rotate(x).astype(float16)) there.
+template <int BITS>
+void quantize_step(const float* x, const mx::Strides& xs, const QuantizedPool& pool, int position, int Hkv, int T,
+                   int D, int group_size, bool rotated) {
+  std::vector<double> exact(D);
+  std::vector<float> row(D);
+  for (int h = 0; h < Hkv; ++h)
+    for (int t = 0; t < T; ++t) {
+      for (int d = 0; d < D; ++d) exact[d] = x[h * xs[1] + t * xs[2] + d * xs[3]];
+      if (rotated)
+        for (int d = 0; d < D; d += group_size) rotate_group_exactly(exact.data() + d, group_size);
+      for (int d = 0; d < D; ++d) row[d] = float(mx::float16_t(float(exact[d])));
+      const int64_t at = position + t;
+      const int64_t groups = h * pool.groups_stride[1] + at * pool.groups_stride[2];
+      quantize_row<BITS>(row.data(), D, group_size, pool.words + h * pool.words_stride[1] + at * pool.words_stride[2],
+                         pool.scales + groups, pool.biases + groups);
+    }
+}
+
+// UpdateAndAttend over a quantized cache: inputs q, k, v, then K's words,
+// scales and biases, then V's (outputs 1 .. 6 the same, written); the step's
+// rows quantized as quantize_step makes them, the attention QuantizedAttention's
+// over the pools' first position + T rows.
+class QuantizedUpdateAndAttend : public CpuPrimitive<QuantizedUpdateAndAttend, SharedPrimitive> {
+ public:
+  static constexpr const char* kName = "QuantizedUpdateAndAttend";
+  QuantizedUpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries, int k_bits, int v_bits,
+                           int group_size, bool rotated)
+      : CpuPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries), k_bits_(k_bits),
+        v_bits_(v_bits), group_size_(group_size), rotated_(rotated) {}
+  auto params() const {
+    return std::tuple(scale_, position_, few_queries_, k_bits_, v_bits_, group_size_, rotated_);
+  }
+
+  bool shares_work() const override { return few_queries_; }  // as FusedAttention's
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    auto& out = outputs[0];
+    const auto copies = bind_step<6>(stream(), inputs, outputs);
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    auto started = read_ahead_later(out, nullptr, 0);  // as UpdateAndAttend's
+    const int T = q.shape(2), group = group_size_;
+    const Geometry g{q.shape(0), q.shape(1), k.shape(1), T,           position_ + T,
+                     q.shape(3), T > 1,      0,          scale_,      q.strides(),
+                     rotated_ ? group : 0};
+    const QuantizedPool kp(outputs[1], outputs[2], outputs[3]), vp(outputs[4], outputs[5], outputs[6]);
+    with_bits(k_bits_, v_bits_, [&](auto k_bits, auto v_bits) {
+      constexpr int KB = decltype(k_bits)::value, VB = decltype(v_bits)::value;
+      const auto kr = quantized_rows<KB>(outputs[1], outputs[2], outputs[3], group);
+      const auto vr = quantized_rows<VB>(outputs[4], outputs[5], outputs[6], group);
+      encoder.dispatch([=, q = q.data<float>(), k = k.data<float>(), v = v.data<float>(), ks = k.strides(),
+                        vs = v.strides(), o = out.data<float>(), position = position_, rotated = rotated_]() {
+        started->store(true, std::memory_order_relaxed);
+        for (const auto& c : copies) c.run();
+        quantize_step<KB>(k, ks, kp, position, g.Hkv, g.T, g.D, group, rotated);
+        quantize_step<VB>(v, vs, vp, position, g.Hkv, g.T, g.D, group, rotated);
+        attend(q, kr, vr, o, g);
+      });
+    });
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    std::vector<mx::Shape> shapes{inputs[0].shape()};
+    for (int i = 3; i < 9; ++i) shapes.push_back(inputs[i].shape());
+    return shapes;
+  }
+
+ private:
+  float scale_;
+  int position_;
+  bool few_queries_;
+  int k_bits_, v_bits_, group_size_;
+  bool rotated_;
 };
 
 }  // namespace
@@ -1000,6 +1176,49 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
   return mx::array::make_arrays({q.shape(), k_pool.shape(), v_pool.shape()},
                                 {mx::float32, k_pool.dtype(), v_pool.dtype()},
                                 std::make_shared<UpdateAndAttend>(stream, scale, position, q.shape(2) < kTiledMinQueries), {q, k, v, k_pool, v_pool});
+}
+
+std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
+                                                   const mx::array& k_words, const mx::array& k_scales,
+                                                   const mx::array& k_biases, const mx::array& v_words,
+                                                   const mx::array& v_scales, const mx::array& v_biases, int position,
+                                                   float scale, int k_bits, int v_bits, int group_size, bool rotated,
+                                                   mx::StreamOrDevice s) {
+  std::string err;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
+    err = "q, k and v must be 4-D";
+  } else if (q.dtype() != mx::float32 || k.dtype() != mx::float32 || v.dtype() != mx::float32) {
+    err = "q, k and v must be float32";
+  } else if (group_size != 32 && group_size != 64 && group_size != 128) {
+    err = "group_size must be 32, 64 or 128, not " + std::to_string(group_size);
+  } else if (q.shape(0) != 1 || k.shape() != v.shape() || k.shape(0) != 1 || q.shape(3) != k.shape(3) ||
+             q.shape(2) != k.shape(2) || k.shape(1) == 0 || q.shape(1) % k.shape(1) != 0 || q.shape(2) == 0) {
+    err = "incompatible shapes q " + text(q.shape()) + ", k " + text(k.shape()) + ", v " + text(v.shape());
+  } else if (q.shape(3) % group_size != 0) {
+    err = "head size " + std::to_string(q.shape(3)) + " is not a multiple of group_size " + std::to_string(group_size);
+  } else if (k_words.ndim() != 4) {
+    err = "the pools must be 4-D";
+  } else {
+    const mx::Shape rows{1, k.shape(1), k_words.shape(2), k.shape(3)};
+    err = check_quantized("k pool", k_words, k_scales, k_biases, k_bits, group_size, rows);
+    if (err.empty()) err = check_quantized("v pool", v_words, v_scales, v_biases, v_bits, group_size, rows);
+    if (err.empty() && (position < 0 || int64_t(position) + q.shape(2) > rows[2])) {
+      err = "writing " + std::to_string(q.shape(2)) + " positions at " + std::to_string(position) +
+            " overruns a pool of " + std::to_string(rows[2]);
+    }
+  }
+  const auto stream = cpu_stream("quantized_update_and_attend", err, s);
+  std::vector<mx::Shape> shapes{q.shape()};
+  std::vector<mx::Dtype> dtypes{mx::float32};
+  const std::vector<mx::array> pools{k_words, k_scales, k_biases, v_words, v_scales, v_biases};
+  for (const auto& p : pools) shapes.push_back(p.shape()), dtypes.push_back(p.dtype());
+  std::vector<mx::array> inputs{q, k, v};
+  inputs.insert(inputs.end(), pools.begin(), pools.end());
+  return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
+                                std::make_shared<QuantizedUpdateAndAttend>(stream, scale, position,
+                                                                           q.shape(2) < kTiledMinQueries, k_bits,
+                                                                           v_bits, group_size, rotated),
+                                std::move(inputs));
 }
 
 }  // namespace llm_pte

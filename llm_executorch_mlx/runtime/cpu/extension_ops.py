@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..kv_storage import ROTATED, Storage
 from ..quantized_kv import QuantizedKV
 
 # What the attention kernel reads: fp32 queries over fp32, bf16 or fp16 keys and values.
@@ -54,7 +55,7 @@ def attention(extension, fallback, window: int = 0):
 
     def extension_attention(Q, K, V, scale, mask):
         # the cache's masks: None (one query), "causal", or the window's band
-        if (Q.dtype == mx.float32 and K.dtype in KERNEL_KV_DTYPES
+        if (Q.dtype == mx.float32 and K.dtype in KERNEL_KV_DTYPES and V.dtype == K.dtype
                 and (window > 0 or not isinstance(mask, mx.array)) and kernel_takes(Q, K, V, mask is not None)):
             return extension.attention(Q, K, V, scale, mask is not None, window=window, stream=mx.cpu)
         return fallback(Q, K, V, scale=scale, mask=mask)
@@ -82,20 +83,40 @@ def quantized_attention(extension, fallback, window: int = 0):
 
 def update_and_attend(extension, scale: float):
     """A flat layer's step as one op: the cache write and the attention
-    (``in_op(Q, Kn, Vn, K, V, position)``, for what ``in_op_takes``). Five
-    MLX nodes a layer fewer than writing the pools with ``__setitem__``,
-    slicing them and attending."""
+    (``in_op(Q, Kn, Vn, K, V, position)``, K and V each a pool's list of
+    arrays, returning ``(y, K', V')``; for what ``in_op_takes``). Five MLX
+    nodes a layer fewer than writing the pools with ``__setitem__``, slicing
+    them and attending."""
 
     def in_op(Q, Kn, Vn, K, V, position):
-        return extension.update_and_attend(Q, Kn, Vn, K, V, position, scale, stream=mx.cpu)
+        y, k_pool, v_pool = extension.update_and_attend(Q, Kn, Vn, *K, *V, position, scale, stream=mx.cpu)
+        return y, [k_pool], [v_pool]
+
+    return in_op
+
+
+def quantized_update_and_attend(extension, scale: float, keys: Storage, values: Storage):
+    """``update_and_attend``'s op over quantized pools (``keys`` and
+    ``values`` their storages): each pool's words, scales and biases. The
+    op rotates and quantizes the step's keys and values as ``Storage.encode``
+    does (its rotation rounded once, where MLX's fp32 product rounds a
+    value's fp16 differently about once in 1,500): a few hundred MLX nodes a
+    step fewer than encoding, writing and slicing three arrays a pool."""
+
+    def in_op(Q, Kn, Vn, K, V, position):
+        y, *pools = extension.quantized_update_and_attend(
+            Q, Kn, Vn, *K, *V, position, scale, keys.bits, values.bits, keys.group_size(Q.shape[-1]),
+            rotated=ROTATED, stream=mx.cpu)
+        return y, pools[:3], pools[3:]
 
     return in_op
 
 
 def in_op_takes(Q, Kn, Vn) -> bool:
-    """Whether ``update_and_attend`` takes this step's queries, keys and values
-    (fp32, one batch, as many queries as keys; the cache checks the heads and
-    head size against its pools): anything else takes the MLX route."""
+    """Whether ``update_and_attend`` (either version) takes this step's
+    queries, keys and values (fp32, one batch, as many queries as keys; the
+    cache checks the heads and head size against its pools, which it made
+    as the ops take them): anything else takes the MLX route."""
     return (Q.dtype == Kn.dtype == Vn.dtype == mx.float32 and Q.ndim == Kn.ndim == 4 and Kn.shape == Vn.shape
             and Q.shape[0] == Kn.shape[0] == 1 and Q.shape[2:] == Kn.shape[2:]
             and 0 < Kn.shape[1] and Q.shape[1] % Kn.shape[1] == 0)

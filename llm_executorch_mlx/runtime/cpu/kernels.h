@@ -44,6 +44,22 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
                                          const mx::array& k_pool, const mx::array& v_pool, int position, float scale,
                                          mx::StreamOrDevice s);
 
+// update_and_attend over a quantized cache: the T rows of k and v [1, Hkv,
+// T, D] (fp32), each group of group_size rotated where `rotated` (as
+// quantized_attention reads them), rounded to fp16 and quantized as
+// mx.quantize quantizes them (k_bits and v_bits, 4 or 8), written into rows
+// position .. position + T of the pools (words, scales and biases as
+// quantized_attention takes them, [1, Hkv, slots, ...]), then
+// quantized_attention over the pools' first position + T rows, causal when
+// T > 1. Returns [out, the six pool arrays written], each its input's
+// buffer where nothing else holds it.
+std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
+                                                   const mx::array& k_words, const mx::array& k_scales,
+                                                   const mx::array& k_biases, const mx::array& v_words,
+                                                   const mx::array& v_scales, const mx::array& v_biases, int position,
+                                                   float scale, int k_bits, int v_bits, int group_size, bool rotated,
+                                                   mx::StreamOrDevice s);
+
 // x @ w for x [..., M, K] fp32 with M <= 128 rows (a decode step's one, a
 // short chunk's, a prefill chunk's) and w [K, N] fp32 or bf16, read as stored; unless not
 // `helped`, the host thread helps run it while it is in submit_helping or

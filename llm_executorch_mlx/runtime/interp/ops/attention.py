@@ -27,8 +27,8 @@ def build_update_and_attend(n, ctx):
     out_dtype = None if n.outDtype is None else ctx.dtype(n.outDtype)
     window = cache.layers[layer].window
     sdpa = ctx.plan.cache_attention(window, cache.quantized)
-    # a flat layer's write and attention as one op, where the plan has it
-    in_op = ctx.plan.update_and_attend(scale) if window == 0 and not cache.quantized else None
+    # the layer's write and attention as one op, where the plan has it
+    in_op = ctx.plan.update_and_attend(scale, window, cache.storage)
 
     def run(f):
         at, Q, Kn, Vn = position(f), f[q], f[k], f[v]
