@@ -27,7 +27,6 @@ from .quantized_kv import QuantizedKV
 GROUP_SIZES = (64, 32)  # the first that divides the head size
 SCALE_DTYPE = mx.float16
 QUANTIZED_BITS = {"int8": 8, "int4": 4}
-ROTATED = True  # each group stored rotated by the Hadamard matrix (``quantized_kv.rotate``)
 
 
 @dataclass(frozen=True)
@@ -41,6 +40,12 @@ class Storage:
     @property
     def quantized(self) -> bool:
         return self.bits is not None
+
+    @property
+    def rotated(self) -> bool:
+        """Whether its groups are stored rotated (``quantized_kv.rotate``):
+        every quantized storage's are."""
+        return self.quantized
 
     def group_size(self, head_dim: int) -> int:
         for g in GROUP_SIZES:
@@ -65,14 +70,14 @@ class Storage:
         """The fields that store the float history ``x``."""
         if not self.quantized:
             return [x.astype(self.dtype)]
-        quantized = QuantizedKV.quantize(x, self.bits, self.group_size(x.shape[-1]), self.dtype, rotated=ROTATED)
+        quantized = QuantizedKV.quantize(x, self.bits, self.group_size(x.shape[-1]), self.dtype, rotated=self.rotated)
         return list(quantized.fields)
 
     def view(self, fields: list[mx.array], head_dim: int):
         """What attention reads: the array itself, or a ``QuantizedKV``."""
         if not self.quantized:
             return fields[0]
-        return QuantizedKV(*fields, self.bits, self.group_size(head_dim), rotated=ROTATED)
+        return QuantizedKV(*fields, self.bits, self.group_size(head_dim), rotated=self.rotated)
 
 
 STORAGES: dict[str, Storage] = {

@@ -33,13 +33,16 @@ import enum
 import math
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
-from .kv_storage import Storage
 from .steps import PLAIN, Steps, helped
+
+if TYPE_CHECKING:
+    from .kv_storage import Storage
 
 # Without the extension's products: MLX's quantized_matmul is scalar code on
 # the CPU, so above a few rows its dequantize and one BLAS product, whose

@@ -11,9 +11,12 @@ row count, are the op builders' (``interp/ops/nn.py``, ``quant.py``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 
-from ..kv_storage import ROTATED, Storage
+if TYPE_CHECKING:
+    from ..kv_storage import Storage
 from ..quantized_kv import QuantizedKV
 
 # What the attention kernel reads: fp32 queries over fp32, bf16 or fp16 keys and values.
@@ -106,7 +109,7 @@ def quantized_update_and_attend(extension, scale: float, keys: Storage, values: 
     def in_op(Q, Kn, Vn, K, V, position):
         y, *pools = extension.quantized_update_and_attend(
             Q, Kn, Vn, *K, *V, position, scale, keys.bits, values.bits, keys.group_size(Q.shape[-1]),
-            rotated=ROTATED, stream=mx.cpu)
+            rotated=keys.rotated, stream=mx.cpu)
         return y, pools[:3], pools[3:]
 
     return in_op
