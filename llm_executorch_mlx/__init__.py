@@ -38,3 +38,7 @@ def register_commands(cli):
     from .commands import register_commands as add
 
     add(cli)
+    if "MLX_RANK" in os.environ:  # the llm command line on one rank of a group: rank 0 alone prints
+        from .distributed import quiet_other_ranks
+
+        quiet_other_ranks()

@@ -164,11 +164,16 @@ def shared_seed() -> int:
     return int(mx.distributed.all_sum(seed, group=g).item())
 
 
+def quiet_other_ranks() -> None:
+    """The ``llm`` command line on a rank other than 0 prints nothing to
+    standard output (``llm chat``'s banner and prompts, the reply): rank 0
+    prints for the group. Errors still go to standard error."""
+    if os.environ.get("MLX_RANK", "0") != "0":
+        sys.stdout = open(os.devnull, "w")
+
+
 def quiet_unless_first(response) -> None:
-    """On ranks other than 0, print nothing and log nothing: rank 0 does
-    both for the group. (llm prints to ``sys.stdout`` and logs the response
-    object our model is handed.)"""
-    if group().rank() == 0:
-        return
-    sys.stdout = open(os.devnull, "w")
-    response.log_to_db = lambda db: None
+    """On ranks other than 0, log nothing: rank 0 logs the group's turn.
+    (llm logs the response object our model is handed.)"""
+    if group().rank() != 0:
+        response.log_to_db = lambda db: None

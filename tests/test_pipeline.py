@@ -186,6 +186,28 @@ def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, tmp_path)
     assert logged(tmp_path) == [whole.stdout.strip()] * 2  # the single process's, and rank 0's
 
 
+def test_mlx_launch_chat_shows_its_banner_and_replies_once(registered, tmp_path):
+    """`llm chat` under the launcher: what the user types goes to every rank,
+    rank 0 alone prints (the banner, the prompts, the replies): the output of
+    one process chatting."""
+    chat = [sys.executable, "-m", "llm", "chat", "-m", registered, "-o", "max_tokens", "6"]
+    typed = "Hello there\nWhy is the sky blue?\nexit\n"
+    whole = subprocess.run(chat, input=typed, capture_output=True, text=True, env=env_with(), timeout=TIMEOUT)
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout.count("Chatting with pte:tiny") == 1
+    launcher = subprocess.Popen([str(pathlib.Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
+                                 "--hosts", "127.0.0.1", "--starting-port", str(free_ports(2)[0]), "--", *chat],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env_with(), start_new_session=True)
+    try:
+        out, err = launcher.communicate(typed, timeout=TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 0, err
+    assert out == whole.stdout
+
+
 def test_a_killed_rank_ends_the_group_with_our_error(registered, tmp_path):
     # rank 1 joins the group, then is killed before the first step
     dies = [sys.executable, "-c", "import os, signal, mlx.core as mx; mx.distributed.init(backend='ring', strict=True); "
