@@ -271,15 +271,12 @@ class SequenceCache:
                     or (g.is_ring and (first != max(0, floor - g.window + 1) or n > self._max_slots[i]))):
                 raise PteError(f"saved layer {i} {tuple(K[0].shape)} {K[0].dtype} does not fit this cache")
             if g.is_ring:
-                offset = 0
-                for s, m in _ring_runs(first, n, self._max_slots[i]):
-                    self._k[i].put(s, [f[:, :, offset : offset + m, :] for f in K])
-                    self._v[i].put(s, [f[:, :, offset : offset + m, :] for f in V])
-                    offset += m
+                runs = _ring_runs(first, n, self._max_slots[i])
             else:
                 self._grow(i, length)
-                self._k[i].put(0, [f[:, :, :length, :] for f in K])
-                self._v[i].put(0, [f[:, :, :length, :] for f in V])
+                runs = [(0, length)]
+            self._k[i].put_runs(runs, K)
+            self._v[i].put_runs(runs, V)
         self.length = self._checkpoint = self._written_end = length
         self._floor = floor
 
@@ -393,12 +390,9 @@ class SequenceCache:
     def _ring_step(self, layer, g, position, T, k, v):
         size = self._max_slots[layer]
         kp, vp = self._k[layer], self._v[layer]
-        k, v = kp.storage.encode(k), vp.storage.encode(v)
-        offset = 0
-        for start, n in _ring_runs(position, T, size):
-            kp.put(start, [f[:, :, offset : offset + n, :] for f in k])
-            vp.put(start, [f[:, :, offset : offset + n, :] for f in v])
-            offset += n
+        runs = _ring_runs(position, T, size)
+        kp.put_runs(runs, kp.storage.encode(k))
+        vp.put_runs(runs, vp.storage.encode(v))
         read_start = max(0, position - g.window + 1)
         S = position + T - read_start
         runs = _ring_runs(read_start, S, size)

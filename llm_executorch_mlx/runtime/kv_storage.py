@@ -130,6 +130,14 @@ class Pool:
         for a, f in zip(self.arrays, fields):
             a[:, :, start : start + n, :] = f
 
+    def put_runs(self, runs: list[tuple[int, int]], fields: list[mx.array]) -> None:
+        """Store the fields' cells, in order, into runs of cells ``(start, n)``
+        (a ring's, which may wrap), from the fields' first cell on."""
+        offset = 0
+        for start, n in runs:
+            self.put(start, [f[:, :, offset : offset + n, :] for f in fields])
+            offset += n
+
     def read(self, start: int, n: int):
         """Cells ``[start, start + n)`` as attention reads them (lazy slices)."""
         return self.storage.view([a[:, :, start : start + n, :] for a in self.arrays], self.head_dim)
