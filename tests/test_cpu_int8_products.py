@@ -49,6 +49,26 @@ def quantized(rng, N, K, bits, group):
     return mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
 
 
+def symmetric(rng, N, K, bits, group, scale=1.0):
+    """A weight as torchao's symmetric exports and GGUF's Q4_0 / Q8_0 store
+    it: b = -2^(bits-1) s, so w = s (q - 2^(bits-1))."""
+    words = mx.array(rng.integers(0, 2**32, (N, K * bits // 32), dtype=np.uint64).astype(np.uint32))
+    scales = (rng.uniform(0.5, 2, (N, K // group)) * scale).astype(np.float32)
+    return words, mx.array(scales), mx.array(-np.float32(2 ** (bits - 1)) * scales)
+
+
+def as_laid(stored, laid, bits):
+    """The stored (w, scales, biases) as the int8 layout holds them: scales
+    and biases rounded to fp16 where it chose fp16 (numpy's rounding), the
+    biases -2^(bits-1) s where it dropped them as symmetric."""
+    w, scales, biases = stored
+    dtype = np.float16 if laid[1].dtype == mx.float16 else np.float32
+    s = np.array(scales).astype(dtype).astype(np.float32)
+    b = (-np.float32(2 ** (bits - 1)) * s if laid[2].size == 0
+         else np.array(biases).astype(dtype).astype(np.float32))
+    return w, s, b
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int8_products_match_integer_math(kernel, group):
     """Odd row counts of x (a decode step's 1, tails of the 4-row tiles,
@@ -64,9 +84,35 @@ def test_int8_products_match_integer_math(kernel, group):
         for M in (1, 2, 3, 5, 9, 130):
             x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 10, (M, 1))).astype(np.float32)
             y = np.array(kernel.quantized_gemv(mx.array(x)[None], *laid, group, bits, int8=True))[0]
-            ref = int8_reference(x, *stored, bits, group)
+            ref = int8_reference(x, *as_laid(stored, laid, bits), bits, group)
             np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max() + 1e-6,
                                        err_msg=f"{bits} bits, N={N} K={K} M={M}")
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_scales_are_stored_as_small_as_they_stay_exact_enough(kernel, bits):
+    """Symmetric weights lose their biases (b derived from s bit for bit),
+    scales in fp16's normal range are stored in fp16 and out of it kept in
+    fp32; the products are integer math on the values the layout holds."""
+    lanes = kernel.limits()["interleave_lanes"]
+    rng = np.random.default_rng(bits)
+    cases = {"symmetric": symmetric(rng, 2 * lanes, 256, bits, 32, 0.01),
+             "tiny scales": symmetric(rng, 2 * lanes, 256, bits, 32, 1e-6),
+             "affine": quantized(rng, 2 * lanes, 256, bits, 32)}
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    for name, stored in cases.items():
+        laid = kernel.interleave_quantized(*stored, 32, bits, int8=True)
+        assert (laid[2].size == 0) == (name != "affine"), name
+        assert laid[1].dtype == (mx.float32 if name == "tiny scales" else mx.float16), name
+        y = np.array(kernel.quantized_gemv(mx.array(x), *laid, 32, bits, int8=True))
+        ref = int8_reference(x, *as_laid(stored, laid, bits), bits, 32)
+        np.testing.assert_allclose(y, ref, rtol=0, atol=1e-5 * np.abs(ref).max(), err_msg=name)
+        if name == "tiny scales":  # fp32 kept: the file's own weights
+            exact = int8_reference(x, *stored, bits, 32)
+            np.testing.assert_allclose(y, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
+        rows = kernel.take_interleaved(*laid, mx.array([0, lanes + 3]), 32, bits, int8=True)
+        w, s, b = as_laid(stored, laid, bits)
+        np.testing.assert_array_equal(np.array(rows), np.array(mx.dequantize(w, mx.array(s), mx.array(b), 32, bits))[[0, lanes + 3]])
 
 
 def test_every_x86_build_takes_4_and_8_bits(kernel):
@@ -92,7 +138,8 @@ def test_strided_x_and_several_products_of_one_x(kernel):
 
 
 def test_a_lookup_in_the_int8_layout_is_mlx_dequantize(kernel):
-    """A tied embedding's rows read from the layout its LM head multiplies."""
+    """A tied embedding's rows read from the layout its LM head multiplies:
+    MLX's dequantization of the scales and biases the layout holds."""
     lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(9)
     for bits in list(kernel.limits()["int8_bits"]):
@@ -100,7 +147,9 @@ def test_a_lookup_in_the_int8_layout_is_mlx_dequantize(kernel):
         laid = kernel.interleave_quantized(*stored, 64, bits, int8=True)
         ids = mx.array([[0, 3 * lanes - 1], [lanes + 1, -1]])
         rows = kernel.take_interleaved(*laid, ids, 64, bits, int8=True)
-        np.testing.assert_array_equal(np.array(rows), np.array(mx.dequantize(*stored, 64, bits))[np.array(ids)])
+        w, s, b = as_laid(stored, laid, bits)
+        expected = np.array(mx.dequantize(w, mx.array(s), mx.array(b), 64, bits))[np.array(ids)]
+        np.testing.assert_array_equal(np.array(rows), expected)
 
 
 def test_nan_in_gives_nan_out(kernel):

@@ -421,6 +421,7 @@ def test_a_tied_quantized_embedding_is_interleaved_and_matches_torchao(exported,
         int8_here = int8 and int(bits[0]) in program.plan.limits.int8_bits
         if int8_here:
             parity.round_linear_inputs_to_int8(reference)
+            parity.round_quantized_scales_to_fp16(reference)
         with torch.no_grad():
             ref = reference(input_ids=torch.tensor([tokens[:-1]])).logits[0].numpy()
         if int8_here:

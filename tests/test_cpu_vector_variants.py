@@ -153,17 +153,16 @@ for k_bits, v_bits in ((8, 8), (8, 4)):
         worst[f"quantized update_and_attend k{k_bits} v{v_bits} T{T}"] = float(np.abs(np.array(out) - reference).max() / 1e-5)
 # the int8-activation products, against numpy's integer math (test_cpu_int8_products.py)
 sys.path.insert(0, sys.argv[1])
-from test_cpu_int8_products import int8_reference
+from test_cpu_int8_products import as_laid, int8_reference, quantized, symmetric
 for bits in list(ext.limits()["int8_bits"]):
-    for group in (32, 128):
-        N, K = 3 * lanes, 256
-        q, s, b = mx.quantize(mx.array(rng.standard_normal((N, K)).astype(np.float32)), group_size=group, bits=bits)
-        laid = ext.interleave_quantized(q, s, b, group, bits, int8=True)
+    for group, form in ((32, quantized), (128, quantized), (32, symmetric)):
+        stored = form(rng, 3 * lanes, 256, bits, group)
+        laid = ext.interleave_quantized(*stored, group, bits, int8=True)
         for M in (1, 6, 130):
-            x = rng.standard_normal((M, K)).astype(np.float32)
+            x = rng.standard_normal((M, 256)).astype(np.float32)
             y = np.array(ext.quantized_gemv(mx.array(x), *laid, group, bits, int8=True))
-            ref = int8_reference(x, q, s, b, bits, group)
-            worst[f"int8 q{bits} g{group} M{M}"] = float(np.abs(y - ref).max() / (1e-5 * np.abs(ref).max()))
+            ref = int8_reference(x, *as_laid(stored, laid, bits), bits, group)
+            worst[f"int8 q{bits} g{group} {form.__name__} M{M}"] = float(np.abs(y - ref).max() / (1e-5 * np.abs(ref).max()))
 # NaN in, NaN out (test_cpu_kernel_safety.py holds the default build to MLX's
 # own ops): a NaN in one row of x spoils that row of each product only
 x = rng.standard_normal((1, 3, 256)).astype(np.float32)

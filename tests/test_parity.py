@@ -66,6 +66,21 @@ def round_linear_inputs_to_int8(model, group: int = 32) -> None:
             module.register_forward_pre_hook(rounded)
 
 
+def round_quantized_scales_to_fp16(model) -> None:
+    """Each quantized weight's scales rounded to fp16 (torch's rounding) where
+    every one of them is 0 or within fp16's normal range, as the int8 layout
+    stores them (runtime/cpu/quantized_int8.h's QuadScales); a tied table's
+    lookups read those scales too."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        scale = getattr(weight, "scale", None)
+        if scale is None:
+            continue
+        size = scale.abs()
+        if bool(((size == 0) | ((size >= 2.0**-14) & (size <= 65504))).all()):
+            scale.copy_(scale.half().float())
+
+
 def round_linear_inputs_to_bf16(model) -> None:
     """Every linear layer of ``model`` multiplies its input rounded to bf16
     (torch's conversion: to nearest, ties to even), summed in the layer's
@@ -96,6 +111,7 @@ def reference_logits(model_dir, tokens, dtype=torch.float32, quantize=None, comp
                         tie_word_embeddings=False)
     if int8_activations:
         round_linear_inputs_to_int8(model)
+        round_quantized_scales_to_fp16(model)
     if bf16_activations:
         round_linear_inputs_to_bf16(model)
     model.eval()

@@ -419,6 +419,14 @@ void add_into(float* y, const mx::array& a) {
   }
 }
 
+#if LLM_PTE_INTEGER_DOT
+// A quads weight's scales and biases as interleave_quantized(int8=True) made
+// them (check_quantized's quads).
+QuadScales quad_scales_of(const mx::array& scales, const mx::array& biases) {
+  return {scales.data<void>(), biases.size() ? biases.data<void>() : nullptr, scales.dtype() == mx::float16};
+}
+#endif
+
 // x @ W^T run in chunks shared with the host thread: W fp32 ([K, N] as the
 // op's operand), or affine-quantized as MLX stores it (bits > 0: W [N, K]
 // packed, with scales and biases). adds: one product, plus its last input
@@ -591,8 +599,8 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
     std::vector<Product> each(outputs.size());
     const auto started = bind_quantized(inputs, outputs, [&](int i, const mx::array& w, const mx::array& scales,
                                                              const mx::array& biases, mx::array& out) {
-      each[i].i8 = {reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(),
-                    nullptr, nullptr, nullptr, out.data<float>(), K, w.shape(0), group_, int(M)};
+      each[i].i8 = {reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), quad_scales_of(scales, biases), nullptr,
+                    nullptr, nullptr, out.data<float>(), K, w.shape(0), group_, int(M)};
     });
     const int n = int(outputs.size());
     auto& encoder = mx::cpu::get_command_encoder(stream());
@@ -679,10 +687,18 @@ bool takes(const std::vector<int>& allowed, int value) {
 }
 
 // The checks quantized_gemv and dequantize share: "" when w, scales, biases
-// are a layout the row loops read.
+// are a layout the row loops read. quads: as interleave_quantized(int8=True)
+// stores them (QuadScales): scales fp32 or fp16, biases of their dtype or
+// none (symmetric).
 std::string check_quantized(const mx::array& w, const mx::array& scales, const mx::array& biases, int64_t K,
-                            int group_size, int bits) {
-  if (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32) {
+                            int group_size, int bits, bool quads = false) {
+  const bool symmetric = quads && biases.size() == 0;
+  if (quads && (w.dtype() != mx::uint32 || !is_one_of(scales.dtype(), {mx::float32, mx::float16}) ||
+                (!symmetric && biases.dtype() != scales.dtype()))) {
+    return "needs w uint32, scales float32 or float16 and biases of their dtype or none";
+  } else if (quads && scales.dtype() == mx::float16 && !kHalfScales) {
+    return "this build cannot widen float16 scales (no F16C)";
+  } else if (!quads && (w.dtype() != mx::uint32 || scales.dtype() != mx::float32 || biases.dtype() != mx::float32)) {
     return "scales and biases must be float32 and w uint32";
   } else if (!takes(limits().quantized_bits, bits)) {
     return "bits must be 4 or 8, not " + std::to_string(bits);
@@ -690,7 +706,7 @@ std::string check_quantized(const mx::array& w, const mx::array& scales, const m
     return "group_size must be 32, 64 or 128, not " + std::to_string(group_size);
   } else if (w.ndim() != 2 || K == 0 || w.shape(1) * 32 / bits != K || K % group_size ||
              K % block_values(bits) || scales.shape() != mx::Shape{w.shape(0), int(K / group_size)} ||
-             biases.shape() != scales.shape()) {
+             (!symmetric && biases.shape() != scales.shape())) {
     return "needs x [..., K], w [N, K * bits / 32] and scales, biases [N, K / group_size] with K a multiple of " +
            std::to_string(block_values(bits)) + ", got K " + std::to_string(K) + ", w " + text(w.shape()) +
            ", scales " + text(scales.shape()) + ", biases " + text(biases.shape());
@@ -727,7 +743,7 @@ std::vector<mx::array> quantized_gemvs(const mx::array& x, const std::vector<mx:
           " rows in its last two axes, got " + text(x.shape());
   }
   for (size_t i = 0; err.empty() && i < ws.size(); ++i) {
-    err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits);
+    err = check_quantized(ws[i], scales[i], biases[i], K, group_size, bits, int8);
     if (err.empty() && (interleaved || int8)) err = check_interleaved(ws[i]);
   }
   const auto stream = cpu_stream("quantized_gemv", err, s);
@@ -820,10 +836,13 @@ class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
     auto& encoder = bind(inputs, outputs);
     auto& out = outputs[0];
     const int64_t K = out.shape(-1), N = w.shape(0), count = ids.size();
-    QuantizedRows r{w.data<uint32_t>(), scales.data<float>(), biases.data<float>(), nullptr, nullptr, nullptr, nullptr,
-                    nullptr, K, N, group_, true};
-    const int bits = bits_, group = group_;
     const bool int8 = int8_;
+    QuantizedRows r{w.data<uint32_t>(), int8 ? nullptr : scales.data<float>(), int8 ? nullptr : biases.data<float>(),
+                    nullptr, nullptr, nullptr, nullptr, nullptr, K, N, group_, true};
+#if LLM_PTE_INTEGER_DOT
+    const QuadScales quad = int8 ? quad_scales_of(scales, biases) : QuadScales{};
+#endif
+    const int bits = bits_, group = group_;
     const uint8_t* quads = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
     const mx::Dtype type = ids.dtype();
     const void* raw = ids.data<void>();
@@ -845,7 +864,7 @@ class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
       }
 #if LLM_PTE_INTEGER_DOT
       if (int8) {
-        (bits == 4 ? take_quads<4> : take_quads<8>)(quads, r.scales, r.biases, K, group, rows.data(), count, o);
+        (bits == 4 ? take_quads<4> : take_quads<8>)(quads, quad, K, group, rows.data(), count, o);
       } else {
         (bits == 4 ? take_interleaved<4> : take_interleaved<8>)(r, rows.data(), count, o);
       }
@@ -865,7 +884,7 @@ class TakeInterleaved : public CpuPrimitive<TakeInterleaved> {
 mx::array take_interleaved(const mx::array& w, const mx::array& scales, const mx::array& biases,
                            const mx::array& indices, int group_size, int bits, bool int8, mx::StreamOrDevice s) {
   std::string err = check_quantized(w, scales, biases, w.ndim() == 2 ? w.shape(1) * 32 / bits : 0,
-                                    group_size, bits);
+                                    group_size, bits, int8);
   if (err.empty()) err = check_interleaved(w);
   if (err.empty() && !is_one_of(indices.dtype(), {mx::int32, mx::int64, mx::uint32}))
     err = "indices must be int32, int64 or uint32";
@@ -887,17 +906,26 @@ std::vector<mx::array> interleave_quantized(const mx::array& w, const mx::array&
   const int64_t N = w.shape(0);
   std::vector<uint32_t> wq(weight ? w.size() : 0);
   std::vector<float> s(scales.size()), b(biases.size());
+  auto kept = [&] { return weight ? mx::array(wq.begin(), w.shape(), mx::uint32) : w; };
 #if LLM_PTE_INTEGER_DOT
   const uint8_t* stored = reinterpret_cast<const uint8_t*>(w.data<uint32_t>());
   uint8_t* out = weight ? reinterpret_cast<uint8_t*>(wq.data()) : nullptr;
   interleave_rows(stored, scales.data<float>(), biases.data<float>(), N, K, group_size, bits, int8 ? nullptr : out,
                   s.data(), b.data());
-  if (int8 && out) interleave_quads(stored, N, K, bits, out);
+  if (int8) {
+    if (out) interleave_quads(stored, N, K, bits, out);
+    const QuadScaleValues q = quad_scales(s.data(), b.data(), int64_t(s.size()), bits);
+    auto stored_as = [&](const std::vector<uint16_t>& half, const std::vector<float>& full) {
+      return q.half ? mx::array(reinterpret_cast<const mx::float16_t*>(half.data()), scales.shape(), mx::float16)
+                    : mx::array(full.begin(), scales.shape(), mx::float32);
+    };
+    return {kept(), stored_as(q.scales16, q.scales32),
+            q.symmetric ? mx::array(b.begin(), mx::Shape{0}, mx::float32) : stored_as(q.biases16, q.biases32)};
+  }
 #else
   refuse_interleaved();
 #endif
-  return {weight ? mx::array(wq.begin(), w.shape(), mx::uint32) : w, mx::array(s.begin(), scales.shape(), mx::float32),
-          mx::array(b.begin(), biases.shape(), mx::float32)};
+  return {kept(), mx::array(s.begin(), scales.shape(), mx::float32), mx::array(b.begin(), biases.shape(), mx::float32)};
 }
 
 Limits limits() {

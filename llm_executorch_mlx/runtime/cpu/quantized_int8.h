@@ -23,8 +23,9 @@
 // row i's (int32 lane i is row i):
 //   8 bits: values 4c .. 4c + 3;
 //   4 bits: low nibbles values 8c .. 8c + 3, high nibbles 8c + 4 .. 8c + 7.
-// Scales and biases as quantized_interleaved.h lays them out: per block and
-// group, the block's rows' kLanes32 values.
+// Scales and biases as quantized_interleaved.h lays them out (per block and
+// group, the block's rows' kLanes32 values), stored as small as they stay
+// what they were (QuadScales, below).
 
 #pragma once
 
@@ -33,11 +34,95 @@
 #if LLM_PTE_INTEGER_DOT
 
 #include <cmath>
+#include <vector>
 
 namespace llm_pte {
 
 // Values of one row a chunk holds.
 constexpr int quad_values(int bits) { return bits == 8 ? 4 : 8; }
+
+// Whether this build widens fp16 scales in one instruction (F16C, AVX-512).
+#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+constexpr bool kHalfScales = true;
+#else
+constexpr bool kHalfScales = false;
+#endif
+
+// A quads weight's scales and biases. A decode step streams them with the
+// weights: in fp32 they are a third of a 4-bit weight's bytes, so they are
+// stored as small as the file allows (quad_scales):
+// - no biases where every group is symmetric, b = -2^(bits-1) s exactly (as
+//   torchao's symmetric weights and GGUF's Q4_0 and Q8_0 are): w = s (q -
+//   2^(bits-1)), b derived from s, bit for bit;
+// - fp16 where every scale and bias is 0 or within fp16's normal range
+//   (each then within 2^-11 of itself, the int8 route's accuracy contract in
+//   docs/design.md) and the build widens fp16 in one instruction; else fp32.
+struct QuadScales {
+  const void* scales = nullptr;
+  const void* biases = nullptr;  // null: symmetric
+  bool half = false;
+};
+
+inline vf load_half(const uint16_t* p) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  (void)p;
+  return zero_f();  // never: quad_scales keeps fp32 without F16C
+#endif
+}
+
+inline vf load_scales(const void* p, bool half, int64_t at) {
+  return half ? load_half(static_cast<const uint16_t*>(p) + at) : load_f(static_cast<const float*>(p) + at);
+}
+
+inline float scale_value(const void* p, bool half, int64_t at) {
+  if (!half) return static_cast<const float*>(p)[at];
+#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+  return _cvtsh_ss(static_cast<const uint16_t*>(p)[at]);
+#else
+  return 0.f;  // never, as load_half
+#endif
+}
+
+// The kLanes32 scales at `at` (one block's group), and their biases.
+inline vf group_scales(const QuadScales& q, int64_t at) { return load_scales(q.scales, q.half, at); }
+inline vf group_biases(const QuadScales& q, int64_t at, vf s, int bits) {
+  return q.biases ? load_scales(q.biases, q.half, at) : mul(s, splat_f(-float(1 << (bits - 1))));
+}
+
+// interleave_rows' scales and biases (n values each) as QuadScales stores
+// them: {scales, biases} as fp16 bits or fp32, biases empty where symmetric.
+struct QuadScaleValues {
+  std::vector<uint16_t> scales16, biases16;
+  std::vector<float> scales32, biases32;
+  bool half = false, symmetric = false;
+};
+
+inline QuadScaleValues quad_scales(const float* scales, const float* biases, int64_t n, int bits) {
+  QuadScaleValues out;
+  const float zero = -float(1 << (bits - 1));
+  out.symmetric = true;
+  for (int64_t i = 0; i < n && out.symmetric; ++i) out.symmetric = biases[i] == zero * scales[i];
+  auto fits = [](float v) {
+    const float size = std::fabs(v);
+    return v == 0.f || (size >= 0x1p-14f && size <= 65504.f);  // finite, normal in fp16
+  };
+  out.half = kHalfScales;
+  for (int64_t i = 0; i < n && out.half; ++i) out.half = fits(scales[i]) && (out.symmetric || fits(biases[i]));
+  auto keep = [&](const float* from, std::vector<uint16_t>& to16, std::vector<float>& to32) {
+    if (!out.half) return to32.assign(from, from + n);
+    to16.resize(n);
+#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+    for (int64_t i = 0; i < n; ++i) to16[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
+#endif
+  };
+  keep(scales, out.scales16, out.scales32);
+  if (!out.symmetric) keep(biases, out.biases16, out.biases32);
+  return out;
+}
 
 // MLX's layout (w [N, K * bits / 8] bytes) into the quads, the same size; N a
 // multiple of kLanes32. Scales and biases: interleave_rows.
@@ -104,7 +189,7 @@ inline void prepare_x8(const float* x, int64_t x_row, int64_t x_col, int M, int6
 // The x side of a product and its weight, for the tiles below.
 struct Int8Rows {
   const uint8_t* w;  // quads
-  const float *scales, *biases;  // interleave_rows' layout
+  QuadScales scales;
   const int8_t* xq;  // M rows of K
   const float *xd, *xsum;  // M rows of K / group: d, d sum xq
   float* y;  // M rows of N
@@ -233,10 +318,9 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
     }
     for (int b = 0; b < NB; ++b) {
       const int64_t at = ((block + b) * groups + g) * L;
-      const vf s = load_f(r.scales + at);
+      const vf s = group_scales(r.scales, at), stored_bias = group_biases(r.scales, at, s, BITS);
       // offset 8-bit weights sum w' = q - 128: the missing 128 s d sum(xq) joins b d sum(xq)
-      const vf bias = BITS == 8 && kOffsetBytes ? mul_add(s, splat_f(128.f), load_f(r.biases + at))
-                                                : load_f(r.biases + at);
+      const vf bias = BITS == 8 && kOffsetBytes ? mul_add(s, splat_f(128.f), stored_bias) : stored_bias;
       for (int m = 0; m < MR; ++m) {
         const int64_t xg = (m0 + m) * groups + g;
         vi total = dot[m][b][0];
@@ -287,8 +371,8 @@ void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
 // [count, K]: a quantized embedding's lookup when its table is also the LM
 // head's weight. Multiply, then add, as MLX rounds.
 template <int BITS>
-void take_quads(const uint8_t* w, const float* scales, const float* biases, int64_t K, int group, const int64_t* ids,
-                int64_t count, float* out) {
+void take_quads(const uint8_t* w, const QuadScales& scales, int64_t K, int group, const int64_t* ids, int64_t count,
+                float* out) {
   constexpr int L = kLanes32, per = quad_values(BITS);
   const int64_t groups = K / group, block_bytes = K * BITS / 8 * L;
   for (int64_t row = 0; row < count; ++row) {
@@ -299,13 +383,21 @@ void take_quads(const uint8_t* w, const float* scales, const float* biases, int6
       const uint8_t byte = chunk[k / per * 4 * L + (k % per) % 4];
       const int q = BITS == 8 ? byte : (k % per < 4 ? byte & 0x0F : byte >> 4);
       const int64_t at = (block * groups + k / group) * L + i;
-      float v = scales[at] * static_cast<float>(q);
+      const float s = scale_value(scales.scales, scales.half, at);
+      const float b = scales.biases ? scale_value(scales.biases, scales.half, at) : -float(1 << (BITS - 1)) * s;
+      float v = s * static_cast<float>(q);
       asm("" : "+v"(v));  // no FMA contraction: MLX rounds the product first
-      o[k] = v + biases[at];
+      o[k] = v + b;
     }
   }
 }
 
 }  // namespace llm_pte
+
+#else
+
+namespace llm_pte {
+constexpr bool kHalfScales = false;  // no quads layout without integer dot products
+}
 
 #endif  // LLM_PTE_INTEGER_DOT
