@@ -70,9 +70,10 @@ class Ours:
         cache = self.new_cache()
         self.kv_dtype = cache.dtype
         self.weight_bytes = self.program.weight_bytes()  # as held after the compute route
-        # A quantized file's scales are held twice (as stored, and interleaved
-        # for the CPU's products) but a step reads one copy: the stored size.
-        self.step_weight_bytes = self.program.weight_bytes(as_stored=True)
+        # A quantized file's scales are held twice (as stored, and in the
+        # layout of the CPU's products) but a step reads the second copy only.
+        self.program.load_method("forward", cache=cache)
+        self.step_weight_bytes = self.program.read_bytes("forward")
         self.kv_bytes_per_token = cache.bytes_per_token()
 
     @property

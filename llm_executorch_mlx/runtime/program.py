@@ -111,6 +111,7 @@ class Program:
         self._calls: dict[str, DelegateCall] = {}
         self._constants: dict[str, list[mx.array]] = {}
         self._interleaved: dict[str, set[int]] = {}  # per method: weights interleaved in _constants
+        self._read: dict[str, list[mx.array]] = {}  # per method loaded: the constants its nodes read
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
         self.plan = Plan(on_cpu(), self.cpu_kernels, **self.rounding)
@@ -181,6 +182,7 @@ class Program:
                 {w: layout for w, (*_, layout) in taken.items()},
             )
             self._interleave(key, executor, taken)
+            self._read[key] = executor.constants
         except (PteError, MemoryError):
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
@@ -460,6 +462,14 @@ class Program:
                     dtype = self._held_dtype(tid, dtype, kept)
                 total += n * dtype.size
         return total
+
+    def read_bytes(self, name: str = "forward") -> int:
+        """Bytes of the constants the loaded method ``name`` reads, as its
+        layouts hold them (``weight_bytes`` counts the file's layout; the CPU's
+        int8 products read their own, with smaller scales): what one decode
+        step streams. 0 before ``load_method(name)``."""
+        unique = {id(a): a.nbytes for a in self._read.get(name, ()) if a is not None}
+        return sum(unique.values())
 
     def _bf16_kept(self, graph: md.MLXGraphT) -> set[int]:
         """Constants a program widened to fp32 keeps in bf16 where the plan
