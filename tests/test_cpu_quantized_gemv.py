@@ -349,6 +349,30 @@ def test_every_quantized_linear_of_an_export_is_interleaved(exported):
     assert len(sides) == len(set(sides))
 
 
+def test_the_exporters_symmetric_weights_are_read_with_fp16_scales_and_no_biases(exported):
+    """torchao's 4w weights are symmetric (b = -8 s): the int8 layout drops
+    their biases and holds their scales in fp16, so a decode step reads what
+    the file holds less half of each scale and every bias
+    (``Program.read_bytes``, counted here from the file's metadata)."""
+    from llm_executorch_mlx.runtime import load_program
+    from llm_executorch_mlx.runtime.dtypes import mlx_dtype
+
+    _, pte = exported("llama", trained=True, dtype="fp32", qlinear="4w")
+    program = load_program(pte)
+    program.prepare_cpu_kernels()
+    assert program.plan.limits.int8_bits, "x86 builds have integer dot products"
+    program.load_method("forward", cache=program.new_cache(capacity=8))
+    graph = program._graph("forward")
+    found = interleavable_quantized(graph, program.plan.takes_quantized)
+
+    def stored_bytes(tid):
+        meta = graph.tensorMeta[tid]
+        return int(np.prod([d.value for d in meta.shape])) * mlx_dtype(meta.scalarType).size
+
+    saved = sum(stored_bytes(s) // 2 + stored_bytes(b) for s, b, _, _ in found.values())
+    assert found and program.read_bytes("forward") == program.weight_bytes(as_stored=True) - saved
+
+
 # -- a tied quantized embedding: the table interleaved, its rows looked up there --
 
 
