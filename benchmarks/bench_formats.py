@@ -30,6 +30,13 @@ machine reads that many bytes at (``read_rate``, measured after each run, so
 the bound drifts with the machine as the runs do). "decode ÷ bound" of 1 would
 be a step that does nothing but stream its bytes.
 
+``--engines ik_llama.cpp --ik-llama-bench PATH`` adds ik_llama.cpp, a fork
+of llama.cpp tuned for CPUs, through its own ``llama-bench`` built from its
+source (``cmake -B build && cmake --build build --target llama-bench``), on
+the same GGUFs with its weights repacked at load (``-rtr 1``): prefill from
+an empty cache and decode after the prompt (``-gp``), on its own token ids,
+so neither its tokens nor a short case are compared.
+
 ``--model llama-1b`` runs the same on a model of Llama-3.2-1B's layer shape
 (16 layers, hidden 2048, MLP 8192, 32 query and 8 key/value heads, tied
 embeddings) with seeded random weights and SmolLM2's tokenizer and
@@ -61,7 +68,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from harness import cli, machine
-from harness.engines import LLAMA_KV_TYPES, LlamaCpp, MlxLm, Ours
+from harness.engines import LLAMA_KV_TYPES, IkLlamaBench, LlamaCpp, MlxLm, Ours
 from harness.models import in_child
 from harness.report import fmt, log, ratio_spread, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle
@@ -95,7 +102,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 # the peers, each optional; "ours-exact": ours with its rounding routes off (-o int8_activations false
 # for a quantized format, -o bf16_activations false for bf16: their gain as a ratio)
-ENGINES = ("llama.cpp", "mlx-lm", "ours-exact")
+ENGINES = ("llama.cpp", "mlx-lm", "ours-exact", "ik_llama.cpp")
 READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
 
 
@@ -127,10 +134,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     cli.add_reps(p, 3)
     p.add_argument("--engines", default="llama.cpp,mlx-lm",
                    help=f"engines besides ours, comma-separated among {','.join(ENGINES)} (default: llama.cpp,mlx-lm)")
+    p.add_argument("--ik-llama-bench", type=pathlib.Path,
+                   help="ik_llama.cpp's llama-bench, built from its source: the ik_llama.cpp engine's binary")
     cli.add_json(p)
     args = p.parse_args(argv)
     args.formats = cli.choices(p, "--formats", args.formats, FORMATS)
     args.engines = set(cli.choices(p, "--engines", args.engines, ("ours",) + ENGINES, empty_ok=True)) - {"ours"}
+    if ("ik_llama.cpp" in args.engines) != bool(args.ik_llama_bench):
+        p.error("--engines ik_llama.cpp and --ik-llama-bench PATH go together")
     if args.new_tokens < 2 or args.reps < 1 or args.short_len < 1:
         p.error("need --new-tokens >= 2, --reps >= 1 and --short-len >= 1")
     if max(args.prompt_len, args.short_history + args.short_len) + args.new_tokens > args.max_ctx_len:
@@ -325,6 +336,11 @@ def make_engines(name: str, art: Artifacts, args) -> list:
             engine = LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.kv,
                               art.llama_extra_bufts, art.hf, flash_attn=args.kv.startswith("q"))
             engine.label = f"GGUF {read_summary(gguf).storage}; KV {args.kv}"
+            engines.append(engine)
+    if "ik_llama.cpp" in args.engines:
+        for ftype, gguf in art.ggufs[name].items():
+            engine = IkLlamaBench(args.ik_llama_bench, gguf, ftype, args.prefill_chunk, args.threads, art.hf)
+            engine.label = f"GGUF {read_summary(gguf).storage}, repacked at load (-rtr 1); KV f16, flash attention"
             engines.append(engine)
     if "mlx-lm" in args.engines:
         engine = MlxLm(art.hf, form.mlx_dtype, args.prefill_chunk, form.mlx_bits, GROUP_SIZE)

@@ -3,7 +3,9 @@
 - ``Ours``: our runtime through ``generate_tokens``, the decode loop the
   ``llm`` plugin runs, with its greedy ``Sampler``;
 - ``MlxLm``: mlx-lm's ``generate_step`` on the Hugging Face weights;
-- ``LlamaCpp``: llama.cpp through llama-cpp-python, greedy on the host.
+- ``LlamaCpp``: llama.cpp through llama-cpp-python, greedy on the host;
+- ``IkLlamaBench``: ik_llama.cpp, a fork of llama.cpp tuned for CPUs,
+  through its own ``llama-bench`` built from source (no Python binding).
 
 Each has ``run(prompt, new_tokens)``: a greedy generation from an empty
 cache, timed by ``timing.timed``; and ``short(history, chunk)``: a few new
@@ -268,3 +270,38 @@ class LlamaCpp:
         self.llm.reset()
         self.llm.eval(history)
         return timed(self.tokens(chunk, 2), len(chunk))
+
+
+class IkLlamaBench:
+    """ik_llama.cpp's ``llama-bench`` (``binary``, built from its source) on
+    ``gguf``, its weights repacked at load for its CPU kernels (``-rtr 1``),
+    one repetition a call: ``run`` is its prompt test (``-p``, prefill from an
+    empty cache) and its ``-gp`` test (``new_tokens`` generated after a prompt
+    of the same length), its flash attention on (its default) and an f16 KV
+    cache. It feeds its own token ids and returns none, so its greedy tokens
+    are not compared, and it has no prompt after a history: ``short`` is
+    not measured (NaN)."""
+
+    def __init__(self, binary: pathlib.Path, gguf: pathlib.Path, ftype: str, chunk: int, threads: int,
+                 model_dir: pathlib.Path):
+        self.name = f"ik_llama.cpp {ftype}"
+        self.command = [str(binary), "-m", str(gguf), "-t", str(threads), "-b", str(chunk), "-ub", str(chunk),
+                        "-rtr", "1", "-r", "1", "-n", "0", "-o", "json"]
+        self.weight_bytes = self.step_weight_bytes = gguf.stat().st_size
+        self.kv_bytes_per_token = round(kv_bytes_per_token(model_shape(model_dir), "fp32") / 2)  # f16
+
+    def run(self, prompt: list[int], new_tokens: int) -> Run:
+        import subprocess
+
+        n = len(prompt)
+        done = subprocess.run([*self.command, "-p", str(n), "-gp", f"{n},{new_tokens}"], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{self.command[0]} failed: {done.stderr[-1000:]}")
+        tests = json.loads(done.stdout)
+        prefill = next(t["avg_ts"] for t in tests if t["n_gen"] == 0)
+        decode = next(t["avg_ts"] for t in tests if t["n_gen"] == new_tokens)
+        return Run(prefill, decode, [])
+
+    def short(self, history: list[int], chunk: list[int]) -> Run:
+        return Run(float("nan"), float("nan"), [])
