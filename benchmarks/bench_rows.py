@@ -25,7 +25,7 @@ quantized GEMV on MLX's layout, on the interleaved one
 ``blas / interleaved``, ``stored / interleaved`` and ``interleaved / int8``.
 Where the first falls below 1 is where the extension's
 ``interleaved_rows`` (``kernels.h``'s ``Limits``) belongs. ``--shape 8192x2048 --weights 6``
-runs a 1B model's MLP shape.
+runs a 1B model's MLP shape (any ``--dtype``).
 
     python benchmarks/bench_rows.py --reps 5
     python benchmarks/bench_rows.py --dtype bf16
@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("fp32", "bf16", "q4", "q8"), default="fp32",
                    help="the weights' dtype (default: fp32)")
     p.add_argument("--weights", type=int, default=60, help="weights per pass (default: 60)")
-    p.add_argument("--shape", default="1536x576", help="each weight's [N, K], quantized formats (default: 1536x576)")
+    p.add_argument("--shape", default="1536x576", help="each weight's [N, K] (default: 1536x576, the 135M MLP's)")
     cli.add_reps(p, 5, "repetitions")
     return p.parse_args(argv)
 
@@ -67,7 +67,8 @@ def main(argv=None) -> None:
     if args.dtype in ("q4", "q8"):
         return quantized(args, kernel, found.blas.library)
     dtype = mx.bfloat16 if args.dtype == "bf16" else mx.float32
-    weights = [mx.random.normal((1536, 576)).astype(dtype).T for _ in range(args.weights)]
+    n, k = map(int, args.shape.split("x"))
+    weights = [mx.random.normal((n, k)).astype(dtype).T for _ in range(args.weights)]
     mx.eval(weights)
 
     def blas(x, w):
@@ -80,11 +81,11 @@ def main(argv=None) -> None:
     rounded = args.dtype == "bf16" and kernel.limits()["bf16_dot"]
     routes = [blas, kernel.gemv] + ([lambda x, w: kernel.gemv(x, w, bf16_x=True)] if rounded else [])
     mb = sum(w.nbytes for w in weights) / 1e6
-    print(f"{args.weights} weights [1536, 576] {args.dtype}, {mb:.0f} MB a pass; {found.blas.library}")
+    print(f"{args.weights} weights [{n}, {k}] {args.dtype}, {mb:.0f} MB a pass; {found.blas.library}")
     extra = ["bf16 x ms", "ours / bf16 x"] if rounded else []
     print("\n".join(table(["rows", "BLAS ms", "ours ms", "BLAS / ours"] + extra)))
     for m in (int(r) for r in args.rows.split(",")):
-        x = mx.random.normal((1, m, 576))
+        x = mx.random.normal((1, m, k))
         for route in routes:
             timed(route, x)  # warm
         runs = [[timed(route, x) for route in routes] for _ in range(args.reps)]
