@@ -111,7 +111,7 @@ class Program:
         self._calls: dict[str, DelegateCall] = {}
         self._constants: dict[str, list[mx.array]] = {}
         self._interleaved: dict[str, set[int]] = {}  # per method: weights interleaved in _constants
-        self._read: dict[str, list[mx.array]] = {}  # per method loaded: the constants its nodes read
+        self._read: dict[str, int] = {}  # per method loaded: bytes of the constants its nodes read
         # Decided once here, never built here: prepare_cpu_kernels() builds.
         self.cpu_kernels: CpuKernels = kernels()
         self.plan = Plan(on_cpu(), self.cpu_kernels, **self.rounding)
@@ -182,7 +182,7 @@ class Program:
                 {w: layout for w, (*_, layout) in taken.items()},
             )
             self._interleave(key, executor, taken)
-            self._read[key] = executor.constants
+            self._read[key] = sum({id(a): a.nbytes for a in executor.constants if a is not None}.values())
         except (PteError, MemoryError):
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
@@ -468,8 +468,7 @@ class Program:
         layouts hold them (``weight_bytes`` counts the file's layout; the CPU's
         int8 products read their own, with smaller scales): what one decode
         step streams. 0 before ``load_method(name)``."""
-        unique = {id(a): a.nbytes for a in self._read.get(name, ()) if a is not None}
-        return sum(unique.values())
+        return self._read.get(name, 0)
 
     def _bf16_kept(self, graph: md.MLXGraphT) -> set[int]:
         """Constants a program widened to fp32 keeps in bf16 where the plan

@@ -41,8 +41,10 @@ namespace llm_pte {
 // Values of one row a chunk holds.
 constexpr int quad_values(int bits) { return bits == 8 ? 4 : 8; }
 
-// Whether this build widens fp16 scales in one instruction (F16C, AVX-512).
-#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+// Whether this build widens fp16 scales in one instruction (F16C, which
+// every AVX-512 build has too).
+#if defined(__F16C__)
+#define LLM_PTE_HALF_SCALES 1
 constexpr bool kHalfScales = true;
 #else
 constexpr bool kHalfScales = false;
@@ -64,9 +66,9 @@ struct QuadScales {
 };
 
 inline vf load_half(const uint16_t* p) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if LLM_PTE_HALF_SCALES && defined(__AVX512F__) && defined(__AVX512BW__)
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
+#elif LLM_PTE_HALF_SCALES
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
   (void)p;
@@ -80,7 +82,7 @@ inline vf load_scales(const void* p, bool half, int64_t at) {
 
 inline float scale_value(const void* p, bool half, int64_t at) {
   if (!half) return static_cast<const float*>(p)[at];
-#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+#if LLM_PTE_HALF_SCALES
   return _cvtsh_ss(static_cast<const uint16_t*>(p)[at]);
 #else
   return 0.f;  // never, as load_half
@@ -115,7 +117,7 @@ inline QuadScaleValues quad_scales(const float* scales, const float* biases, int
   auto keep = [&](const float* from, std::vector<uint16_t>& to16, std::vector<float>& to32) {
     if (!out.half) return to32.assign(from, from + n);
     to16.resize(n);
-#if defined(__F16C__) || (defined(__AVX512F__) && defined(__AVX512BW__))
+#if LLM_PTE_HALF_SCALES
     for (int64_t i = 0; i < n; ++i) to16[i] = _cvtss_sh(from[i], _MM_FROUND_TO_NEAREST_INT);
 #endif
   };
