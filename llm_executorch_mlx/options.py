@@ -106,10 +106,13 @@ _DECLARED = (
            "Random seed for sampling, for reproducible runs at temperature > 0",
            rule="an integer in [0, 2**64) or None", valid=lambda v: _integer(v) and 0 <= v < 2**64),
     Option("draft", str, "none",
-           "Speculative decoding: none (default) or ngram, which proposes the tokens that followed the "
-           "reply's last few earlier in the conversation (prompt lookup) and checks them all in one step; "
-           "the output is what decoding without it gives. Pays where the reply copies from the prompt",
-           choices=("none", "ngram")),
+           "Speculative decoding: none (default); ngram, which proposes the tokens that followed the "
+           "reply's last few earlier in the conversation (prompt lookup); or a registered model's name, "
+           "a smaller model of the same tokenizer, which proposes its own greedy continuation. The "
+           "proposals are checked in one step, so the output is what decoding without them gives. "
+           "ngram pays where the reply copies from the prompt, a draft model where it guesses well",
+           rule="none, ngram or a registered model's name",
+           valid=lambda v: isinstance(v, str) and bool(v.strip())),
     Option("draft_tokens", int, 5,
            "Most tokens a draft proposes a step (default {default}; also capped by the model's chunk)",
            rule="between 1 and 32", valid=lambda v: _integer(v) and 1 <= v <= 32),

@@ -9,7 +9,7 @@ import llm
 from pydantic import Field, create_model, field_validator
 
 from .options import OPTIONS
-from .registry import Entry
+from .registry import Entry, find_entry
 
 STATES_DIRNAME = "executorch-mlx-states"
 _mlx_ready = False  # MLX's backend was found usable in this process
@@ -77,6 +77,7 @@ class PteModel(llm.Model):
                 state_dir=None if split else saved_states_dir(),  # a rank's cache is not a model's
                 schema=prompt.schema,
                 tools=_tool_definitions(prompt),
+                draft_model=_draft_files(given.get("draft", "none"), split),
             )
             _advise_on_blas_once()
             yield from _stream_parts(turn, response)
@@ -89,6 +90,21 @@ class PteModel(llm.Model):
         r = turn.result
         response.set_usage(input=r.prompt_tokens, output=r.output_tokens, details={"cached": r.cached_tokens})
         response.response_json = r.stats
+
+
+def _draft_files(draft: str, split: bool) -> tuple[str, str] | None:
+    """The (.pte, tokenizer) files of the registered model ``-o draft`` names;
+    None for none and ngram."""
+    if draft in ("none", "ngram"):
+        return None
+    if split:
+        raise InputError(f"-o draft {draft}: a draft model does not run across an mlx.launch group; "
+                         "use -o draft ngram")
+    entry = find_entry(draft)
+    if entry is None:
+        raise InputError(f"-o draft {draft}: no registered model has that name; `llm pte models` lists them "
+                         "(or use -o draft ngram)")
+    return entry.path, entry.tokenizer
 
 
 def _tool_definitions(prompt) -> list[dict] | None:

@@ -30,6 +30,7 @@ from llm_executorch_mlx.text import store
 def user_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     store.POOL.clear()
+    store.DRAFTS.clear()
     store.REPLIES.clear()
     store.TRUNCATIONS.clear()
     yield tmp_path / "llm"

@@ -17,6 +17,7 @@ from test_plugin import hf_greedy, register, tiny, user_dir  # noqa: F401 (fixtu
 from llm_executorch_mlx.text import store
 from llm_executorch_mlx.text.drafting import FEWEST, MOST, NgramDrafter
 from llm_executorch_mlx.text.sampling import Sampler
+from llm_executorch_mlx.text.session import common_prefix
 
 
 def brute_force_draft(ids: list[int], most: int) -> list[int]:
@@ -91,3 +92,119 @@ def test_greedy_verification_takes_the_argmax():
     sampler = Sampler(temperature=0)
     logits = mx.array([0.1, 2.0, 0.3])
     assert [sampler.verify(logits, [], d).item() for d in (0, 1, 2)] == [1, 1, 1]
+
+
+# -- a draft model (-o draft MODEL) ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_pte(exported):
+    """Another model of the test tokenizer (qwen3, random weights): its
+    proposals are mostly rejected."""
+    return exported("qwen3")
+
+
+def test_a_draft_model_proposes_its_transformers_greedy_continuation(tiny, draft_pte):
+    """Proposals are the draft's own greedy continuation (transformers' on
+    the draft's weights), after ids that went on past what it proposed, so
+    after rewinding its cache."""
+    import torch
+    import transformers
+
+    from llm_executorch_mlx.text.drafting import ModelDrafter
+    from llm_executorch_mlx.text.session import CachePolicy, Session
+
+    model_dir, pte = draft_pte
+    _, program = store.get_program(str(pte))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+    def greedy(ids, n):
+        with torch.no_grad():
+            out = reference.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+        return out[0, len(ids):].tolist()
+
+    ids = np.random.default_rng(1).integers(0, 256, 40).tolist()  # longer than a chunk of 32
+    drafter = ModelDrafter(Session(program, CachePolicy(128, "fp32")), ids, 256, 32)
+    proposed = drafter.propose(5)
+    assert proposed == greedy(ids, 5)
+    drafter.extend(proposed[:2] + [(proposed[2] + 1) % 256])  # two kept, the third replaced
+    assert drafter.propose(3) == greedy(drafter.ids, 3)
+    assert drafter.session.cache.length == len(drafter.ids) + 2
+    drafter.extend([7, 8, 9, 10])  # all kept and more
+    assert drafter.propose(4) == greedy(drafter.ids, 4)
+
+
+def snapshot_of(session):
+    """The cache's content, as numpy arrays per layer."""
+    floor, layers = session.cache.snapshot()
+    return session.cache.length, [(first, np.array(k), np.array(v)) for first, k, v in layers]
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3, 7])
+def test_replies_drafted_by_a_model_are_transformers_greedy_and_leave_the_cache_as_plain_decoding(
+        tiny, draft_pte, draft_tokens):
+    """Whether the draft is the model itself (every proposal taken) or
+    another (most rejected), each reply is transformers' greedy one, the
+    cache holds what decoding without a draft leaves, and the next turn
+    reuses both caches."""
+    register(tiny)
+    _, tok_dir, _ = tiny
+    register((tiny[0], tok_dir, None), "itself")
+    register((draft_pte[1], tok_dir, None), "other")
+    model = llm.get_model("pte:tiny")
+    prompts = ["Why is the sky blue?", "Tell me a story about a cat"]
+    plain = []
+    for prompt in prompts:
+        r = model.prompt(prompt, max_tokens=24, kv_disk_mb=0)  # each turn from its session, none from disk
+        r.text()
+        (session,) = [s for _, s in store.POOL._sessions.values()]
+        plain.append((r.text(), snapshot_of(session)))
+        store.POOL.clear()
+    for draft in ("itself", "other"):
+        for prompt, (text, content) in zip(prompts, plain):
+            conversation = model.conversation()
+            r = conversation.prompt(prompt, max_tokens=24, draft=draft, draft_tokens=draft_tokens, kv_disk_mb=0)
+            assert r.text() == text == hf_greedy(tiny, [{"role": "user", "content": prompt}], 24)[1]
+            j = r.response_json
+            assert j["draft"] == draft and j["drafted_tokens"] > 0
+            if draft == "itself":
+                assert j["accepted_tokens"] == j["drafted_tokens"]
+            else:  # rejections, and the rewinds past them, happened
+                assert j["accepted_tokens"] < j["drafted_tokens"]
+            (session,) = [s for _, s in store.POOL._sessions.values()]
+            length, layers = snapshot_of(session)
+            assert length == content[0]
+            for (_, k, v), (_, k0, v0) in zip(layers, content[1]):
+                np.testing.assert_allclose(k, k0, atol=1e-5)
+                np.testing.assert_allclose(v, v0, atol=1e-5)
+            # the draft's cache is the conversation's, but for proposals of its last step
+            (drafting,) = [s for _, s in store.DRAFTS._sessions.values()]
+            assert drafting.cache.length == len(drafting.tokens)
+            assert common_prefix(drafting.tokens, session.tokens) >= len(drafting.tokens) - draft_tokens
+            again = conversation.prompt("And again?", max_tokens=6, draft=draft, draft_tokens=draft_tokens,
+                                        kv_disk_mb=0)
+            again.text()
+            assert again.response_json["cache_path"] == "hit" and len(store.DRAFTS) == 1
+            store.POOL.clear()
+            store.DRAFTS.clear()
+
+
+def test_a_draft_of_another_tokenizer_or_no_model_is_refused_in_one_line(tiny, draft_pte, tmp_path):
+    from test_plugin import invoke
+
+    from models import make_tokenizer
+
+    register(tiny)
+    foreign = make_tokenizer(tmp_path / "foreign", vocab_size=180)
+    r = invoke("pte", "register", str(draft_pte[1]), "--tokenizer", str(foreign), "--name", "foreign")
+    assert r.exit_code == 0, r.output
+    r = invoke("-m", "pte:tiny", "-o", "draft", "foreign", "hello")
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [
+        "Error: -o draft foreign: its tokenizer is not this model's, so its ids would mean other text: "
+        "draft with a model of the same tokenizer, or -o draft ngram"]
+    r = invoke("-m", "pte:tiny", "-o", "draft", "nobody", "hello")
+    assert r.exit_code == 1
+    assert r.output.strip().splitlines() == [
+        "Error: -o draft nobody: no registered model has that name; `llm pte models` lists them "
+        "(or use -o draft ngram)"]

@@ -1,4 +1,4 @@
-"""Prompt lookup: draft tokens for speculative decoding from the conversation itself.
+"""Draft tokens for speculative decoding: prompt lookup, or a smaller model.
 
 Where the reply copies from what came before (editing code, answering from a
 pasted document, reformatting), the tokens after its last few also followed
@@ -6,9 +6,19 @@ the same few tokens earlier on. ``NgramDrafter`` proposes them: the
 continuation of the latest earlier occurrence of the longest suffix of
 ``MOST``..``FEWEST`` ids, as llama.cpp's and vLLM's prompt lookup do. It
 needs no second model, and costs a dictionary update per token.
+``ModelDrafter`` proposes what a smaller model of the same tokenizer would
+say next, which pays on any text the small model guesses well.
+
+Both take the ids seen so far (``extend``) and propose up to a number of
+ids (``propose``); ``generate.speculate`` verifies them.
 """
 
 from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .generate import prefill, step
 
 MOST, FEWEST = 4, 2  # suffix lengths looked up, longest first; one id matches too often to be worth a draft
 
@@ -45,3 +55,48 @@ class NgramDrafter:
             if end is not None:
                 return seen[end:end + most]
         return []
+
+
+class ModelDrafter:
+    """Proposals from a smaller model that shares the target's tokenizer: its
+    greedy continuation of the ids seen so far.
+
+    ``session`` is the draft's own (session.py): its cache follows the
+    conversation a step behind, since what is seen is fed only when the next
+    proposals are asked for, after rewinding past any proposals the target
+    did not keep. Greedy proposals are made with certainty, so the target's
+    verification keeps its own distribution when sampling (sampling.py).
+    """
+
+    def __init__(self, session, ids: list[int], vocab_size: int, chunk: int):
+        """``vocab_size``: the target's; ``chunk``: the draft's prefill chunk."""
+        self.session = session
+        self.ids = list(ids)
+        self.vocab_size = vocab_size
+        self.chunk = chunk
+
+    def extend(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+
+    def propose(self, most: int) -> list[int]:
+        """Up to ``most`` ids, the draft's greedy choices after ``ids``; []
+        where its cache has no room for them."""
+        if most <= 0:
+            return []
+        session, cache, forward = self.session, self.session.cache, self.session.forward
+        session.resync()  # a proposal interrupted may have fed more than it recorded
+        _, held = session.reuse(self.ids)  # rewinds past what it fed and the target did not keep
+        new = self.ids[held:]
+        if not cache.can_extend(len(new) + most - 1):
+            return []
+        logits = prefill(forward, cache, new, held, self.chunk)
+        drafted = []
+        for position in range(len(self.ids), len(self.ids) + most):
+            drafted.append(mx.argmax(logits[: self.vocab_size]))  # the target cannot take ids past its own
+            if len(drafted) < most:  # fed as a device array: one wait for all of them
+                logits = step(forward, drafted[-1].reshape(1, 1), np.array([position], np.int64))
+        forward.submit(*drafted)
+        forward.wait(drafted[-1])
+        drafted = mx.stack(drafted).tolist()
+        session.tokens = self.ids + drafted[:-1]
+        return drafted

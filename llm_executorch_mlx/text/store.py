@@ -2,9 +2,9 @@
 
 Programs and tokenizers are loaded once and reused while their file is
 unchanged (same path, modification time and size). Per loaded program the
-process also keeps its sessions (caches), the ids of the replies it generated
-and the cuts truncation made; when the file changes, it is loaded again and
-all that the old program held is freed.
+process also keeps its sessions (caches), as a model and as a draft, the
+ids of the replies it generated and the cuts truncation made; when the file
+changes, it is loaded again and all that the old program held is freed.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .tokenizer import load_tokenizer
 from .truncation import Truncation
 
 POOL = SessionPool()
+DRAFTS = SessionPool()  # draft models' sessions (-o draft MODEL), apart from the models they draft for
 REPLIES = ReplyMemory()
 TRUNCATIONS = Truncation()
 _programs: dict = {}
@@ -39,6 +40,7 @@ def get_program(path: str, compute: str = "auto", int8_activations: bool = True,
             # the file changed: free the old program and all that refers to it
             del _programs[old]
             POOL.drop(old)
+            DRAFTS.drop(old)
             REPLIES.drop(old)
             TRUNCATIONS.drop(old)
         program = load_program(path, compute=compute, int8_activations=int8_activations,

@@ -1,6 +1,7 @@
 """Load a tokenizer file, whatever its format, behind one interface."""
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -69,6 +70,12 @@ class Tokenizer(ABC):
         if token_id is None or not 0 <= token_id < self.vocab_size:
             return None
         return self._spell(token_id)
+
+    @functools.cached_property
+    def vocabulary(self) -> tuple[str | None, ...]:
+        """Every id's spelling, in id order: tokenizers with the same one give
+        an id the same meaning (a draft model's must be its target's)."""
+        return tuple(self._spell(i) for i in range(self.vocab_size))
 
     @abstractmethod
     def _spell(self, token_id: int) -> str | None:

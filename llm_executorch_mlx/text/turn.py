@@ -19,7 +19,7 @@ from . import store
 from .constrained import Constraint
 from .conversation import assistant_message, calls_as_text, encode_conversation, message_key, reply_start
 from .detokenize import StreamDecoder
-from .drafting import NgramDrafter
+from .drafting import ModelDrafter, NgramDrafter
 from .generate import Speculation
 from .errors import TextError
 from .reasoning import opens_reasoning, think_tags, thinking_context
@@ -49,6 +49,15 @@ class TurnResult:
     stats: dict = field(default_factory=dict)
 
 
+def draft_policy(policy: CachePolicy, program) -> CachePolicy:
+    """The cache a draft model (``-o draft MODEL``) keeps beside a target's
+    cache of ``policy``: as long, as far as the draft's context allows, in
+    the dtype it computes in."""
+    meta = program.metadata
+    return CachePolicy(capacity=min(policy.capacity, meta.max_context or policy.capacity),
+                       dtype=program.compute_dtype or "bf16")
+
+
 def cache_policy(opts: TurnOptions, program) -> CachePolicy:
     """The cache a turn with ``opts`` needs for ``program``."""
     meta = program.metadata
@@ -69,13 +78,17 @@ class Turn:
     and tool calls); ``result`` is complete once iteration ends."""
 
     def __init__(self, pte_path: str, tokenizer_path: str, messages: list[dict], opts: TurnOptions, notice=None,
-                 state_dir=None, schema: dict | None = None, tools: list[dict] | None = None):
+                 state_dir=None, schema: dict | None = None, tools: list[dict] | None = None,
+                 draft_model: tuple[str, str] | None = None):
         """``state_dir``: where cache states are saved between processes (None: nowhere);
         ``schema``: a JSON schema the reply must be a document of (constrained.py);
-        ``tools``: the tools offered, as chat templates take them (tool_calls.tool_definitions)."""
+        ``tools``: the tools offered, as chat templates take them (tool_calls.tool_definitions);
+        ``draft_model``: the (.pte, tokenizer) files of the model ``opts.draft`` names."""
         for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
             if not os.path.isfile(path):
                 raise TextError(f"the {what} file {path} is missing: re-register the model")
+        if (draft_model is None) != (opts.draft in ("none", "ngram")):
+            raise ValueError(f"-o draft {opts.draft} needs the files of that model, and only it does")
         self.key, self.program = store.get_program(pte_path, opts.compute_dtype, opts.int8_activations,
                                                    opts.bf16_activations)
         self.tokenizer = store.get_tokenizer(tokenizer_path)
@@ -103,6 +116,21 @@ class Turn:
         self.constraint = self._constraint(schema, forced_tools(opts.tool_choice, tools, messages))
         self.disk = (StateStore(state_dir, int(opts.kv_disk_mb * 2**20), self.notice)
                      if state_dir is not None and opts.kv_disk_mb else None)
+        self.draft = None if draft_model is None else self._draft(*draft_model)
+
+    def _draft(self, pte_path: str, tokenizer_path: str) -> tuple:
+        """(key, program) of the draft model, refused where its tokenizer is
+        not this model's."""
+        name = self.opts.draft
+        for what, path in (("model", pte_path), ("tokenizer", tokenizer_path)):
+            if not os.path.isfile(path):
+                raise TextError(f"the draft's {what} file {path} is missing: re-register {name}")
+        key, program = store.get_program(pte_path, self.opts.compute_dtype, self.opts.int8_activations,
+                                         self.opts.bf16_activations)
+        if store.get_tokenizer(tokenizer_path).vocabulary != self.tokenizer.vocabulary:
+            raise TextError(f"-o draft {name}: its tokenizer is not this model's, so its ids would mean "
+                            "other text: draft with a model of the same tokenizer, or -o draft ngram")
+        return key, program
 
     def _constraint(self, schema: dict | None, forced: list[dict] | None) -> Constraint | None:
         """The reply's schema, or the call it is forced to make, as a token mask;
@@ -121,14 +149,22 @@ class Turn:
         call = None if forced is None else (self.tool_format, forced)
         return Constraint(schema, self.tokenizer, n_vocab, self.stops.ids, call=call)
 
-    def _speculation(self, session, prompt: list[int], chunk: int) -> Speculation | None:
+    def _speculation(self, session, prompt: list[int], start: int | None, chunk: int) -> Speculation | None:
         """How ``-o draft`` speculates in this turn, or None: not under a
         constraint (its mask follows each token in turn), nor with a forward
-        that returns one position's logits only, nor with one-token calls."""
+        that returns one position's logits only, nor with one-token calls.
+        ``start``: where the prompt's last reply begins (``SessionPool.acquire``)."""
         if self.opts.draft == "none" or self.constraint is not None or session.forward.n_inputs != 2 or chunk < 2:
             return None
-        return Speculation(NgramDrafter(prompt), min(self.opts.draft_tokens, chunk - 1),
-                           self.sampler.verify, self.sampler.sample_next)
+        if self.draft is None:
+            drafter = NgramDrafter(prompt)
+        else:  # the draft's session that holds the most of this conversation (store.DRAFTS)
+            key, program = self.draft
+            own = store.DRAFTS.acquire(key, program, draft_policy(self.policy, program), prompt, start)
+            drafter = ModelDrafter(own, prompt, self.program.metadata.vocab_size or self.tokenizer.vocab_size,
+                                   own.cache.max_write or program.metadata.prefill_chunk)
+        return Speculation(drafter, min(self.opts.draft_tokens, chunk - 1), self.sampler.verify,
+                           self.sampler.sample_next)
 
     def _disk_key(self) -> tuple[dict, dict]:
         """The model identity and cache policy a saved state must match."""
@@ -236,7 +272,7 @@ class Turn:
         mx.reset_peak_memory()
         # a narrowed window lowers the cache's max write below the export's chunk
         chunk = session.cache.max_write or self.program.metadata.prefill_chunk
-        speculation = self._speculation(session, prompt, chunk)
+        speculation = self._speculation(session, prompt, start, chunk)
         reply = yield from stream_reply(
             session, prompt, cached, chunk, self.sampler.sample_next, self.opts.max_tokens,
             self.stops, matcher, decoder, self.constraint, speculation,
