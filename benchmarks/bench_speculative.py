@@ -1,25 +1,28 @@
-"""Speculative decoding with prompt lookup (``-o draft ngram``) against plain
-decoding, on the plugin's own turn (template, sampler, cache), greedy.
+"""Speculative decoding (``-o draft ngram``, ``-o draft MODEL``) against
+plain decoding, on the plugin's own turn (template, sampler, cache), greedy.
 
 Two prompts: a copy-heavy one (a pasted paragraph to rewrite with one
-change) and a free-form one. Per repetition each prompt runs without and
-with the draft, in alternating order, each from a cold cache; the table
-gives decode tok/s, their ratio per repetition (``median [min–max]``),
+change) and a free-form one. Per repetition each prompt runs without a
+draft, with prompt lookup and, given ``--draft``, with that draft model, in
+an order that alternates, each from cold caches; the table gives decode
+tok/s, its ratio to plain decoding per repetition (``median [min–max]``),
 how many proposals were taken, and whether the replies were the same.
 
 ``--acceptance 1,0.8`` adds rows at a fixed acceptance by construction,
-for models whose replies prompt lookup cannot guess (random weights): a
-drafter that proposes the plain reply's own next tokens, each replaced by
-another with probability 1 - A, in place of prompt lookup. It measures what
-verifying several tokens a step gains at that rate, the ceiling a draft
-model would reach.
+for models whose replies the drafts cannot guess (random weights): the
+drafter (the draft model, else prompt lookup) runs as it would, but what
+it proposes is replaced by the plain reply's own next tokens, each replaced
+by another with probability 1 - A. It measures what verifying several
+tokens a step gains at that rate, the draft's own cost included.
 
-    python benchmarks/bench_speculative.py MODEL.pte [--tokenizer tokenizer.json] [--reps 3] [--max-tokens 128]
+    python benchmarks/bench_speculative.py MODEL.pte [--tokenizer tokenizer.json] [--draft DRAFT.pte]
+        [--reps 3] [--max-tokens 128] [--acceptance 1,0.8,0.5]
 """
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 from harness import cli
 from harness.machine import bind_blas_and_import_mlx, machine_info
@@ -39,42 +42,52 @@ PROMPTS = {
 
 
 class FixedAcceptance:
-    """A drafter (``NgramDrafter``'s interface) proposing ``reply``, the plain
-    reply's ids, each proposal replaced by another id with probability
-    1 - ``rate``: greedy verification then keeps each with that probability."""
+    """A drafter proposing ``reply``, the plain reply's ids, each proposal
+    replaced by another id with probability 1 - ``rate`` (greedy
+    verification then keeps each with that probability), after running
+    ``drafter``, whose proposals it drops, for its cost."""
 
-    def __init__(self, prompt: list[int], reply: list[int], rate: float, seed: int):
+    def __init__(self, drafter, reply: list[int], rate: float, seed: int):
         import random
 
-        self.ids, self.start, self.reply, self.rate = list(prompt), len(prompt), reply, rate
+        self.drafter, self.start, self.reply, self.rate = drafter, len(drafter.ids), reply, rate
         self.random = random.Random(seed)
 
+    @property
+    def ids(self) -> list[int]:
+        return self.drafter.ids
+
     def extend(self, ids: list[int]) -> None:
-        self.ids.extend(ids)
+        self.drafter.extend(ids)
 
     def propose(self, most: int) -> list[int]:
+        self.drafter.propose(most)
         at = len(self.ids) - self.start
         return [t if self.random.random() < self.rate else t + 1 for t in self.reply[at:at + most]]
 
 
-def turn(pte, tokenizer, prompt: str, draft: str, max_tokens: int, draft_tokens: int,
-         drafter=None) -> tuple[str, dict, list[int]]:
-    """The reply's text, stats and ids; ``drafter(prompt ids)`` in place of
-    prompt lookup, where given."""
+def turn(pte, tokenizer, prompt: str, draft: str, max_tokens: int, draft_tokens: int, draft_pte=None,
+         wrap=None) -> tuple[str, dict, list[int]]:
+    """The reply's text, stats and ids; ``draft``: none, ngram, or a name
+    for ``draft_pte``; each drafter made passed through ``wrap``, where given."""
     from llm_executorch_mlx.text import store, turn as turn_module
     from llm_executorch_mlx.text.turn import Turn, TurnOptions
 
     store.POOL.clear()
+    store.DRAFTS.clear()
     store.REPLIES.clear()
-    lookup = turn_module.NgramDrafter
-    if drafter is not None:
-        turn_module.NgramDrafter = drafter
+    made = {name: getattr(turn_module, name) for name in ("NgramDrafter", "ModelDrafter")}
+    if wrap is not None:
+        for name, make in made.items():
+            setattr(turn_module, name, lambda *a, make=make, **k: wrap(make(*a, **k)))
     try:
         t = Turn(str(pte), str(tokenizer), [{"role": "user", "content": prompt}],
-                 TurnOptions(draft=draft, draft_tokens=draft_tokens, max_tokens=max_tokens))
+                 TurnOptions(draft=draft, draft_tokens=draft_tokens, max_tokens=max_tokens, kv_disk_mb=0),
+                 draft_model=None if draft in ("none", "ngram") else (str(draft_pte), str(tokenizer)))
         text = "".join(t)
     finally:
-        turn_module.NgramDrafter = lookup
+        for name, make in made.items():
+            setattr(turn_module, name, make)
     (session,) = [s for _, s in store.POOL._sessions.values()]
     return text, t.result.stats, session.tokens[t.result.prompt_tokens:]
 
@@ -87,6 +100,7 @@ def record(text: str, stats: dict) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cli.add_pte_and_tokenizer(ap)
+    ap.add_argument("--draft", type=pathlib.Path, help="a draft model's .pte (of the same tokenizer) to time too")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-tokens", type=int, default=5)
     ap.add_argument("--acceptance", default="", help="fixed acceptance rates to add, comma-separated (e.g. 1,0.8)")
@@ -96,30 +110,37 @@ def main():
     rates = [float(r) for r in args.acceptance.split(",") if r.strip()]
     info = machine_info(bind_blas_and_import_mlx())
     tokenizer = cli.tokenizer_of(args)
-    turn(args.pte, tokenizer, "Hello", "none", 4, args.draft_tokens)  # load, build the kernels, warm
-    raw = {"machine": info, "pte": str(args.pte), "reps": []}
+    model = f"{args.draft.parent.name}/{args.draft.stem}" if args.draft else None  # the draft model's route
+    drafts = ["none", "ngram"] + ([model] if model else [])
+    for draft in drafts:  # load, build the kernels, warm
+        turn(args.pte, tokenizer, "Hello", draft, 4, args.draft_tokens, args.draft)
+    raw = {"machine": info, "pte": str(args.pte), "draft": str(args.draft), "reps": []}
     for rep in range(args.reps):
         runs = {}
         for name, prompt in PROMPTS.items():
-            order = ("none", "ngram") if rep % 2 == 0 else ("ngram", "none")
-            reply = None
+            order = drafts if rep % 2 == 0 else drafts[::-1]
             for draft in order:
-                text, stats, ids = turn(args.pte, tokenizer, prompt, draft, args.max_tokens, args.draft_tokens)
-                reply = ids if draft == "none" else reply
+                text, stats, ids = turn(args.pte, tokenizer, prompt, draft, args.max_tokens, args.draft_tokens,
+                                        args.draft)
+                if draft == "none":
+                    reply = ids
                 runs[name, draft] = record(text, stats)
                 log(f"rep {rep} {name} {draft}: {stats['decode_tokens_per_s']} tok/s, "
                     f"{stats['accepted_tokens']}/{stats['drafted_tokens']} taken")
             for rate in rates:
-                fixed = lambda ids, rate=rate: FixedAcceptance(ids, reply, rate, rep)  # noqa: E731
-                text, stats, _ = turn(args.pte, tokenizer, prompt, "ngram", args.max_tokens, args.draft_tokens, fixed)
+                fixed = lambda drafter, rate=rate: FixedAcceptance(drafter, reply, rate, rep)  # noqa: E731
+                text, stats, _ = turn(args.pte, tokenizer, prompt, model or "ngram", args.max_tokens,
+                                      args.draft_tokens, args.draft, fixed)
                 runs[name, f"at {rate:g}"] = record(text, stats)
+                log(f"rep {rep} {name} at {rate:g}: {stats['decode_tokens_per_s']} tok/s")
         raw["reps"].append({f"{k[0]} {k[1]}": v for k, v in runs.items()})
-    print(f"{info['cpu_model']} ({info['cpus_available']} cores, {info['mlx_device']}); {args.pte.name}; {args.max_tokens} tokens greedy, "
+    print(f"{info['cpu_model']} ({info['cpus_available']} cores, {info['mlx_device']}); {args.pte.name}"
+          f"{f', draft {args.draft.name}' if args.draft else ''}; {args.max_tokens} tokens greedy, "
           f"--draft-tokens {args.draft_tokens}, {args.reps} repetitions\n")
     rows = []
     for name in PROMPTS:
         plain = [r[f"{name} none"]["decode_tokens_per_s"] for r in raw["reps"]]
-        for route in ["ngram"] + [f"at {rate:g}" for rate in rates]:
+        for route in drafts[1:] + [f"at {rate:g}" for rate in rates]:
             drafted = [r[f"{name} {route}"]["decode_tokens_per_s"] for r in raw["reps"]]
             taken = sum(r[f"{name} {route}"]["accepted_tokens"] for r in raw["reps"])
             proposed = sum(r[f"{name} {route}"]["drafted_tokens"] for r in raw["reps"])

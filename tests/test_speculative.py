@@ -130,7 +130,9 @@ def test_a_draft_model_proposes_its_transformers_greedy_continuation(tiny, draft
     drafter.extend(proposed[:2] + [(proposed[2] + 1) % 256])  # two kept, the third replaced
     assert drafter.propose(3) == greedy(drafter.ids, 3)
     assert drafter.session.cache.length == len(drafter.ids) + 2
-    drafter.extend([7, 8, 9, 10])  # all kept and more
+    drafter.extend([7, 8, 9, 10])  # all kept and more, read ahead
+    drafter.follow()
+    assert drafter.session.cache.length == len(drafter.ids) - 1
     assert drafter.propose(4) == greedy(drafter.ids, 4)
 
 

@@ -9,7 +9,8 @@ needs no second model, and costs a dictionary update per token.
 ``ModelDrafter`` proposes what a smaller model of the same tokenizer would
 say next, which pays on any text the small model guesses well.
 
-Both take the ids seen so far (``extend``) and propose up to a number of
+Both take the ids seen so far (``extend``), read ahead what they will need
+while the model reads the prompt (``follow``) and propose up to a number of
 ids (``propose``); ``generate.speculate`` verifies them.
 """
 
@@ -41,6 +42,9 @@ class NgramDrafter:
             for n in range(FEWEST, MOST + 1):
                 if end >= n:
                     self._ends[tuple(seen[end - n:end])] = end
+
+    def follow(self) -> None:
+        """Nothing to read ahead: ``extend`` indexes each id as it comes."""
 
     def propose(self, most: int) -> list[int]:
         """Up to ``most`` ids that followed the longest suffix's latest
@@ -78,24 +82,44 @@ class ModelDrafter:
     def extend(self, ids: list[int]) -> None:
         self.ids.extend(ids)
 
+    def follow(self) -> None:
+        """Feed the draft what was seen (the prompt, as the target reads it),
+        but for the last id, which the next proposal feeds for its logits."""
+        session, cache, forward = self.session, self.session.cache, self.session.forward
+        new, held = self._unfed()
+        if len(new) < 2 or not cache.can_extend(len(new)):
+            return
+        prefill(forward, cache, new[:-1], held, self.chunk)
+        state = cache.state
+        forward.submit(*state)
+        forward.wait(state[-1])
+        mx.eval(state)
+        session.tokens = self.ids[:-1]
+
+    def _unfed(self) -> tuple[list[int], int]:
+        """(the ids the draft's cache lacks, how many it holds), after
+        rewinding past what it fed and the target did not keep; at least
+        one id is left to feed."""
+        self.session.resync()  # a proposal interrupted may have fed more than it recorded
+        _, held = self.session.reuse(self.ids)
+        return self.ids[held:], held
+
     def propose(self, most: int) -> list[int]:
         """Up to ``most`` ids, the draft's greedy choices after ``ids``; []
         where its cache has no room for them."""
         if most <= 0:
             return []
         session, cache, forward = self.session, self.session.cache, self.session.forward
-        session.resync()  # a proposal interrupted may have fed more than it recorded
-        _, held = session.reuse(self.ids)  # rewinds past what it fed and the target did not keep
-        new = self.ids[held:]
+        new, held = self._unfed()
         if not cache.can_extend(len(new) + most - 1):
             return []
         logits = prefill(forward, cache, new, held, self.chunk)
         drafted = []
         for position in range(len(self.ids), len(self.ids) + most):
             drafted.append(mx.argmax(logits[: self.vocab_size]))  # the target cannot take ids past its own
-            if len(drafted) < most:  # fed as a device array: one wait for all of them
+            forward.submit(drafted[-1])  # runs while the next step is built, which feeds it unread
+            if len(drafted) < most:
                 logits = step(forward, drafted[-1].reshape(1, 1), np.array([position], np.int64))
-        forward.submit(*drafted)
         forward.wait(drafted[-1])
         drafted = mx.stack(drafted).tolist()
         session.tokens = self.ids + drafted[:-1]

@@ -115,6 +115,8 @@ def generate_tokens(
     t0 = time.perf_counter()
     tail = prompt[start:]
     logits = prefill(forward, cache, tail, start, chunk)
+    if speculation is not None:  # a draft model reads the prompt with the model
+        speculation.drafter.follow()
     history = list(prompt)
     allowed = (lambda row: row) if constraint is None else constraint.apply
     y = sample(allowed(logits), history)
@@ -158,6 +160,9 @@ def generate_tokens(
             return
 
 
+MAX_BACKOFF = 6  # after proposals that all missed, up to 2**MAX_BACKOFF steps propose none
+
+
 @dataclass
 class Speculation:
     """Speculative decoding: ``drafter`` proposes up to ``tokens`` ids a step
@@ -185,12 +190,16 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     sampled on the device (after a step without proposals) has its step
     queued before it is read, as ``generate_tokens``' loop does, so those
     steps cost what they cost without speculation; proposals for it then
-    take a call of their own. After proposals that all missed, the next 2,
-    4, ... 16 steps propose none.
+    take a call of their own. A step proposes one more token than the last
+    one kept (up to ``speculation.tokens``); after proposals that all
+    missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps propose none. So
+    drafts that miss cost little, a draft model's included, which costs a
+    step of its own per token proposed.
     """
     drafter = speculation.drafter
     drafter.extend(history[len(drafter.ids):])
     produced, misses, idle = 0, 0, 0  # tokens yielded; proposals that all missed, in a row; steps left without
+    most = speculation.tokens  # tokens the next step may propose
     queued = None  # the logits of the step feeding y, when y is sampled on the device and its step queued
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
@@ -210,7 +219,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         if not fed:
             yield Step(token, False)
             return
-        room = min(speculation.tokens, max_tokens - produced - 1,
+        room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if on_device else 2))
         draft = drafter.propose(room) if not idle else []
         idle = max(0, idle - 1)
@@ -244,7 +253,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         timings.drafted_tokens += len(draft)
         timings.accepted_tokens += kept
         misses = 0 if kept else misses + 1
-        idle = 2 ** min(misses, 4) if misses else 0
+        idle = 2 ** min(misses, MAX_BACKOFF) if misses else 0
+        most = min(speculation.tokens, kept + 1)
         yield Step(token, True)
         for d in draft[:kept]:
             produced += 1
