@@ -60,6 +60,9 @@ class FixedAcceptance:
     def extend(self, ids: list[int]) -> None:
         self.drafter.extend(ids)
 
+    def follow(self) -> None:
+        self.drafter.follow()
+
     def propose(self, most: int) -> list[int]:
         self.drafter.propose(most)
         at = len(self.ids) - self.start
@@ -135,7 +138,7 @@ def main():
                 log(f"rep {rep} {name} at {rate:g}: {stats['decode_tokens_per_s']} tok/s")
         raw["reps"].append({f"{k[0]} {k[1]}": v for k, v in runs.items()})
     print(f"{info['cpu_model']} ({info['cpus_available']} cores, {info['mlx_device']}); {args.pte.name}"
-          f"{f', draft {args.draft.name}' if args.draft else ''}; {args.max_tokens} tokens greedy, "
+          f"{f', draft {model}' if model else ''}; {args.max_tokens} tokens greedy, "
           f"--draft-tokens {args.draft_tokens}, {args.reps} repetitions\n")
     rows = []
     for name in PROMPTS:

@@ -250,12 +250,16 @@ def main(argv=None) -> None:
                    help="quantize the linears and the embedding (the exporter's --qlinear/--qembedding)")
     a.add_argument("--group-size", type=int, choices=(32, 64, 128), default=32,
                    help="quantization group size (default: 32)")
+    a.add_argument("--vocab-size", type=int, default=LLAMA_32_1B["vocab_size"],
+                   help="the vocabulary (default: Llama-3.2's; 49152 is SmolLM2's, so its tokenizer serves and "
+                        "the demo model can draft for it)")
     b = sub.add_parser("unpack", help="fill seeded random weights (needs mlx)")
     b.add_argument("out", type=pathlib.Path)
     b.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.command == "pack":
-        pack(args.out, args.max_ctx_len, args.prefill_chunk, args.quantize, args.group_size)
+        pack(args.out, args.max_ctx_len, args.prefill_chunk, args.quantize, args.group_size,
+             dict(LLAMA_32_1B, vocab_size=args.vocab_size))
     else:
         unpack(args.out, args.seed)
 

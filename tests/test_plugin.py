@@ -511,14 +511,16 @@ def test_a_new_conversation_gets_its_own_session(tiny):
     assert len(store.POOL) == 2
 
 
-@pytest.mark.parametrize("draft", ["none", "ngram"])
+@pytest.mark.parametrize("draft", ["none", "ngram", "itself", "other"])
 def test_ring_layers_past_their_window_across_turns(exported, tmp_path, draft):
     """gemma3's sliding layers (window 16) drop history; each turn still
     equals transformers on the whole history, with speculative decoding's
-    rewinds too."""
+    rewinds too (a draft model's, in its own ring-layered cache, as well:
+    the model itself, whose proposals are all kept, or another gemma3)."""
     model_dir, pte = exported("gemma3")
     tok = make_tokenizer(tmp_path / "tok")
-    assert invoke("pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny").exit_code == 0
+    for name, path in (("tiny", pte), ("itself", pte), ("other", exported("gemma3", trained=True, dtype="bf16")[1])):
+        assert invoke("pte", "register", str(path), "--tokenizer", str(tok), "--name", name).exit_code == 0
     conversation = llm.get_model("pte:tiny").conversation()
     user_turns = ["Hello there", "Tell me a story about a cat", "Why is the sky blue?"]
     paths = []
@@ -527,6 +529,8 @@ def test_ring_layers_past_their_window_across_turns(exported, tmp_path, draft):
         assert r.text() == expected and r.input_tokens == len(ids)
         paths.append(r.response_json["cache_path"])
         assert r.response_json["cache_length"] > 16  # well past the window
+        if draft != "other":  # all kept; prompt lookup finds no repeats here
+            assert (r.response_json["accepted_tokens"] > 0) == (draft == "itself")
     assert paths == ["cold", "hit", "hit"]  # each turn reuses the ring-layered cache
 
 

@@ -190,9 +190,11 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     sampled on the device (after a step without proposals) has its step
     queued before it is read, as ``generate_tokens``' loop does, so those
     steps cost what they cost without speculation; proposals for it then
-    take a call of their own. A step proposes one more token than the last
-    one kept (up to ``speculation.tokens``); after proposals that all
-    missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps propose none. So
+    take a call of their own. The tokens a step may propose grow by one
+    after proposals that were all kept (up to ``speculation.tokens``) and
+    fall by one after proposals that missed before their last; after
+    proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
+    propose none. So
     drafts that miss cost little, a draft model's included, which costs a
     step of its own per token proposed.
     """
@@ -254,7 +256,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         timings.accepted_tokens += kept
         misses = 0 if kept else misses + 1
         idle = 2 ** min(misses, MAX_BACKOFF) if misses else 0
-        most = min(speculation.tokens, kept + 1)
+        most = min(speculation.tokens, max(kept + 1, most - 1))
         yield Step(token, True)
         for d in draft[:kept]:
             produced += 1
