@@ -124,7 +124,7 @@ def test_a_draft_model_proposes_its_transformers_greedy_continuation(tiny, draft
         return out[0, len(ids):].tolist()
 
     ids = np.random.default_rng(1).integers(0, 256, 40).tolist()  # longer than a chunk of 32
-    drafter = ModelDrafter(Session(program, CachePolicy(128, "fp32")), ids, 256, 32)
+    drafter = ModelDrafter(Session(program, CachePolicy(128, "fp32")), ids, 256, 256, 32)
     proposed = drafter.propose(5)
     assert proposed == greedy(ids, 5)
     drafter.extend(proposed[:2] + [(proposed[2] + 1) % 256])  # two kept, the third replaced
@@ -134,6 +134,12 @@ def test_a_draft_model_proposes_its_transformers_greedy_continuation(tiny, draft
     drafter.follow()
     assert drafter.session.cache.length == len(drafter.ids) - 1
     assert drafter.propose(4) == greedy(drafter.ids, 4)
+    # an id past the draft's embedding (a target's padding id): it proposes
+    # nothing from there on and feeds nothing it cannot read
+    held = drafter.session.cache.length
+    drafter.extend([5, 256, 6])
+    drafter.follow()
+    assert drafter.propose(4) == [] and drafter.session.cache.length <= held
 
 
 def snapshot_of(session):

@@ -72,11 +72,14 @@ class ModelDrafter:
     verification keeps its own distribution when sampling (sampling.py).
     """
 
-    def __init__(self, session, ids: list[int], vocab_size: int, chunk: int):
-        """``vocab_size``: the target's; ``chunk``: the draft's prefill chunk."""
+    def __init__(self, session, ids: list[int], vocab_size: int, readable: int, chunk: int):
+        """``vocab_size``: the target's (the ids it can take); ``readable``:
+        the draft's own (the ids its embedding has rows for); ``chunk``: the
+        draft's prefill chunk."""
         self.session = session
         self.ids = list(ids)
         self.vocab_size = vocab_size
+        self.readable = readable
         self.chunk = chunk
 
     def extend(self, ids: list[int]) -> None:
@@ -87,7 +90,7 @@ class ModelDrafter:
         but for the last id, which the next proposal feeds for its logits."""
         session, cache, forward = self.session, self.session.cache, self.session.forward
         new, held = self._unfed()
-        if len(new) < 2 or not cache.can_extend(len(new)):
+        if new is None or len(new) < 2 or not cache.can_extend(len(new)):
             return
         prefill(forward, cache, new[:-1], held, self.chunk)
         state = cache.state
@@ -96,13 +99,16 @@ class ModelDrafter:
         mx.eval(state)
         session.tokens = self.ids[:-1]
 
-    def _unfed(self) -> tuple[list[int], int]:
+    def _unfed(self) -> tuple[list[int] | None, int]:
         """(the ids the draft's cache lacks, how many it holds), after
         rewinding past what it fed and the target did not keep; at least
-        one id is left to feed."""
+        one id is left to feed. None for the ids where one is past the
+        draft's embedding (a padding id of a target with more logits than
+        the tokenizer has ids): the draft cannot read on."""
         self.session.resync()  # a proposal interrupted may have fed more than it recorded
         _, held = self.session.reuse(self.ids)
-        return self.ids[held:], held
+        new = self.ids[held:]
+        return (None if max(new) >= self.readable else new), held
 
     def propose(self, most: int) -> list[int]:
         """Up to ``most`` ids, the draft's greedy choices after ``ids``; []
@@ -111,7 +117,7 @@ class ModelDrafter:
             return []
         session, cache, forward = self.session, self.session.cache, self.session.forward
         new, held = self._unfed()
-        if not cache.can_extend(len(new) + most - 1):
+        if new is None or not cache.can_extend(len(new) + most - 1):
             return []
         logits = prefill(forward, cache, new, held, self.chunk)
         drafted = []

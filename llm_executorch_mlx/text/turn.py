@@ -162,6 +162,7 @@ class Turn:
             key, program = self.draft
             own = store.DRAFTS.acquire(key, program, draft_policy(self.policy, program), prompt, start)
             drafter = ModelDrafter(own, prompt, self.program.metadata.vocab_size or self.tokenizer.vocab_size,
+                                   program.metadata.vocab_size or self.tokenizer.vocab_size,
                                    own.cache.max_write or program.metadata.prefill_chunk)
         return Speculation(drafter, min(self.opts.draft_tokens, chunk - 1), self.sampler.verify,
                            self.sampler.sample_next)
