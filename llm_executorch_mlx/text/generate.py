@@ -161,6 +161,7 @@ def generate_tokens(
 
 
 MAX_BACKOFF = 6  # after proposals that all missed, up to 2**MAX_BACKOFF steps propose none
+BUDGET = 0.05  # the share of decoding's time proposals may cost beyond what they gave
 
 
 @dataclass
@@ -194,15 +195,22 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     after proposals that were all kept (up to ``speculation.tokens``) and
     fall by one after proposals that missed before their last; after
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
-    propose none. So
-    drafts that miss cost little, a draft model's included, which costs a
-    step of its own per token proposed.
+    propose none. And what proposals cost beyond the plain steps that would
+    have made the tokens they gave (a plain step timed between two such
+    steps) stays within ``BUDGET`` of the time decoding took: past it, steps
+    propose none until the time catches up. So drafts that miss cost
+    little, a draft model's included, which costs a step of its own per
+    token proposed.
     """
+    clock = time.perf_counter
     drafter = speculation.drafter
     drafter.extend(history[len(drafter.ids):])
     produced, misses, idle = 0, 0, 0  # tokens yielded; proposals that all missed, in a row; steps left without
     most = speculation.tokens  # tokens the next step may propose
     queued = None  # the logits of the step feeding y, when y is sampled on the device and its step queued
+    plain, plain_steps = 0.0, 0  # seconds of the plain steps timed, and how many
+    read = None  # when the last token was read, if its step was plain and followed a plain one
+    cost = 0.0  # seconds the proposals took beyond plain steps for the tokens they gave
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
         on_device = isinstance(y, mx.array)
@@ -212,6 +220,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                 position += 1
             forward.wait(y)
             y = y.item()
+            if read is not None:
+                plain, plain_steps = plain + clock() - read, plain_steps + 1
         token = y
         produced += 1
         timings.decode_tokens += 1
@@ -223,13 +233,17 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             return
         room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if on_device else 2))
-        draft = drafter.propose(room) if not idle else []
+        started = clock()
+        affordable = cost <= BUDGET * (started - t_first)
+        draft = drafter.propose(room) if not idle and affordable else []
         idle = max(0, idle - 1)
         if on_device and not draft:
             y = speculation.sample(queued, history)
             forward.submit(y)
+            read = clock()  # the next token's step is plain
             yield Step(token, True)
             continue
+        read = None
         # one call: the proposals, after the token itself where it is not fed yet
         ids = draft if on_device else [token, *draft]
         rows = forward.execute([np.asarray([ids], dtype=np.int64),
@@ -247,6 +261,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         forward.wait(chosen[-1])
         chosen = mx.stack(chosen).tolist()
         kept = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
+        if plain_steps:
+            cost += clock() - started - (kept + 1) * plain / plain_steps
         position += kept
         # the kept proposals; a ring layer allows it, since one call writes
         # at most its max write (speculation.tokens + 1)
