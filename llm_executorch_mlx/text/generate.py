@@ -161,7 +161,8 @@ def generate_tokens(
 
 
 MAX_BACKOFF = 6  # after proposals that all missed, up to 2**MAX_BACKOFF steps propose none
-BUDGET = 0.05  # the share of decoding's time proposals may cost beyond what they gave
+BUDGET = 0.05  # the share of decoding's time proposals may cost beyond what they gave,
+GRACE = 4  # plus this many plain steps, so that misses at a reply's start do not stop its proposals
 
 
 @dataclass
@@ -197,8 +198,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
     propose none. And what proposals cost beyond the plain steps that would
     have made the tokens they gave (a plain step timed between two such
-    steps) stays within ``BUDGET`` of the time decoding took: past it, steps
-    propose none until the time catches up. So drafts that miss cost
+    steps) stays within ``BUDGET`` of the time decoding took plus ``GRACE``
+    plain steps: past it, steps propose none until the time catches up. So drafts that miss cost
     little, a draft model's included, which costs a step of its own per
     token proposed.
     """
@@ -209,7 +210,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     most = speculation.tokens  # tokens the next step may propose
     queued = None  # the logits of the step feeding y, when y is sampled on the device and its step queued
     plain, plain_steps = 0.0, 0  # seconds of the plain steps timed, and how many
-    read = None  # when the last token was read, if its step was plain and followed a plain one
+    read = None  # when the last token was read, if the step after it is plain
     cost = 0.0  # seconds the proposals took beyond plain steps for the tokens they gave
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
@@ -220,8 +221,9 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                 position += 1
             forward.wait(y)
             y = y.item()
-            if read is not None:
+            if read is not None:  # token to token: all a plain step's host and device work
                 plain, plain_steps = plain + clock() - read, plain_steps + 1
+        read = clock()
         token = y
         produced += 1
         timings.decode_tokens += 1
@@ -234,16 +236,15 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if on_device else 2))
         started = clock()
-        affordable = cost <= BUDGET * (started - t_first)
+        affordable = not plain_steps or cost <= BUDGET * (started - t_first) + GRACE * plain / plain_steps
         draft = drafter.propose(room) if not idle and affordable else []
         idle = max(0, idle - 1)
         if on_device and not draft:
             y = speculation.sample(queued, history)
             forward.submit(y)
-            read = clock()  # the next token's step is plain
             yield Step(token, True)
             continue
-        read = None
+        read = None  # the step after this token verifies proposals
         # one call: the proposals, after the token itself where it is not fed yet
         ids = draft if on_device else [token, *draft]
         rows = forward.execute([np.asarray([ids], dtype=np.int64),
