@@ -211,7 +211,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     queued = None  # the logits of the step feeding y, when y is sampled on the device and its step queued
     plain, plain_steps = 0.0, 0  # seconds of the plain steps timed, and how many
     read = None  # when the last token was read, if the step after it is plain
-    cost = 0.0  # seconds the proposals took beyond plain steps for the tokens they gave
+    spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
         on_device = isinstance(y, mx.array)
@@ -236,7 +236,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if on_device else 2))
         started = clock()
-        affordable = not plain_steps or cost <= BUDGET * (started - t_first) + GRACE * plain / plain_steps
+        per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
+        affordable = per_step is None or spent - gave * per_step <= BUDGET * (started - t_first) + GRACE * per_step
         draft = drafter.propose(room) if not idle and affordable else []
         idle = max(0, idle - 1)
         if on_device and not draft:
@@ -262,8 +263,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         forward.wait(chosen[-1])
         chosen = mx.stack(chosen).tolist()
         kept = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
-        if plain_steps:
-            cost += clock() - started - (kept + 1) * plain / plain_steps
+        spent, gave = spent + clock() - started, gave + kept + 1
         position += kept
         # the kept proposals; a ring layer allows it, since one call writes
         # at most its max write (speculation.tokens + 1)
