@@ -212,6 +212,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     plain, plain_steps = 0.0, 0  # seconds of the plain steps timed, and how many
     read = None  # when the last token was read, if the step after it is plain
     spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
+    unpiped = None  # when a step began that feeds a token verified on the host, with no look-ahead
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
         on_device = isinstance(y, mx.array)
@@ -223,6 +224,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             y = y.item()
             if read is not None:  # token to token: all a plain step's host and device work
                 plain, plain_steps = plain + clock() - read, plain_steps + 1
+            if unpiped is not None:  # a verified token's step without proposals: the look-ahead lost
+                spent, gave, unpiped = spent + clock() - unpiped, gave + 1, None
         read = clock()
         token = y
         produced += 1
@@ -255,6 +258,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         if not draft:
             y = speculation.sample(each[0], history)
             forward.submit(y)
+            unpiped = started
             yield Step(token, True)
             continue
         chosen = [speculation.verify(each[i], history + draft[:i], d) for i, d in enumerate(draft)]
