@@ -197,11 +197,11 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     fall by one after proposals that missed before their last; after
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
     propose none. And what proposals cost beyond the plain steps that would
-    have made the tokens they gave (a plain step timed between two such
-    steps) stays within ``BUDGET`` of the time decoding took plus ``GRACE``
-    plain steps: past it, steps propose none until the time catches up. So drafts that miss cost
-    little, a draft model's included, which costs a step of its own per
-    token proposed.
+    have made the tokens they gave (a plain step timed from token to token)
+    stays within ``BUDGET`` of the time decoding took plus ``GRACE`` plain
+    steps: past it, steps propose none until the time catches up. So drafts
+    that miss cost little, a draft model's included, which costs a step of
+    its own per token proposed.
     """
     clock = time.perf_counter
     drafter = speculation.drafter
@@ -240,7 +240,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                    cache.capacity - cache.length - (1 if on_device else 2))
         started = clock()
         per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
-        affordable = per_step is None or spent - gave * per_step <= BUDGET * (started - t_first) + GRACE * per_step
+        affordable = (per_step is None
+                      or spent - gave * per_step <= BUDGET * (started - t_first) + GRACE * per_step)
         draft = drafter.propose(room) if not idle and affordable else []
         idle = max(0, idle - 1)
         if on_device and not draft:
