@@ -16,7 +16,6 @@ import mlx.core as mx
 
 from ..options import OPTIONS
 from . import store
-from .constrained import Constraint
 from .conversation import assistant_message, calls_as_text, encode_conversation, message_key, reply_start
 from .detokenize import StreamDecoder
 from .drafting import ModelDrafter, NgramDrafter
@@ -132,7 +131,7 @@ class Turn:
                             "other text: draft with a model of the same tokenizer, or -o draft ngram")
         return key, program
 
-    def _constraint(self, schema: dict | None, forced: list[dict] | None) -> Constraint | None:
+    def _constraint(self, schema: dict | None, forced: list[dict] | None):
         """The reply's schema, or the call it is forced to make, as a token mask;
         None without either."""
         if schema is not None and self.opts.tool_choice != "auto":
@@ -145,6 +144,8 @@ class Turn:
         if forced is not None and self.in_reasoning:
             raise TextError(f"-o tool_choice {self.opts.tool_choice} cannot force a call inside the reasoning "
                             "the template opens: add -o reasoning false")
+        from .constrained import Constraint  # llguidance: loaded for a schema or a forced call only
+
         n_vocab = self.program.metadata.vocab_size or self.tokenizer.vocab_size
         call = None if forced is None else (self.tool_format, forced)
         return Constraint(schema, self.tokenizer, n_vocab, self.stops.ids, call=call)
