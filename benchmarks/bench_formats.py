@@ -209,8 +209,8 @@ def llama_batch_runs(gguf: pathlib.Path, chunk: int) -> None:
 def llama_extra_bufts_work(gguf: pathlib.Path, chunk: int) -> bool:
     """Whether llama.cpp's extra buffer types (weights repacked for its CPU
     kernels, or for AMX where the build machine had it) run here. A native
-    build on an AMX CPU whose hypervisor leaves AMX tile state off passes
-    llama.cpp's own check and then faults on the first quantized batch."""
+    build on an AMX CPU can pass llama.cpp's own check and then fault on
+    the first quantized batch (benchmarks/README.md)."""
     try:
         in_child(llama_batch_runs, gguf, chunk)
         return True

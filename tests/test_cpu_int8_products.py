@@ -72,8 +72,10 @@ def as_laid(stored, laid, bits):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int8_products_match_integer_math(kernel, group):
     """Odd row counts of x (a decode step's 1, tails of the 4-row tiles,
-    past a 128-row chunk) against weights of one, three and eight blocks of
-    rows; K of several groups; every width the build takes."""
+    two and three 16-row tiles, which AMX takes in the amx build, past a
+    128-row chunk)
+    against weights of one, three and eight blocks of rows; K of several
+    groups, odd and even counts; every width the build takes."""
     lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(group)
     for bits, N, K in ((bits, N, K) for bits in list(kernel.limits()["int8_bits"])
@@ -81,7 +83,7 @@ def test_int8_products_match_integer_math(kernel, group):
         stored = quantized(rng, N, K, bits, group)
         laid = kernel.interleave_quantized(*stored, group, bits, int8=True)
         assert [a.shape for a in laid] == [a.shape for a in stored]
-        for M in (1, 2, 3, 5, 9, 130):
+        for M in (1, 2, 3, 5, 9, 32, 48, 130):
             x = (rng.standard_normal((M, K)) * rng.uniform(0.01, 10, (M, 1))).astype(np.float32)
             y = np.array(kernel.quantized_gemv(mx.array(x)[None], *laid, group, bits, int8=True))[0]
             ref = int8_reference(x, *as_laid(stored, laid, bits), bits, group)
@@ -99,7 +101,7 @@ def test_scales_are_stored_as_small_as_they_stay_exact_enough(kernel, bits):
     cases = {"symmetric": symmetric(rng, 2 * lanes, 256, bits, 32, 0.01),
              "tiny scales": symmetric(rng, 2 * lanes, 256, bits, 32, 1e-6),
              "affine": quantized(rng, 2 * lanes, 256, bits, 32)}
-    x = rng.standard_normal((3, 256)).astype(np.float32)
+    x = rng.standard_normal((35, 256)).astype(np.float32)  # two tiles of 16 rows (AMX's, where built) and three more
     for name, stored in cases.items():
         laid = kernel.interleave_quantized(*stored, 32, bits, int8=True)
         assert (laid[2].size == 0) == (name != "affine"), name
@@ -158,10 +160,11 @@ def test_nan_in_gives_nan_out(kernel):
     lanes = kernel.limits()["interleave_lanes"]
     rng = np.random.default_rng(3)
     laid = kernel.interleave_quantized(*quantized(rng, lanes, 128, 4, 32), 32, 4, int8=True)
-    x = rng.standard_normal((3, 128)).astype(np.float32)
-    x[0, 5], x[2, 100] = np.nan, np.inf
+    x = rng.standard_normal((35, 128)).astype(np.float32)  # two tiles of 16 rows (AMX's, where built) and three more
+    x[0, 5], x[2, 100], x[33, 7] = np.nan, np.inf, np.nan
     y = np.array(kernel.quantized_gemv(mx.array(x), *laid, 32, 4, int8=True))
-    assert not np.isfinite(y[0]).any() and not np.isfinite(y[2]).any() and np.isfinite(y[1]).all()
+    bad = [0, 2, 33]
+    assert not np.isfinite(y[bad]).any(axis=1).any() and np.isfinite(np.delete(y, bad, axis=0)).all()
 
 
 def test_refusals_name_the_problem(kernel):

@@ -1,5 +1,6 @@
 """The extension as other CPUs get it: built with its vector extensions capped
-(``LLM_PTE_CPU_VECTORS``: ``avx512``, AVX-512 without VNNI; ``avx2``, AVX2,
+(``LLM_PTE_CPU_VECTORS``: ``amx``, the default build with AMX tiles where
+the CPU has them; ``avx512``, AVX-512 without VNNI; ``avx2``, AVX2,
 FMA and F16C only; ``portable``, the compiler's default target, which runs
 the float kernels an Arm or older x86 CPU runs), each variant in its own process and its own cache directory,
 against numpy on the weights dequantized by hand and MLX's own ops.
@@ -9,9 +10,11 @@ runs. Variants this machine cannot build are not asked for: ``avx2`` runs
 only where the CPU has AVX2 and FMA, ``avx512`` where it has AVX-512BW.
 """
 
+import ctypes
 import json
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -196,7 +199,7 @@ for name, make in () if lanes else (
     except ValueError as refusal:
         worst[f"refused: {name}"] = 0.0 if "no interleaved layout" in str(refusal) else 2.0
 print(json.dumps({"command": command, "worst": worst, "int8_bits": list(ext.limits()["int8_bits"]),
-                  "bf16_dot": ext.limits()["bf16_dot"]}))
+                  "bf16_dot": ext.limits()["bf16_dot"], "int8_tiles": ext.limits()["int8_tiles"]}))
 """
 
 
@@ -207,8 +210,17 @@ def cpu_flags() -> set[str]:
         return set()
 
 
+def amx_lent() -> bool:
+    """Whether Linux lends this process AMX's tile registers (arch_prctl's
+    ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA), as the kernel asks."""
+    if platform.machine() != "x86_64" or sys.platform != "linux":
+        return False
+    return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl
+
+
 VARIANTS = (["portable"] + (["avx2"] if {"avx2", "fma"} <= cpu_flags() else [])
-            + (["avx512"] if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else []))
+            + (["avx512"] if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else [])
+            + (["amx"] if {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags() else []))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -220,12 +232,17 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     flags = {f for f in report["command"] if f.startswith("-m")}
     avx2 = {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()})
-    assert flags == {"portable": set(), "avx2": avx2, "avx512": avx2 | {"-mavx512f", "-mavx512bw", "-mavx512vl"}}[variant]
+    avx512 = avx2 | {"-mavx512f", "-mavx512bw", "-mavx512vl"}
+    amx = (avx512 | {"-mavx512vnni", "-mamx-tile", "-mamx-int8"}
+           | ({"-mavx512bf16"} & {f"-m{f.replace('_', '')}" for f in cpu_flags()}))
+    assert flags == {"portable": set(), "avx2": avx2, "avx512": avx512, "amx": amx}[variant]
     # x86 has integer dot products, hence the interleaved layout and the int8
     # route (without VNNI: vpmaddubsw, 8-bit weights offset); the portable build has neither
     assert any(case.startswith("interleaved") for case in report["worst"]) == (variant != "portable")
     assert report["int8_bits"] == ([] if variant == "portable" else [4, 8])
-    assert report["bf16_dot"] is False  # no cap builds AVX512_BF16
+    assert report["bf16_dot"] is ("-mavx512bf16" in flags)  # only amx keeps AVX512_BF16
+    # the tiles wherever the build has them and Linux lends them (the int8 cases' 130 rows take them)
+    assert report["int8_tiles"] is (variant == "amx" and amx_lent())
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
 

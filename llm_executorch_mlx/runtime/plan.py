@@ -229,7 +229,8 @@ class Plan:
         elif self.int8_activations:
             facts["quantized_products"] = (
                 f"{'/'.join(map(str, limits.int8_bits))}-bit weights: int8 activations and integer dot products "
-                f"at every row count (-o int8_activations false: {exact})")
+                f"at every row count{', on AMX tiles 16 rows at a time' if limits.int8_tiles else ''} "
+                f"(-o int8_activations false: {exact})")
         else:
             facts["quantized_products"] = f"the compiled kernel, {exact} (-o int8_activations false)"
         return facts

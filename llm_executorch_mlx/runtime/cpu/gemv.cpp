@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quantized_amx.h"
 #include "quantized_dot.h"
 #include "quantized_int8.h"
 #include "quantized_interleaved.h"
@@ -410,7 +411,13 @@ void int8_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
   const Products& t = *static_cast<const Products*>(job.task);
   for (int64_t c = lo; c < hi; ++c) {
     const auto [i, first] = t.chunks[c];
-    int8_rows<BITS>(t.each[i].i8, first, std::min(t.each[i].i8.N, first + t.chunk_rows[i]));
+    const Int8Rows& r = t.each[i].i8;
+    const int64_t last = std::min(r.N, first + t.chunk_rows[i]);
+#if LLM_PTE_AMX
+    int8_rows<BITS>(r, first, last, amx_rows<BITS>(r, first, last));
+#else
+    int8_rows<BITS>(r, first, last);
+#endif
   }
 }
 #endif
@@ -957,6 +964,7 @@ Limits limits() {
   l.int8_bits = {4, 8};
 #endif
   l.bf16_dot = LLM_PTE_BF16_DOT;
+  l.int8_tiles = amx_allowed();
   return l;
 }
 

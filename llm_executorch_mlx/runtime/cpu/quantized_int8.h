@@ -345,23 +345,24 @@ constexpr int kTileBlocks = 2, kTileRows = 4;
 constexpr int kTileBlocks = 1, kTileRows = 4;
 #endif
 
-// y for the weight rows of blocks [lo, hi) / kLanes32 and every row of x:
-// for each tile of blocks, the rows of x kTileRows at a time (the blocks'
-// weights stay in cache across them; x is small enough to).
+// y for the weight rows of blocks [lo, hi) / kLanes32 and the rows of x
+// from `first`: for each tile of blocks, the rows of x kTileRows at a time
+// (the blocks' weights stay in cache across them; x is small enough to).
 template <int BITS>
-void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
+void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi, int first = 0) {
   constexpr int L = kLanes32;
   int64_t block = lo / L;
   const int64_t end = hi / L;
   auto rows_of_x = [&]<int NB>() {
-    int m = 0;
-    for (; m + kTileRows <= r.M; m += kTileRows) int8_tile<BITS, kTileRows, NB>(r, block, m, m == 0);
+    int m = first;
+    for (; m + kTileRows <= r.M; m += kTileRows) int8_tile<BITS, kTileRows, NB>(r, block, m, m == first);
     switch (r.M - m) {  // the last few rows; one row of x (a decode step) takes more blocks at once below
-      case 1: int8_tile<BITS, 1, NB>(r, block, m, m == 0); break;
-      case 2: int8_tile<BITS, 2, NB>(r, block, m, m == 0); break;
-      case 3: int8_tile<BITS, 3, NB>(r, block, m, m == 0); break;
+      case 1: int8_tile<BITS, 1, NB>(r, block, m, m == first); break;
+      case 2: int8_tile<BITS, 2, NB>(r, block, m, m == first); break;
+      case 3: int8_tile<BITS, 3, NB>(r, block, m, m == first); break;
     }
   };
+  if (first == r.M) return;
   if (r.M == 1) {  // a decode step: one block at a time, its sums split
     for (; block < end; ++block) int8_tile<BITS, 1, 1, 4>(r, block, 0, true);
   }
