@@ -1,15 +1,16 @@
 // The int8-activation products (quantized_int8.h) on Intel's AMX tiles, for
-// x's rows sixteen at a time: one tile instruction multiplies 16 rows of x by
-// 16 weight rows over 32 values, the work of 128 VNNI dot instructions, so a
-// prefill chunk is bound by converting and scaling the int32 sums, not by the
-// dot products. Rows of x past the last whole 16 stay on int8_tile.
+// x's rows sixteen at a time (the build's LLM_PTE_CPU_VECTORS=amx, opt-in:
+// docs/design.md): one tile instruction multiplies 16 rows of x by 16 weight
+// rows over 32 values, the work of 128 VNNI dot instructions, so a prefill
+// chunk is bound by converting and scaling the int32 sums, not by the dot
+// products. Rows of x past the last whole 16 stay on int8_tile.
 //
 // The quads layout is already what a tile multiplies: a B tile holds, per row,
 // four consecutive k of 16 columns (bytes 4n .. 4n + 3 are column n's), and a
-// quads chunk holds four k of a block's 16 weight rows the same way. An 8-bit
-// group of 32 values is 8 consecutive chunks, one tile load; 4-bit chunks
-// are split into their low and high nibbles first (once per block, for every
-// tile of x). x's int8 rows load as A tiles as prepare_x8 wrote them.
+// quads chunk holds four k of a block's 16 weight rows the same way. Each
+// block is copied once into tile bytes for every tile of x (tile_bytes:
+// 4-bit chunks split into their nibbles, symmetric weights made signed). x's
+// int8 rows load as A tiles as prepare_x8 wrote them.
 //
 // Each group's sums are exact in int32 whatever the tile shapes, so a result
 // differs from int8_tile's only in the rounding of the fp32 accumulation,
