@@ -413,11 +413,7 @@ void int8_chunks(const SharedJob& job, int64_t lo, int64_t hi) {
     const auto [i, first] = t.chunks[c];
     const Int8Rows& r = t.each[i].i8;
     const int64_t last = std::min(r.N, first + t.chunk_rows[i]);
-#if LLM_PTE_AMX
-    int8_rows<BITS>(r, first, last, amx_rows<BITS>(r, first, last));
-#else
-    int8_rows<BITS>(r, first, last);
-#endif
+    int8_rows<BITS>(r, first, last, amx_rows<BITS>(r, first, last));  // AMX's whole tiles first, where built
   }
 }
 #endif

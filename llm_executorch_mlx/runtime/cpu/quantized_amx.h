@@ -21,7 +21,6 @@
 #include "quantized_int8.h"
 
 #if LLM_PTE_INTEGER_DOT && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
-#define LLM_PTE_AMX 1
 
 #include <algorithm>
 #include <vector>
@@ -223,10 +222,15 @@ int amx_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
 }  // namespace llm_pte
 
 #else
-#define LLM_PTE_AMX 0
 
 namespace llm_pte {
 inline bool amx_allowed() { return false; }  // no tiles in this build
+#if LLM_PTE_INTEGER_DOT
+template <int BITS>
+int amx_rows(const Int8Rows&, int64_t, int64_t) {
+  return 0;  // every row on int8_rows
+}
+#endif
 }  // namespace llm_pte
 
 #endif
