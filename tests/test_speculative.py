@@ -216,3 +216,93 @@ def test_a_draft_of_another_tokenizer_or_no_model_is_refused_in_one_line(tiny, d
     assert r.output.strip().splitlines() == [
         "Error: -o draft nobody: no registered model has that name; `llm pte models` lists them "
         "(or use -o draft ngram)"]
+
+
+class Clock:
+    """Time that passes only where a test says: a forward call of r rows
+    takes ``1 + ROW * (r - 1)`` (one plain step: 1), and whatever a
+    drafter adds."""
+
+    ROW = 0.25
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class TimedForward:
+    """A forward whose calls take time on ``clock``."""
+
+    def __init__(self, forward, clock: Clock):
+        self.forward, self.clock = forward, clock
+
+    def execute(self, inputs, **kwargs):
+        self.clock.now += 1 + Clock.ROW * (len(inputs[0][0]) - 1)
+        return self.forward.execute(inputs, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.forward, name)
+
+
+class ReplayDrafter:
+    """Proposes the plain reply's next ids (``hit``) or ids that differ from
+    each (not ``hit``), for ``cost`` a proposed id, as a draft model's steps."""
+
+    def __init__(self, ids: list[int], reply: list[int], hit: bool, cost: float, clock: Clock, vocab: int):
+        self.ids, self.start, self.reply = list(ids), len(ids), reply
+        self.hit, self.cost, self.clock, self.vocab = hit, cost, clock, vocab
+
+    def extend(self, ids):
+        self.ids.extend(ids)
+
+    def follow(self):
+        pass
+
+    def propose(self, most):
+        at = len(self.ids) - self.start
+        proposed = self.reply[at:at + most]
+        self.clock.now += self.cost * len(proposed)
+        return proposed if self.hit else [(t + 1) % self.vocab for t in proposed]
+
+
+def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_on(tiny, monkeypatch):
+    """On a clock where a plain step takes 1 and each proposal half a step
+    more (a draft model's), a reply whose proposals all miss decodes in at
+    most ``BUDGET`` more time than without them (its decoding counted as at
+    least ``SHORTEST`` steps), beyond its first try, which is made before a
+    plain step is timed; proposals that are all kept go on to the end."""
+    from llm_executorch_mlx.text import generate
+    from llm_executorch_mlx.text.session import CachePolicy, Session
+
+    _, program = store.get_program(str(tiny[0]))
+    clock = Clock()
+    monkeypatch.setattr(generate, "time", clock)
+    prompt, tokens, cost, vocab = [5, 6, 7, 8], 5, 0.5, program.metadata.vocab_size
+    chunk = program.metadata.prefill_chunk
+    room = program.metadata.max_context - len(prompt)
+
+    def decode(drafter=None):
+        session = Session(program, CachePolicy(program.metadata.max_context, "fp32"))
+        sampler, timings = Sampler(temperature=0), generate.Timings()
+        speculation = None if drafter is None else generate.Speculation(drafter, tokens, sampler.verify,
+                                                                        sampler.sample_next)
+        steps = generate.generate_tokens(TimedForward(session.forward, clock), session.cache, prompt, 0, chunk,
+                                         sampler.sample_next, room, timings, speculation=speculation)
+        return [s.token for s in steps], timings
+
+    reply, plain = decode()
+    assert len(reply) == room and plain.decode_seconds == room - 1  # one step a token after the first
+    missing = ReplayDrafter(prompt, reply, False, cost, clock, vocab)
+    ids, missed = decode(missing)
+    assert ids == reply and missed.drafted_tokens >= tokens and missed.accepted_tokens == 0
+    first_try = cost * tokens + Clock.ROW * tokens
+    allowed = generate.BUDGET * max(missed.decode_seconds, generate.SHORTEST)
+    assert missed.decode_seconds - plain.decode_seconds <= allowed + first_try
+    kept = ReplayDrafter(prompt, reply, True, cost, clock, vocab)
+    ids, drafted = decode(kept)
+    # each call keeps its proposals and adds one token: all but the reply's ends come from proposals
+    assert ids == reply and drafted.accepted_tokens == drafted.drafted_tokens
+    assert drafted.drafted_tokens > (room - 1) * tokens / (tokens + 1) - 2 * tokens
+    assert drafted.decode_seconds < plain.decode_seconds

@@ -162,7 +162,7 @@ def generate_tokens(
 
 MAX_BACKOFF = 6  # after proposals that all missed, up to 2**MAX_BACKOFF steps propose none
 BUDGET = 0.05  # the share of decoding's time proposals may cost beyond what they gave,
-GRACE = 4  # plus this many plain steps, so that misses at a reply's start do not stop its proposals
+SHORTEST = 128  # decoding counted as at least this many plain steps, so misses at a reply's start leave it some
 
 
 @dataclass
@@ -198,10 +198,11 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
     propose none. And what proposals cost beyond the plain steps that would
     have made the tokens they gave (a plain step timed from token to token)
-    stays within ``BUDGET`` of the time decoding took plus ``GRACE`` plain
-    steps: past it, steps propose none until the time catches up. So drafts
-    that miss cost little, a draft model's included, which costs a step of
-    its own per token proposed.
+    stays within ``BUDGET`` of the time decoding took (at least ``SHORTEST``
+    plain steps): a step proposes only where that holds even if its
+    proposals all miss, at the cost the latest such step had. So drafts that
+    miss cost at most that share after the first try, a draft model's
+    included, which costs a step of its own per token proposed.
     """
     clock = time.perf_counter
     drafter = speculation.drafter
@@ -212,6 +213,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     plain, plain_steps = 0.0, 0  # seconds of the plain steps timed, and how many
     read = None  # when the last token was read, if the step after it is plain
     spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
+    missed = 0.0  # seconds the latest step whose proposals all missed took (it gave one token)
     unpiped = None  # when a step began that feeds a token verified on the host, with no look-ahead
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
@@ -240,8 +242,9 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                    cache.capacity - cache.length - (1 if on_device else 2))
         started = clock()
         per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
-        affordable = (per_step is None
-                      or spent - gave * per_step <= BUDGET * (started - t_first) + GRACE * per_step)
+        affordable = (per_step is None  # the cost so far, and of this step's proposals if they all miss
+                      or spent - gave * per_step + max(0.0, missed - per_step)
+                      <= BUDGET * max(started - t_first, SHORTEST * per_step))
         draft = drafter.propose(room) if not idle and affordable else []
         idle = max(0, idle - 1)
         if on_device and not draft:
@@ -268,7 +271,9 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         forward.wait(chosen[-1])
         chosen = mx.stack(chosen).tolist()
         kept = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
-        spent, gave = spent + clock() - started, gave + kept + 1
+        took = clock() - started
+        spent, gave = spent + took, gave + kept + 1
+        missed = missed if kept else took
         position += kept
         # the kept proposals; a ring layer allows it, since one call writes
         # at most its max write (speculation.tokens + 1)
