@@ -338,16 +338,21 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
 
 // Blocks of weight rows a tile takes, and rows of x: as many sums as keep
 // the pipes busy while the registers hold them, the weights and a few more
-// (32 vector registers with AVX-512, 16 with AVX2).
+// (32 vector registers with AVX-512, 16 with AVX2). The last rows of x take
+// one tile of up to kLastRows where a tile of kTileRows would leave a row
+// or two: such a tile has too few sums to keep the pipes busy, and costs
+// about what a full one does (a verifying call's 6 rows, a short chunk's).
+// kTileRows stays 4: a 4-bit tile of 6 rows spills registers.
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr int kTileBlocks = 2, kTileRows = 4;
+constexpr int kTileBlocks = 2, kTileRows = 4, kLastRows = 6;
 #else
-constexpr int kTileBlocks = 1, kTileRows = 4;
+constexpr int kTileBlocks = 1, kTileRows = 4, kLastRows = 4;
 #endif
 
 // y for the weight rows of blocks [lo, hi) / kLanes32 and the rows of x
-// from `first`: for each tile of blocks, the rows of x kTileRows at a time
-// (the blocks' weights stay in cache across them; x is small enough to).
+// from `first`: for each tile of blocks, the rows of x kTileRows at a time,
+// the last up to kLastRows (the blocks' weights stay in cache across them;
+// x is small enough to).
 template <int BITS>
 void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi, int first = 0) {
   constexpr int L = kLanes32;
@@ -355,11 +360,14 @@ void int8_rows(const Int8Rows& r, int64_t lo, int64_t hi, int first = 0) {
   const int64_t end = hi / L;
   auto rows_of_x = [&]<int NB>() {
     int m = first;
-    for (; m + kTileRows <= r.M; m += kTileRows) int8_tile<BITS, kTileRows, NB>(r, block, m, m == first);
-    switch (r.M - m) {  // the last few rows; one row of x (a decode step) takes more blocks at once below
+    for (; r.M - m > kLastRows; m += kTileRows) int8_tile<BITS, kTileRows, NB>(r, block, m, m == first);
+    switch (r.M - m) {  // one row of x (a decode step) takes more blocks at once below
       case 1: int8_tile<BITS, 1, NB>(r, block, m, m == first); break;
       case 2: int8_tile<BITS, 2, NB>(r, block, m, m == first); break;
       case 3: int8_tile<BITS, 3, NB>(r, block, m, m == first); break;
+      case 4: int8_tile<BITS, 4, NB>(r, block, m, m == first); break;
+      case 5: if constexpr (kLastRows >= 5) int8_tile<BITS, 5, NB>(r, block, m, m == first); break;
+      case 6: if constexpr (kLastRows >= 6) int8_tile<BITS, 6, NB>(r, block, m, m == first); break;
     }
   };
   if (first == r.M) return;
