@@ -57,6 +57,10 @@ class FixedAcceptance:
     def ids(self) -> list[int]:
         return self.drafter.ids
 
+    @property
+    def free(self) -> bool:
+        return self.drafter.free
+
     def extend(self, ids: list[int]) -> None:
         self.drafter.extend(ids)
 

@@ -27,6 +27,8 @@ MOST, FEWEST = 4, 2  # suffix lengths looked up, longest first; one id matches t
 class NgramDrafter:
     """Proposals from the ids seen so far (prompt and reply)."""
 
+    free = True  # proposals cost no step to make (generate.speculate)
+
     def __init__(self, ids: list[int]):
         self.ids: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}  # an n-gram -> where its latest occurrence ends
@@ -71,6 +73,8 @@ class ModelDrafter:
     did not keep. Greedy proposals are made with certainty, so the target's
     verification keeps its own distribution when sampling (sampling.py).
     """
+
+    free = False  # each proposal costs a step of the draft (generate.speculate)
 
     def __init__(self, session, ids: list[int], vocab_size: int, readable: int, chunk: int):
         """``vocab_size``: the target's (the ids it can take); ``readable``:

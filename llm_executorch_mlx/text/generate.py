@@ -192,8 +192,12 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     sampled on the device (after a step without proposals) has its step
     queued before it is read, as ``generate_tokens``' loop does, so those
     steps cost what they cost without speculation; proposals for it then
-    take a call of their own. The tokens a step may propose grow by one
-    after proposals that were all kept (up to ``speculation.tokens``) and
+    take a call of their own. But where the drafter is not ``free`` (a
+    draft model, which always has proposals) and this step will try it, the
+    token is read first and fed with them, one call: a whole step saved
+    for the look-ahead of one. The tokens a step may propose grow by one
+    after proposals that were all kept (up to ``speculation.tokens``, from
+    one for a drafter whose proposals are not ``free``) and
     fall by one after proposals that missed before their last; after
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
     propose none. And what proposals cost beyond the plain steps that would
@@ -208,7 +212,9 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     drafter = speculation.drafter
     drafter.extend(history[len(drafter.ids):])
     produced, misses, idle = 0, 0, 0  # tokens yielded; proposals that all missed, in a row; steps left without
-    most = speculation.tokens  # tokens the next step may propose
+    # tokens the next step may propose: a reply's first proposals are made
+    # before the budget can weigh them, so they are one where each costs a step
+    most = speculation.tokens if drafter.free else 1
     queued = None  # the logits of the step feeding y, when y is sampled on the device and its step queued
     plain, plain_steps = 0.0, 0  # seconds of the plain steps timed, and how many
     read = None  # when the last token was read, if the step after it is plain
@@ -217,9 +223,17 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     unpiped = None  # when a step began that feeds a token verified on the host, with no look-ahead
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
+        per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
+        affordable = (per_step is None  # the cost so far, and of this step's proposals if they all miss
+                      or spent - gave * per_step + max(0.0, missed - per_step)
+                      <= BUDGET * max(clock() - t_first, SHORTEST * per_step))
+        trying = fed and not idle and affordable
         on_device = isinstance(y, mx.array)
         if on_device:
-            if fed:
+            # a drafter that is not free proposes whenever it tries: y is then
+            # fed with its proposals, one call, not by a step of its own
+            on_device = fed and (drafter.free or not trying)
+            if on_device:
                 queued = step(forward, y.reshape(1, 1), np.array([position], np.int64))
                 position += 1
             forward.wait(y)
@@ -241,11 +255,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if on_device else 2))
         started = clock()
-        per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
-        affordable = (per_step is None  # the cost so far, and of this step's proposals if they all miss
-                      or spent - gave * per_step + max(0.0, missed - per_step)
-                      <= BUDGET * max(started - t_first, SHORTEST * per_step))
-        draft = drafter.propose(room) if not idle and affordable else []
+        draft = drafter.propose(room) if trying else []
         idle = max(0, idle - 1)
         if on_device and not draft:
             y = speculation.sample(queued, history)
