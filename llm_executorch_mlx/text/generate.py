@@ -228,12 +228,12 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                       or spent - gave * per_step + max(0.0, missed - per_step)
                       <= BUDGET * max(clock() - t_first, SHORTEST * per_step))
         trying = fed and not idle and affordable
-        on_device = isinstance(y, mx.array)
-        if on_device:
-            # a drafter that is not free proposes whenever it tries: y is then
-            # fed with its proposals, one call, not by a step of its own
-            on_device = fed and (drafter.free or not trying)
-            if on_device:
+        # y's step is queued before y is read (the look-ahead) where y was
+        # sampled on the device, unless a drafter that is not free tries now:
+        # it always proposes, and y is fed with its proposals in one call
+        ahead = isinstance(y, mx.array) and fed and (drafter.free or not trying)
+        if isinstance(y, mx.array):
+            if ahead:
                 queued = step(forward, y.reshape(1, 1), np.array([position], np.int64))
                 position += 1
             forward.wait(y)
@@ -253,22 +253,22 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             yield Step(token, False)
             return
         room = min(most, max_tokens - produced - 1,
-                   cache.capacity - cache.length - (1 if on_device else 2))
+                   cache.capacity - cache.length - (1 if ahead else 2))
         started = clock()
         draft = drafter.propose(room) if trying else []
         idle = max(0, idle - 1)
-        if on_device and not draft:
+        if ahead and not draft:
             y = speculation.sample(queued, history)
             forward.submit(y)
             yield Step(token, True)
             continue
         read = None  # the step after this token verifies proposals
         # one call: the proposals, after the token itself where it is not fed yet
-        ids = draft if on_device else [token, *draft]
+        ids = draft if ahead else [token, *draft]
         rows = forward.execute([np.asarray([ids], dtype=np.int64),
                                 np.arange(position, position + len(ids), dtype=np.int64)])[0][0]
-        each = ([queued] if on_device else []) + [rows[i] for i in range(len(ids))]
-        position += 0 if on_device else 1
+        each = ([queued] if ahead else []) + [rows[i] for i in range(len(ids))]
+        position += 0 if ahead else 1
         if not draft:
             y = speculation.sample(each[0], history)
             forward.submit(y)
