@@ -126,6 +126,16 @@ class Plan:
         return Layout.INT8 if self.int8_activations and bits in self.limits.int8_bits else Layout.INTERLEAVED
 
     @property
+    def rows_match_steps(self) -> bool:
+        """Whether each row of a call of several tokens gets the logits a
+        call of that token alone gets, as close as greedy choices need: on
+        the CPU, whose products sum each row alike whatever the rows; a GPU
+        runs other kernels (a GEMM's tiles, not a GEMV's) for several rows,
+        so a token decided there may differ where the top two logits are
+        within rounding (speculative decoding, ``generate.speculate``)."""
+        return self.cpu
+
+    @property
     def stores_for_blas(self) -> bool:
         """Whether dense linear weights are stored the way BLAS reads one row
         fastest (``interp/layout.py``): where BLAS runs a decode step's

@@ -175,6 +175,7 @@ class Speculation:
     tokens: int
     verify: Callable[[mx.array, list[int], int], mx.array]
     sample: Callable[[mx.array, list[int]], mx.array]
+    rows_match_steps: bool = True  # as the program's plan says (plan.py)
 
 
 def speculate(forward, cache, history: list[int], y: mx.array, position: int, max_tokens: int, timings: Timings,
@@ -195,7 +196,10 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     take a call of their own. But where the drafter is not ``free`` (a
     draft model, which always has proposals) and this step will try it, the
     token is read first and fed with them, one call: a whole step saved
-    for the look-ahead of one. The tokens a step may propose grow by one
+    for the look-ahead of one. Not where a call's rows may get other logits
+    than one-token steps (``rows_match_steps``, a GPU): there the tokens a
+    reply keeps when all proposals miss come from one-token steps, as
+    without speculation. The tokens a step may propose grow by one
     after proposals that were all kept (up to ``speculation.tokens``, from
     one for a drafter whose proposals are not ``free``) and
     fall by one after proposals that missed before their last; after
@@ -230,8 +234,10 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         trying = fed and not idle and affordable
         # y's step is queued before y is read (the look-ahead) where y was
         # sampled on the device, unless a drafter that is not free tries now:
-        # it always proposes, and y is fed with its proposals in one call
-        ahead = isinstance(y, mx.array) and fed and (drafter.free or not trying)
+        # it always proposes, and y is fed with its proposals in one call,
+        # where that call's rows get what one-token steps get
+        joins = trying and not drafter.free and speculation.rows_match_steps
+        ahead = isinstance(y, mx.array) and fed and not joins
         if isinstance(y, mx.array):
             if ahead:
                 queued = step(forward, y.reshape(1, 1), np.array([position], np.int64))

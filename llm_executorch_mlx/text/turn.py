@@ -166,7 +166,7 @@ class Turn:
                                    program.metadata.vocab_size or self.tokenizer.vocab_size,
                                    own.cache.max_write or program.metadata.prefill_chunk)
         return Speculation(drafter, min(self.opts.draft_tokens, chunk - 1), self.sampler.verify,
-                           self.sampler.sample_next)
+                           self.sampler.sample_next, self.program.plan.rows_match_steps)
 
     def _disk_key(self) -> tuple[dict, dict]:
         """The model identity and cache policy a saved state must match."""
