@@ -150,11 +150,15 @@ def snapshot_of(session):
 
 @pytest.mark.parametrize("draft_tokens", [1, 3, 7])
 def test_replies_drafted_by_a_model_are_transformers_greedy_and_leave_the_cache_as_plain_decoding(
-        tiny, draft_pte, draft_tokens):
+        tiny, draft_pte, draft_tokens, monkeypatch):
     """Whether the draft is the model itself (every proposal taken) or
     another (most rejected), each reply is transformers' greedy one, the
     cache holds what decoding without a draft leaves, and the next turn
-    reuses both caches."""
+    reuses both caches. Every step allowed tries the draft, which costs as
+    much as the model here (what tries cost is the budget test's)."""
+    from llm_executorch_mlx.text import generate
+
+    monkeypatch.setattr(generate, "worth_trying", lambda *_: True)
     register(tiny)
     _, tok_dir, _ = tiny
     register((tiny[0], tok_dir, None), "itself")
@@ -278,7 +282,8 @@ def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_o
     least ``SHORTEST`` steps), beyond its first try of one proposal, made
     before a plain step is timed; proposals that are all kept go on to the
     end. Where a call's rows may not match one-token steps (a GPU), a token
-    sampled on the device keeps its own step, and the first try costs it."""
+    sampled on the device keeps its own step, and the first try costs it.
+    Proposals that cost more than a step each are not tried again."""
     from llm_executorch_mlx.text import generate
     from llm_executorch_mlx.text.session import CachePolicy, Session
 
@@ -313,3 +318,7 @@ def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_o
     assert ids == reply and drafted.accepted_tokens == drafted.drafted_tokens
     assert drafted.drafted_tokens > (room - 1) * tokens / (tokens + 1) - 2 * tokens
     assert drafted.decode_seconds < plain.decode_seconds
+    # proposals that cost a step each to make cannot pay, kept or not: no try after the first
+    for hit in (True, False):
+        ids, costly = decode(ReplayDrafter(prompt, reply, hit, 1.5, clock, vocab))
+        assert ids == reply and costly.drafted_tokens == 1

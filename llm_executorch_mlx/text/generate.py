@@ -165,6 +165,22 @@ BUDGET = 0.05  # the share of decoding's time proposals may cost beyond what the
 SHORTEST = 128  # decoding counted as at least this many plain steps, so misses at a reply's start leave it some
 
 
+def worth_trying(per_step: float | None, free: bool, tried: bool, making: float, spent: float, gave: int,
+                 missed: float, elapsed: float) -> bool:
+    """Whether a step tries the drafter (``speculate`` names the seconds and
+    counts). Before a plain step is timed: a ``free`` one always, another
+    once (proposals all kept would never let a plain step be timed). After:
+    where what proposals cost beyond the plain steps they saved, and what
+    this try costs if it all misses (as the latest that did), stay within
+    ``BUDGET`` of the decoding time (at least ``SHORTEST`` plain steps),
+    and the latest proposals took less than a plain step each to make (one
+    that takes more saves less than it costs, kept or not)."""
+    if per_step is None:
+        return free or not tried
+    return (making < per_step
+            and spent - gave * per_step + max(0.0, missed - per_step) <= BUDGET * max(elapsed, SHORTEST * per_step))
+
+
 @dataclass
 class Speculation:
     """Speculative decoding: ``drafter`` proposes up to ``tokens`` ids a step
@@ -204,13 +220,12 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     one for a drafter whose proposals are not ``free``) and
     fall by one after proposals that missed before their last; after
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
-    propose none. And what proposals cost beyond the plain steps that would
-    have made the tokens they gave (a plain step timed from token to token)
-    stays within ``BUDGET`` of the time decoding took (at least ``SHORTEST``
-    plain steps): a step proposes only where that holds even if its
-    proposals all miss, at the cost the latest such step had. So drafts that
-    miss cost at most that share after the first try, a draft model's
-    included, which costs a step of its own per token proposed.
+    propose none. And a step tries the drafter only where ``worth_trying``
+    (what proposals cost against the plain steps that would have made the
+    tokens they gave, a plain step timed from token to token): so drafts
+    that miss cost at most ``BUDGET`` of the decoding time after the first
+    try, a draft model's included, which costs a step of its own per token
+    proposed, and one that costs a whole step per token is not tried again.
     """
     clock = time.perf_counter
     drafter = speculation.drafter
@@ -224,14 +239,13 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     read = None  # when the last token was read, if the step after it is plain
     spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
     missed = 0.0  # seconds the latest step whose proposals all missed took (it gave one token)
+    making = 0.0  # seconds the latest proposals took to make, per proposal
     unpiped = None  # when a step began that feeds a token verified on the host, with no look-ahead
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
         per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
-        affordable = (per_step is None  # the cost so far, and of this step's proposals if they all miss
-                      or spent - gave * per_step + max(0.0, missed - per_step)
-                      <= BUDGET * max(clock() - t_first, SHORTEST * per_step))
-        trying = fed and not idle and affordable
+        trying = fed and not idle and worth_trying(per_step, drafter.free, timings.drafted_tokens > 0, making,
+                                                   spent, gave, missed, clock() - t_first)
         # y's step is queued before y is read (the look-ahead) where y was
         # sampled on the device, unless a drafter that is not free tries now:
         # it always proposes, and y is fed with its proposals in one call,
@@ -244,7 +258,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                 position += 1
             forward.wait(y)
             y = y.item()
-            if read is not None:  # token to token: all a plain step's host and device work
+            if read is not None and ahead:  # token to token: all a plain step's host and device work
                 plain, plain_steps = plain + clock() - read, plain_steps + 1
             if unpiped is not None:  # a verified token's step without proposals: the look-ahead lost
                 spent, gave, unpiped = spent + clock() - unpiped, gave + 1, None
@@ -262,6 +276,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                    cache.capacity - cache.length - (1 if ahead else 2))
         started = clock()
         draft = drafter.propose(room) if trying else []
+        making = (clock() - started) / len(draft) if draft else making
         idle = max(0, idle - 1)
         if ahead and not draft:
             y = speculation.sample(queued, history)
