@@ -173,8 +173,9 @@ def worth_trying(per_step: float | None, free: bool, tried: bool, making: float,
     where what proposals cost beyond the plain steps they saved, and what
     this try costs if it all misses (as the latest that did), stay within
     ``BUDGET`` of the decoding time (at least ``SHORTEST`` plain steps),
-    and the latest proposals took less than a plain step each to make (one
-    that takes more saves less than it costs, kept or not)."""
+    and proposals took less than a plain step each to make (``making``, the
+    least they took; one that takes more saves less than it costs, kept or
+    not)."""
     if per_step is None:
         return free or not tried
     return (making < per_step
@@ -239,7 +240,9 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     read = None  # when the last token was read, if the step after it is plain
     spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
     missed = 0.0  # seconds the latest step whose proposals all missed took (it gave one token)
-    making = 0.0  # seconds the latest proposals took to make, per proposal
+    # the least seconds proposals took to make, per proposal (0 until some
+    # were): the least, since a draft model's may include reading what it missed
+    making = 0.0
     unpiped = None  # when a step began that feeds a token verified on the host, with no look-ahead
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
@@ -276,7 +279,9 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
                    cache.capacity - cache.length - (1 if ahead else 2))
         started = clock()
         draft = drafter.propose(room) if trying else []
-        making = (clock() - started) / len(draft) if draft else making
+        if draft:
+            each_took = (clock() - started) / len(draft)
+            making = min(making, each_took) if making else each_took
         idle = max(0, idle - 1)
         if ahead and not draft:
             y = speculation.sample(queued, history)
