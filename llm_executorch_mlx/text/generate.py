@@ -192,7 +192,7 @@ class Speculation:
     tokens: int
     verify: Callable[[mx.array, list[int], int], mx.array]
     sample: Callable[[mx.array, list[int]], mx.array]
-    rows_match_steps: bool = True  # as the program's plan says (plan.py)
+    rows_match_steps: bool  # as the program's plan says (plan.py)
 
 
 def speculate(forward, cache, history: list[int], y: mx.array, position: int, max_tokens: int, timings: Timings,
