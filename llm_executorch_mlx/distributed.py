@@ -1,11 +1,13 @@
-"""An ``llm`` process started by ``mlx.launch``: one rank of a pipeline group.
+"""An ``llm`` process started by ``mlx.launch``: one rank of a group sharing a model.
 
 ``mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- llm -m pte:NAME "..."``
 starts one ``llm`` per rank with ``MLX_RANK`` and ``MLX_HOSTFILE`` (a file
 holding the ranks' ``"ip:port"`` as a JSON list). Each rank runs the same
 command: it tokenizes, samples (with the same seed) and takes every cache
-decision as the others do, on the same logits (``runtime/pipeline.py``);
-only rank 0 prints the reply and logs it. A process without ``MLX_RANK``
+decision as the others do, on the same logits; only rank 0 prints the
+reply and logs it. The ranks split the model by layers
+(``runtime/pipeline.py``) or, with ``LLM_PTE_PARALLEL=tensor``, each layer
+by heads (``runtime/tensor_parallel.py``). A process without ``MLX_RANK``
 is a single process and never reads this module past ``launched()``.
 
 Standard input: the launcher forwards what the user types to every rank but
@@ -21,7 +23,8 @@ import json
 import os
 import sys
 
-LAYERS = "LLM_PTE_LAYERS"  # layers per rank, "12,18"; default: as even as can be
+PARALLEL = "LLM_PTE_PARALLEL"  # how the ranks split the model: "pipeline" (by layers, the default) or "tensor"
+LAYERS = "LLM_PTE_LAYERS"  # pipeline: layers per rank, "12,18"; default: as even as can be
 CONNECT_TIMEOUT = "LLM_PTE_CONNECT_TIMEOUT"  # seconds a rank waits for the others (default 60)
 DEFAULT_CONNECT_TIMEOUT = 60.0
 
@@ -130,6 +133,23 @@ def _connect_timeout() -> float:
     if not value > 0:
         raise GroupError(f"{CONNECT_TIMEOUT}={text!r} is not a number of seconds above 0, e.g. 60")
     return value
+
+
+def share(program, group):
+    """This rank's share of ``program``, split as ``LLM_PTE_PARALLEL`` says."""
+    kind = os.environ.get(PARALLEL, "").strip() or "pipeline"
+    if kind == "pipeline":
+        from .runtime.pipeline import Pipeline
+
+        return Pipeline(program, group, layers_per_rank())
+    if kind == "tensor":
+        if os.environ.get(LAYERS, "").strip():
+            raise GroupError(f"{LAYERS} gives layers per rank of a pipeline, and {PARALLEL}=tensor splits every "
+                             "layer: unset one of them")
+        from .runtime.tensor_parallel import TensorParallel
+
+        return TensorParallel(program, group)
+    raise GroupError(f"{PARALLEL}={kind!r} is not a way to split a model: pipeline (by layers) or tensor (by heads)")
 
 
 def layers_per_rank() -> list[int] | None:

@@ -98,9 +98,9 @@ def kv_dtype_name(dtype: mx.Dtype) -> str | None:
     return None
 
 
-def array_from_buffer(buffer, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-    """An MLX array holding a copy of raw little-endian bytes."""
-    view = np.frombuffer(buffer, dtype=_NUMPY_VIEW[dtype]).reshape(shape)
+def array_from_buffer(buffer, shape: tuple[int, ...], dtype: mx.Dtype, part: tuple[slice, ...] = ()) -> mx.array:
+    """An MLX array holding a copy of raw little-endian bytes (of ``part`` of them)."""
+    view = np.ascontiguousarray(np.frombuffer(buffer, dtype=_NUMPY_VIEW[dtype]).reshape(shape)[part])
     arr = mx.array(view)
     if dtype == mx.bfloat16:
         arr = arr.view(mx.bfloat16)

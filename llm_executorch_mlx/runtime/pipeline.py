@@ -64,8 +64,11 @@ class Pipeline:
 
 
 class _Share:
-    """What ``Program.load_method`` asks of a stage: its graph, and the
-    communication around its executor."""
+    """What ``Program.load_method`` asks of a stage: its graph and the
+    constants it holds, and the communication around its executor."""
+
+    tensor_ranks = 1  # its layers' heads are whole
+    collectives: dict = {}  # none inside its graph
 
     def __init__(self, rank: Pipeline):
         self.rank = rank
@@ -75,7 +78,8 @@ class _Share:
         return f"layers {self.stage.first}-{self.stage.end - 1}"
 
     def graph(self, graph):
-        return stage_graph(graph, self.stage)
+        graph, constants = stage_graph(graph, self.stage)
+        return graph, dict.fromkeys(constants, ())
 
     def wrap(self, execute, call, dtype_map):
         """``execute`` (the stage's executor) as the whole forward's delegate

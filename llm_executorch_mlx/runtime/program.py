@@ -154,8 +154,9 @@ class Program:
         Args:
             name: the method name (see ``method_names``).
             cache: the off-graph cache, required when the program has one.
-            stage: a pipeline rank's share of the method (``pipeline.py``):
-                only its nodes run, only the constants they read are loaded.
+            stage: a rank's share of the method (``pipeline.py``: its
+                layers; ``tensor_parallel.py``: its part of every layer):
+                its graph runs, only the parts of constants it reads are loaded.
         """
         plan = self._plan(name)
         if not plan.delegates and not plan.kernel_calls:
@@ -169,20 +170,20 @@ class Program:
                 "program.new_cache(capacity=...) and pass it as load_method(..., cache=cache)"
             )
         if cache is not None and uses_cache:
-            self._check_cache(cache)
-        key, only = name, None
+            self._check_cache(cache, stage.tensor_ranks if stage is not None else 1)
+        key, held, collectives = name, None, None
         if stage is not None:
-            graph, only = stage.graph(graph)
-            key = f"{name} {stage}"
+            graph, held = stage.graph(graph)
+            key, collectives = f"{name} {stage}", stage.collectives
         try:
-            constants = self._load_constants(key, graph, only)
+            constants = self._load_constants(key, graph, held)
             taken = self._layouts(graph, constants)
             executor = GraphExecutor(
                 graph, constants, cache if uses_cache else None, self._dtype_map, self.plan,
-                {w: layout for w, (*_, layout) in taken.items()},
+                {w: layout for w, (*_, layout) in taken.items()}, collectives,
             )
             self._interleave(key, executor, taken)
-            self._read[key] = sum({id(a): a.nbytes for a in executor.constants if a is not None}.values())
+            self._read[name] = sum({id(a): a.nbytes for a in executor.constants if a is not None}.values())
         except (PteError, MemoryError):
             raise
         except Exception as e:  # a corrupt program that passed the load-time checks
@@ -250,9 +251,11 @@ class Program:
         self._graphs[name] = graph
         return graph
 
-    def _load_constants(self, name: str, graph: md.MLXGraphT, only: set[int] | None = None) -> list[mx.array]:
+    def _load_constants(self, name: str, graph: md.MLXGraphT,
+                        held: dict[int, tuple[slice, ...]] | None = None) -> list[mx.array]:
         """Weights as MLX arrays in the compute route's dtype, shared by every
-        load; ``only`` these constant slots (the others None, never read)."""
+        load; with ``held``, only its constant slots (the others None, never
+        read), each the part its index selects (``()``: the whole)."""
         cached = self._constants.get(name)
         if cached is not None:
             return cached
@@ -265,7 +268,7 @@ class Program:
         as_stored = self._bf16_kept(graph)
         constants = []
         for tid in range(graph.numConstantTensors):
-            if only is not None and tid not in only:
+            if held is not None and tid not in held:
                 constants.append(None)
                 continue
             key = names.get(tid)
@@ -282,7 +285,7 @@ class Program:
                 raise PteError(
                     f"{name}: constant '{key}' needs {nbytes} bytes, the file holds {len(data)}"
                 )
-            array = array_from_buffer(data[:nbytes], shape, dtype)
+            array = array_from_buffer(data[:nbytes], shape, dtype, held[tid] if held is not None else ())
             array = array.astype(self._held_dtype(tid, dtype, as_stored))
             if tid in blas_weights:
                 array = for_blas(array)
@@ -384,6 +387,7 @@ class Program:
         windows=None,
         value_dtype: str | None = None,
         held: range | None = None,
+        tensor_ranks: int = 1,
     ) -> SequenceCache:
         """Build an off-graph cache for this program.
 
@@ -396,9 +400,12 @@ class Program:
             value_dtype: the values' storage (default: ``dtype``).
             held: the layers whose pools this process holds (a pipeline
                 rank's); the cache still answers for every layer.
+            tensor_ranks: the tensor-parallel ranks sharing each layer's KV
+                heads; the pools hold this rank's part.
         """
         m = self.metadata
-        layers = self.cache_geometry(windows)
+        layers = [LayerGeometry(g.n_kv_heads // tensor_ranks, g.head_dim, g.window)
+                  for g in self.cache_geometry(windows)]
         if capacity is None:
             capacity = m.max_context
         if capacity is None:
@@ -429,8 +436,8 @@ class Program:
             )
         return cache
 
-    def _check_cache(self, cache: SequenceCache) -> None:
-        want = [(g.n_kv_heads, g.head_dim) for g in self.cache_geometry()]
+    def _check_cache(self, cache: SequenceCache, tensor_ranks: int) -> None:
+        want = [(g.n_kv_heads // tensor_ranks, g.head_dim) for g in self.cache_geometry()]
         if [(g.n_kv_heads, g.head_dim) for g in cache.layers] != want:
             raise PteError(
                 "the cache's layer geometry does not match this program's; build it "

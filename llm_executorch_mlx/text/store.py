@@ -13,7 +13,6 @@ import os
 
 from .. import distributed
 from ..runtime import load_program
-from ..runtime.pipeline import Pipeline
 from .conversation import ReplyMemory
 from .session import SessionPool
 from .tokenizer import load_tokenizer
@@ -47,8 +46,8 @@ def get_program(path: str, compute: str = "auto", int8_activations: bool = True,
                                bf16_activations=bf16_activations)
         program.prepare_cpu_kernels()  # builds them at the first generation, before a method loads
         group = distributed.group()
-        if group is not None:  # one rank of an mlx.launch group: its layers only
-            program = Pipeline(program, group, distributed.layers_per_rank())
+        if group is not None:  # one rank of an mlx.launch group: its share only
+            program = distributed.share(program, group)
         _programs[key] = program
     return key, _programs[key]
 

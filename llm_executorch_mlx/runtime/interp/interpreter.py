@@ -41,7 +41,8 @@ class BuildContext:
     the closures they return only index a list.
     """
 
-    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), plan=None, layouts=None):
+    def __init__(self, graph: md.MLXGraphT, cache=None, dtype_map=None, constants=(), plan=None, layouts=None,
+                 collectives=None):
         self.graph = graph
         self.constants = list(constants)  # for load-time rewrites (fusion.py)
         self.cache = cache
@@ -50,6 +51,9 @@ class BuildContext:
         # MLX's, which only the extension's products read (program.py)
         self.layouts = layouts or {}
         self.dtype_map = dtype_map or {}  # the compute route's substitutions
+        # {main-chain index of an IdCopyNode: the collective it runs instead
+        # of copying} (a tensor-parallel rank's sums, tensor_parallel.py)
+        self.collectives = collectives or {}
         self.num_constants = graph.numConstantTensors
         self.num_tensors = (
             graph.numConstantTensors + graph.numInputTensors + graph.numOutputTensors
@@ -340,7 +344,9 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
     while i < len(instructions):
         instr = instructions[i]
         rewrite = None
-        if i in claimed:
+        if rewriting and i in ctx.collectives:
+            rewrite = Rewrite(("AllSum", _collective(ctx, instr.op, ctx.collectives[i])))
+        elif i in claimed:
             rewrite = Rewrite(claimed.pop(i))
         elif rewriting:
             rewrite = _first_rewrite(ctx, instructions, i, claimed)
@@ -369,6 +375,16 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
         finally:
             ctx.current_node = outer
     return ops
+
+
+def _collective(ctx, copy, collective) -> Run:
+    """An ``IdCopyNode`` that runs ``collective`` on what it copies."""
+    x, out = ctx.t(copy.x), ctx.out(copy.out)
+
+    def run(f):
+        f[out] = collective(f[x])
+
+    return run
 
 
 def _first_rewrite(ctx, instructions, i, claimed) -> Rewrite | None:
@@ -426,16 +442,18 @@ class GraphExecutor:
             MLX ops and BLAS only.
         layouts: ``{slot: Layout}`` for the quantized weights held in
             another layout than MLX's, with their scales and biases.
+        collectives: ``{main-chain index of an IdCopyNode: the collective
+            it runs}`` (a tensor-parallel rank's sums).
     """
 
     def __init__(self, graph: md.MLXGraphT, constants: list[mx.array], cache=None, dtype_map=None,
-                 plan=None, layouts=None):
+                 plan=None, layouts=None, collectives=None):
         if len(constants) != graph.numConstantTensors:
             raise PteError(
                 f"program has {graph.numConstantTensors} constants, got {len(constants)}"
             )
         self.graph = graph
-        ctx = BuildContext(graph, cache, dtype_map, constants, plan, layouts)
+        ctx = BuildContext(graph, cache, dtype_map, constants, plan, layouts, collectives)
         self._ctx = ctx
         chains = graph.instructionChains
         if not 0 <= graph.mainChainIdx < len(chains):

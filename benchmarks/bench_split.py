@@ -1,22 +1,25 @@
 """A model split over 1, 2 and 3 ring ranks on this machine (``mlx.launch``):
-memory per rank, prefill and decode speed, and the cost of one hop.
+memory per rank, prefill and decode speed, and the cost of one exchange.
 
 Each run starts the ranks with MLX's own launcher (``mlx.launch --backend
-ring -n N --hosts 127.0.0.1``), this script in each (``--rank``): rank by
+ring -n N --hosts 127.0.0.1``, ``LLM_PTE_PARALLEL`` from ``--parallel``:
+by layers or by heads), this script in each (``--rank``): rank by
 rank it reports the memory MLX holds once the rank's weights and cache are
 loaded, its peak memory (MLX's and the
 process's), then, all ranks together, the time of ``--prompt-len`` random
 tokens prefilled and ``--new-tokens`` greedy ones through the plugin's decode
-loop, and the round trip of one decode step's hidden state (``[1, 1,
-hidden]``, the hop a step pays per rank boundary) from rank 0 to its
-neighbour and back, median of 200. One process (N = 1) is the reference.
+loop, and one exchange of a decode step's hidden state (``[1, 1, hidden]``),
+median of 200: for a pipeline the hop a step pays per rank boundary (half
+the round trip from rank 0 to its neighbour and back), for tensor parallel
+one ``all_sum`` (a step runs two a layer). One process (N = 1) is the
+reference.
 
-    python benchmarks/bench_pipeline.py MODEL.pte [--ranks 1,2,3]
+    python benchmarks/bench_split.py MODEL.pte [--ranks 1,2,3] [--parallel pipeline|tensor]
 
 On one machine the ranks share its cores, and a rank waiting in ``recv``
-spins on one, so a split runs slower than one process here; the hop's cost
-is what ranks on separate machines pay per step and boundary, plus the
-network's latency.
+spins on one, so a split runs slower than one process here; the exchange's
+cost is what ranks on separate machines pay per step and boundary (or
+sum), plus the network's latency.
 """
 
 from __future__ import annotations
@@ -39,14 +42,13 @@ def rank_main(args) -> None:
     from llm_executorch_mlx.runtime import load_program
 
     import mlx.core as mx
-    from llm_executorch_mlx.runtime.pipeline import Pipeline
     from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
     program = load_program(args.pte)
     program.prepare_cpu_kernels()
     group = distributed.group()
     if group is not None:
-        program = Pipeline(program, group)
+        program = distributed.share(program, group)
     meta = program.metadata
     cache = program.new_cache(capacity=args.prompt_len + args.new_tokens + 8)
     forward = program.load_method("forward", cache=cache)
@@ -61,20 +63,25 @@ def rank_main(args) -> None:
     for _ in steps:
         first = first or time.perf_counter()
     end = time.perf_counter()
-    hop = None  # measured between ranks 0 and 1
+    exchange = None
     if group is not None and group.size() > 1:
         x = mx.zeros((1, 1, args.hidden), dtype=mx.float32)
         times = []
         for _ in range(200):
             t = time.perf_counter()
-            if group.rank() == 0:
+            if os.environ.get(distributed.PARALLEL) == "tensor":
+                mx.eval(mx.distributed.all_sum(x, group=group))
+            elif group.rank() == 0:
                 mx.eval(mx.distributed.send(x, 1, group=group))
                 mx.eval(mx.distributed.recv_like(x, 1, group=group))
             elif group.rank() == 1:
                 y = mx.distributed.recv_like(x, 0, group=group)
                 mx.eval(mx.distributed.send(y, 0, group=group))
             times.append(time.perf_counter() - t)
-        hop = 1e3 * statistics.median(times) / 2 if group.rank() < 2 else None
+        if os.environ.get(distributed.PARALLEL) == "tensor":
+            exchange = 1e3 * statistics.median(times)
+        elif group.rank() < 2:  # the hop between ranks 0 and 1: half the round trip
+            exchange = 1e3 * statistics.median(times) / 2
     import resource
 
     print(json.dumps({
@@ -82,7 +89,7 @@ def rank_main(args) -> None:
         "loaded_bytes": loaded, "mlx_peak_bytes": mx.get_peak_memory(),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "prefill_tps": args.prompt_len / (first - t0), "decode_tps": (args.new_tokens - 1) / (end - first),
-        "hop_ms": hop,
+        "exchange_ms": exchange,
     }), flush=True)
 
 
@@ -93,7 +100,8 @@ def launch(args, n: int) -> list[dict]:
         command = own
     else:
         launcher = shutil.which("mlx.launch") or str(pathlib.Path(sys.executable).parent / "mlx.launch")
-        command = [launcher, "--backend", "ring", "-n", str(n), "--hosts", "127.0.0.1", "--", *own]
+        command = [launcher, "--backend", "ring", "-n", str(n), "--hosts", "127.0.0.1",
+                   "--env", f"LLM_PTE_PARALLEL={args.parallel}", "--", *own]
     out = subprocess.run(command, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -108,7 +116,9 @@ def main() -> None:
     p.add_argument("--ranks", default="1,2,3", help="group sizes, comma-separated (default: 1,2,3)")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=576, help="the model's hidden size, for the hop (default: 576)")
+    p.add_argument("--hidden", type=int, default=576, help="the model's hidden size, for the exchange (default: 576)")
+    p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
+                   help="split by layers or every layer by heads (default: pipeline)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank:
@@ -116,14 +126,14 @@ def main() -> None:
     from harness.machine import cpu_model
 
     print(f"{cpu_model()} ({len(os.sched_getaffinity(0))} cores); {args.pte.name}; {args.prompt_len}-token prompt, "
-          f"{args.new_tokens} greedy tokens\n")
+          f"{args.new_tokens} greedy tokens; split: {args.parallel}\n")
     print("| ranks | rank | MLX memory once loaded MB | MLX peak MB | process peak RSS MB | prefill tok/s | decode tok/s "
-          "| one hop ms |\n|---|---|---|---|---|---|---|---|")
+          f"| one {'all_sum' if args.parallel == 'tensor' else 'hop'} ms |\n|---|---|---|---|---|---|---|---|")
     for n in (int(r) for r in args.ranks.split(",")):
         for r in launch(args, n):
-            hop = f"{r['hop_ms']:.3f}" if r["hop_ms"] is not None else ""
+            exchange = f"{r['exchange_ms']:.3f}" if r["exchange_ms"] is not None else ""
             print(f"| {n} | {r['rank']} | {r['loaded_bytes'] / 1e6:.0f} | {r['mlx_peak_bytes'] / 1e6:.0f} | "
-                  f"{r['max_rss_bytes'] / 1e6:.0f} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | {hop} |",
+                  f"{r['max_rss_bytes'] / 1e6:.0f} | {r['prefill_tps']:.1f} | {r['decode_tps']:.2f} | {exchange} |",
                   flush=True)
 
 

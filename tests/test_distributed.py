@@ -1,4 +1,5 @@
-"""Pipeline parallel over MLX's ring backend: a forward split between ranks on 127.0.0.1.
+"""A forward split between ranks on 127.0.0.1 over MLX's ring backend:
+by layers (pipeline parallel) or every layer by heads (tensor parallel).
 
 Ranks are started as ``mlx.launch`` starts them (``MLX_RANK``, and
 ``MLX_HOSTFILE`` naming a JSON list of ``"ip:port"``), or by ``mlx.launch``
@@ -9,6 +10,7 @@ its cache decisions (hit, rewind, a sliding window's reset) and print (rank
 """
 
 import json
+import math
 import os
 import pathlib
 import random
@@ -25,9 +27,10 @@ from models import make_tokenizer
 from llm_executorch_mlx.runtime import load_program
 from llm_executorch_mlx.runtime.cut import DataFlow, plan_stages, stage_graph
 from llm_executorch_mlx.runtime.errors import PteError
+from llm_executorch_mlx.runtime.tensor_parallel import plan_shards
 
 TESTS = pathlib.Path(__file__).parent
-RANK_SCRIPT = TESTS / "pipeline_rank.py"
+RANK_SCRIPT = TESTS / "split_rank.py"
 TIMEOUT = 180  # s: a run that outlives it hangs, and fails
 
 
@@ -40,6 +43,24 @@ def llama(exported):
 def gemma3(exported):
     """Layers: sliding, sliding, full (window 16)."""
     return exported("gemma3")[1]
+
+
+# Trained: a tensor split sums each layer's products in another order, and
+# random weights leave near-ties that rounding flips.
+@pytest.fixture(scope="module")
+def llama_4w(exported):
+    return exported("llama", trained=True, dtype="fp32", qlinear="4w")[1]
+
+
+@pytest.fixture(scope="module")
+def qwen3(exported):
+    """Per-head q and k norms."""
+    return exported("qwen3", trained=True)[1]
+
+
+@pytest.fixture(scope="module")
+def gemma3_bf16(exported):
+    return exported("gemma3", trained=True, dtype="bf16")[1]
 
 
 def free_ports(n: int) -> list[int]:
@@ -87,6 +108,12 @@ def rank_script(pte, layers=None) -> list[str]:
     return [sys.executable, str(RANK_SCRIPT), str(pte)] + ([",".join(map(str, layers))] if layers else [])
 
 
+def run_whole(pte) -> dict:
+    whole = subprocess.run(rank_script(pte), capture_output=True, text=True, env=env_with(), timeout=TIMEOUT)
+    assert whole.returncode == 0, whole.stderr
+    return json.loads(whole.stdout)
+
+
 # -- the cut --------------------------------------------------------------
 
 
@@ -129,14 +156,67 @@ def test_a_split_that_does_not_fit_the_layers_is_refused(gemma3):
 ])
 def test_split_is_token_identical_across_turns(model, layers, request, tmp_path):
     pte = request.getfixturevalue(model)
-    whole = subprocess.run(rank_script(pte), capture_output=True, text=True, env=env_with(), timeout=TIMEOUT)
-    assert whole.returncode == 0, whole.stderr
-    reference = json.loads(whole.stdout)
+    reference = run_whole(pte)
     assert reference["paths"] == ["cold", "hit", "trim" if model == "llama" else "reset"]
     ranks = run_ranks([rank_script(pte, layers)] * len(layers), tmp_path)
     for rc, out, err in ranks:
         assert rc == 0, err
-        assert json.loads(out) == reference
+        assert dict(json.loads(out), read_bytes=None) == dict(reference, read_bytes=None)
+
+
+# -- tensor parallel --------------------------------------------------------
+
+
+def split_weights(graph) -> dict[str, int]:
+    """The layers' projections by the names transformers gives them, as the
+    file's metadata holds them: ``{name: bytes}``."""
+    found = {}
+    for ns in graph.namedSlots:
+        name = ns.name.decode() if isinstance(ns.name, bytes) else ns.name
+        meta = graph.tensorMeta[ns.slot.idx] if ns.slot.idx < graph.numConstantTensors else None
+        if meta is not None and ".layers." in name and "_proj." in name:
+            found[name] = 4 * math.prod(d.value for d in meta.shape)  # fp32
+    return found
+
+
+def test_each_layer_splits_its_projections_and_nothing_else(llama):
+    graph = load_program(llama).graph("forward")
+    shards = plan_shards(graph, 2, [2, 2])
+    names = {ns.slot.idx: (ns.name.decode() if isinstance(ns.name, bytes) else ns.name).split("layers.")[-1]
+             for ns in graph.namedSlots}
+    axes = {names[tid]: axis for tid, axis in shards.parts.items()}
+    # transformers' [out, in] weights: q, k, v, gate, up keep their rank's outputs, o and down its inputs
+    assert axes == {f"{layer}.{part}_proj.weight": 1 if part in ("self_attn.o", "mlp.down") else 0
+                    for layer in range(2) for part in ("self_attn.q", "self_attn.k", "self_attn.v", "self_attn.o",
+                                                       "mlp.gate", "mlp.up", "mlp.down")}
+    # the sums: the products of the output and down projections (of their transposed weights)
+    flow = DataFlow(graph)
+    transposes = [flow.uses[i][flow.instructions[i].op.mat2.idx] for i in shards.sums]
+    assert [names[flow.instructions[t].op.x.idx] for t in transposes] == [
+        f"{layer}.{part}_proj.weight" for layer in range(2) for part in ("self_attn.o", "mlp.down")]
+
+
+def test_heads_the_ranks_cannot_share_are_refused(llama):
+    program = load_program(llama)
+    with pytest.raises(PteError, match=r"^the model's layers have 2 KV heads, which 3 ranks cannot share evenly: "
+                                       r"launch a number of ranks that divides them, or split by layers "
+                                       r"\(LLM_PTE_PARALLEL=pipeline\)$"):
+        plan_shards(program.graph("forward"), 3, [g.n_kv_heads for g in program.cache_geometry()])
+
+
+@pytest.mark.parametrize("model", ["llama", "llama_4w", "qwen3", "gemma3_bf16"])
+def test_tensor_split_is_token_identical_and_holds_half_the_projections(model, request, tmp_path):
+    pte = request.getfixturevalue(model)
+    reference = run_whole(pte)
+    for rc, out, err in run_ranks([rank_script(pte)] * 2, tmp_path, LLM_PTE_PARALLEL="tensor"):
+        assert rc == 0, err
+        got = json.loads(out)
+        assert dict(got, read_bytes=None) == dict(reference, read_bytes=None)
+        if model in ("llama", "qwen3"):  # fp32, held as stored
+            split = sum(split_weights(load_program(pte).graph("forward")).values())
+            assert got["read_bytes"] == reference["read_bytes"] - split // 2
+        else:
+            assert got["read_bytes"] < reference["read_bytes"]
 
 
 # -- llm under mlx.launch -------------------------------------------------
@@ -165,7 +245,8 @@ def logged(tmp_path) -> list[str]:
     return [entry["response"] for entry in json.loads(r.output)]
 
 
-def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, tmp_path):
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
+def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, parallel, tmp_path):
     whole = subprocess.run(llm_command(registered), capture_output=True, text=True, env=env_with(),
                            stdin=subprocess.DEVNULL, timeout=TIMEOUT)
     assert whole.returncode == 0, whole.stderr
@@ -173,7 +254,8 @@ def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, tmp_path)
     port = free_ports(2)[0]
     # as a user types it: mlx.launch keeps each rank's standard input open
     launcher = subprocess.Popen([str(pathlib.Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
-                                 "--hosts", "127.0.0.1", "--starting-port", str(port), "--", *llm_command(registered)],
+                                 "--hosts", "127.0.0.1", "--starting-port", str(port),
+                                 "--env", f"LLM_PTE_PARALLEL={parallel}", "--", *llm_command(registered)],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env_with(), start_new_session=True)
     try:

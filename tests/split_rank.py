@@ -1,20 +1,22 @@
-"""One rank of a split forward for test_pipeline.py, or the whole program
+"""One rank of a forward split as ``LLM_PTE_PARALLEL`` says, for
+test_distributed.py, or the whole program
 when started alone: three turns through the text layer's session and decode
 loop (a cold prompt longer than a prefill chunk; the next turn, which the
 cache holds; a turn that parts from it early, so the cache rewinds or, past a
-sliding window's floor, resets), printed as one JSON line.
+sliding window's floor, resets), printed as one JSON line with the bytes of
+weights the rank's forward reads.
 
-    python pipeline_rank.py MODEL.pte [LAYERS]   (LAYERS: "1,2", layers per rank)
+    python split_rank.py MODEL.pte [LAYERS]   (LAYERS: "1,2", layers per rank)
 """
 
 import json
+import os
 import sys
 
 from llm_executorch_mlx import distributed
 from llm_executorch_mlx.runtime import load_program  # first: binds the BLAS before mlx.core loads
 
 import mlx.core as mx  # noqa: E402  (isort: skip)
-from llm_executorch_mlx.runtime.pipeline import Pipeline
 from llm_executorch_mlx.text.generate import Timings, generate_tokens
 from llm_executorch_mlx.text.session import CachePolicy, Session
 
@@ -27,7 +29,9 @@ def main(path: str, layers: list[int] | None) -> None:
     program = load_program(path)
     group = distributed.group()
     if group is not None:
-        program = Pipeline(program, group, layers)
+        if layers:
+            os.environ[distributed.LAYERS] = ",".join(map(str, layers))
+        program = distributed.share(program, group)
     session = Session(program, CachePolicy(capacity=128, dtype="fp32"))
     chunk = session.cache.max_write or program.metadata.prefill_chunk
     first = [(7 * i + 3) % 200 for i in range(40)]
@@ -42,6 +46,7 @@ def main(path: str, layers: list[int] | None) -> None:
         done["paths"].append(path)
         done["replies"].append(reply)
         done["lengths"].append(session.cache.length)
+    done["read_bytes"] = program.read_bytes()
     print(json.dumps(done), flush=True)
 
 
