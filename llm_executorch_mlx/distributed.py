@@ -71,6 +71,21 @@ def group():
     return _joined[0]
 
 
+def backend() -> str:
+    """The backend ``mlx.launch`` set this rank up for: ``nccl`` (GPUs; it
+    names rank 0's address in ``NCCL_HOST_IP``) or ``ring`` (a hostfile)."""
+    return "nccl" if "NCCL_HOST_IP" in os.environ and "MLX_HOSTFILE" not in os.environ else "ring"
+
+
+def _size() -> int:
+    if backend() == "nccl":
+        try:
+            return int(os.environ.get("MLX_WORLD_SIZE", ""))
+        except ValueError:
+            raise GroupError("this rank was launched for NCCL without MLX_WORLD_SIZE: launch with mlx.launch") from None
+    return len(_hosts())
+
+
 def _hosts() -> list[str]:
     path = os.environ.get("MLX_HOSTFILE")
     if not path:
@@ -101,8 +116,8 @@ if not select.select([sys.stdin], [], [], timeout)[0]:
 
 
 def _join():
-    hosts = _hosts()
-    if len(hosts) < 2:
+    size, kind = _size(), backend()
+    if size < 2:
         return None  # `mlx.launch -n 1`: a single process
     import subprocess
 
@@ -111,14 +126,16 @@ def _join():
     import mlx.core as mx
 
     rank, timeout = os.environ.get("MLX_RANK", "?"), _connect_timeout()
-    message = (f"Error: rank {rank} of {len(hosts)} could not connect to the other ranks ({', '.join(hosts)}) "
+    where = ", ".join(_hosts()) if kind == "ring" else f"rank 0 at {os.environ['NCCL_HOST_IP']}"
+    message = (f"Error: rank {rank} of {size} could not connect to the other ranks ({where}) "
                f"within {timeout:g} s: start every rank (mlx.launch does), or raise {CONNECT_TIMEOUT}\n")
     watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
                                 stdin=subprocess.PIPE)
     try:
-        return mx.distributed.init(backend="ring", strict=True)
+        return mx.distributed.init(backend=kind, strict=True)
     except RuntimeError as e:
-        raise GroupError(f"rank {rank} could not join the ring group ({e}): check MLX_HOSTFILE's addresses") from None
+        check = "MLX_HOSTFILE's addresses" if kind == "ring" else "that this mlx has its CUDA backend (mlx[cuda13])"
+        raise GroupError(f"rank {rank} could not join the {kind} group ({e}): check {check}") from None
     finally:
         watchdog.stdin.close()
         watchdog.wait()
@@ -138,6 +155,9 @@ def _connect_timeout() -> float:
 def share(program, group):
     """This rank's share of ``program``, split as ``LLM_PTE_PARALLEL`` says."""
     kind = os.environ.get(PARALLEL, "").strip() or "pipeline"
+    if kind == "pipeline" and backend() == "nccl":
+        raise GroupError(f"NCCL has no send/recv, which a pipeline passes its hidden state with: launch with "
+                         f"--env {PARALLEL}=tensor, or --backend ring")
     if kind == "pipeline":
         from .runtime.pipeline import Pipeline
 

@@ -24,6 +24,7 @@ from click.testing import CliRunner
 from llm.cli import cli
 from models import make_tokenizer
 
+from llm_executorch_mlx import distributed
 from llm_executorch_mlx.runtime import load_program
 from llm_executorch_mlx.runtime.cut import DataFlow, plan_stages, stage_graph
 from llm_executorch_mlx.runtime.errors import PteError
@@ -309,3 +310,26 @@ def test_a_rank_alone_gives_up_connecting(registered, tmp_path):
     assert alone.returncode == -signal.SIGTERM  # ended by its watchdog: MLX's connect holds the interpreter
     assert alone.stderr.startswith("Error: rank 0 of 2 could not connect to the other ranks (127.0.0.1:")
     assert "within 2 s: start every rank (mlx.launch does), or raise LLM_PTE_CONNECT_TIMEOUT" in alone.stderr
+
+
+# -- NCCL (mlx.launch --backend nccl) ---------------------------------------
+
+
+def test_a_pipeline_over_nccl_is_refused(monkeypatch):
+    monkeypatch.setenv("NCCL_HOST_IP", "127.0.0.1")  # what mlx.launch --backend nccl sets, with no hostfile
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    monkeypatch.delenv("LLM_PTE_PARALLEL", raising=False)
+    with pytest.raises(distributed.GroupError, match=r"^NCCL has no send/recv, which a pipeline passes its hidden "
+                                                     r"state with: launch with --env LLM_PTE_PARALLEL=tensor, or "
+                                                     r"--backend ring$"):
+        distributed.share(None, None)
+
+
+def test_an_nccl_rank_without_mlx_cuda_says_so(registered):
+    env = env_with(MLX_RANK=0, NCCL_HOST_IP="127.0.0.1", NCCL_PORT=free_ports(1)[0], MLX_WORLD_SIZE=2,
+                   LLM_PTE_PARALLEL="tensor")
+    r = subprocess.run(llm_command(registered), capture_output=True, text=True, stdin=subprocess.PIPE, env=env,
+                       timeout=TIMEOUT)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr == ("Error: rank 0 could not join the nccl group (Cannot initialize nccl distributed backend.): "
+                        "check that this mlx has its CUDA backend (mlx[cuda13])\n")
