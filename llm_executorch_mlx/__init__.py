@@ -6,11 +6,9 @@ are imported only when a model runs or a `llm pte` command needs them. The
 runtime (``llm_executorch_mlx.runtime``) also works without llm installed.
 """
 
-import os
+from .distributed import guard_stdin, launched
 
-if "MLX_RANK" in os.environ:  # one rank of an mlx.launch group: llm must not wait on stdin
-    from .distributed import guard_stdin
-
+if launched():  # one rank of an mlx.launch group: llm must not wait on stdin
     guard_stdin()
 
 try:
@@ -38,7 +36,7 @@ def register_commands(cli):
     from .commands import register_commands as add
 
     add(cli)
-    if "MLX_RANK" in os.environ:  # the llm command line on one rank of a group: rank 0 alone prints
+    if launched():  # the llm command line on one rank of a group: rank 0 alone prints
         from .distributed import quiet_other_ranks
 
         quiet_other_ranks()

