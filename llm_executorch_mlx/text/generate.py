@@ -289,6 +289,10 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             yield Step(token, True)
             continue
         read = None  # the step after this token verifies proposals
+        if ahead:
+            # y's step runs first, submitted on its own: in one submission
+            # with the proposals' call the two took far longer than apart
+            forward.submit(queued)
         # one call: the proposals, after the token itself where it is not fed yet
         ids = draft if ahead else [token, *draft]
         rows = forward.execute([np.asarray([ids], dtype=np.int64),
