@@ -2,8 +2,9 @@
 memory per rank, prefill and decode speed, and the cost of one exchange.
 
 Each run starts the ranks with MLX's own launcher (``mlx.launch --backend
-ring -n N --hosts 127.0.0.1``, ``LLM_PTE_PARALLEL`` from ``--parallel``:
-by layers or by heads), this script in each (``--rank``): rank by
+ring -n N --hosts 127.0.0.1``; ``--backend mpi`` or ``nccl`` instead,
+``LLM_PTE_PARALLEL`` from ``--parallel``: by layers or by heads), this
+script in each (``--rank``): rank by
 rank it reports the memory MLX holds once the rank's weights and cache are
 loaded, its peak memory (MLX's and the
 process's), then, all ranks together, the time of ``--prompt-len`` random
@@ -14,7 +15,7 @@ the round trip from rank 0 to its neighbour and back), for tensor parallel
 one ``all_sum`` (a step runs two a layer). One process (N = 1) is the
 reference.
 
-    python benchmarks/bench_split.py MODEL.pte [--ranks 1,2,3] [--parallel pipeline|tensor]
+    python benchmarks/bench_split.py MODEL.pte [--ranks 1,2,3] [--parallel pipeline|tensor] [--backend ring|mpi|nccl]
 
 On one machine the ranks share its cores, and a rank waiting in ``recv``
 spins on one, so a split runs slower than one process here; the exchange's
@@ -84,27 +85,38 @@ def rank_main(args) -> None:
             exchange = 1e3 * statistics.median(times) / 2
     import resource
 
-    print(json.dumps({
-        "rank": 0 if group is None else group.rank(), "ranks": 1 if group is None else group.size(),
+    rank = 0 if group is None else group.rank()
+    # a file per rank: the launchers interleave the ranks' standard output (mpirun's "raw" output mid-line)
+    (args.reports / f"rank{rank}.json").write_text(json.dumps({
+        "rank": rank, "ranks": 1 if group is None else group.size(),
         "loaded_bytes": loaded, "mlx_peak_bytes": mx.get_peak_memory(),
         "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "prefill_tps": args.prompt_len / (first - t0), "decode_tps": (args.new_tokens - 1) / (end - first),
         "exchange_ms": exchange,
-    }), flush=True)
+    }))
+
+
+# What each backend needs beside --backend: mpirun's ranks may share cores
+# here; NCCL's NVLink multicast stays off (the lent machines ask it).
+BACKEND_ARGS = {"ring": [], "mpi": ["--mpi-arg", "--bind-to none"], "nccl": ["--env", "NCCL_NVLS_ENABLE=0"]}
 
 
 def launch(args, n: int) -> list[dict]:
+    import tempfile
+
+    reports = pathlib.Path(tempfile.mkdtemp(prefix="bench_split-"))
     own = [sys.executable, __file__, str(args.pte), "--rank", "--prompt-len", str(args.prompt_len),
-           "--new-tokens", str(args.new_tokens), "--hidden", str(args.hidden)]
+           "--new-tokens", str(args.new_tokens), "--hidden", str(args.hidden), "--reports", str(reports)]
     if n == 1:
         command = own
     else:
         launcher = shutil.which("mlx.launch") or str(pathlib.Path(sys.executable).parent / "mlx.launch")
-        command = [launcher, "--backend", "ring", "-n", str(n), "--hosts", "127.0.0.1",
-                   "--env", f"LLM_PTE_PARALLEL={args.parallel}", "--", *own]
+        command = [launcher, "--backend", args.backend, "-n", str(n), "--hosts", "127.0.0.1",
+                   "--env", f"LLM_PTE_PARALLEL={args.parallel}", *BACKEND_ARGS[args.backend], "--", *own]
     out = subprocess.run(command, capture_output=True, text=True, timeout=900, stdin=subprocess.DEVNULL,
                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(f.read_text()) for f in sorted(reports.glob("rank*.json"))]
+    shutil.rmtree(reports)
     if len(rows) != n:
         sys.exit(f"{n} ranks: expected {n} reports, got {len(rows)}\n{out.stderr[-2000:]}")
     return sorted(rows, key=lambda r: r["rank"])
@@ -117,16 +129,19 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--hidden", type=int, default=576, help="the model's hidden size, for the exchange (default: 576)")
+    p.add_argument("--backend", choices=tuple(BACKEND_ARGS), default="ring",
+                   help="mlx.launch's backend (default: ring; nccl: GPUs, with --parallel tensor)")
     p.add_argument("--parallel", choices=("pipeline", "tensor"), default="pipeline",
                    help="split by layers or every layer by heads (default: pipeline)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--reports", type=pathlib.Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.rank:
         return rank_main(args)
     from harness.machine import cpu_model
 
     print(f"{cpu_model()} ({len(os.sched_getaffinity(0))} cores); {args.pte.name}; {args.prompt_len}-token prompt, "
-          f"{args.new_tokens} greedy tokens; split: {args.parallel}\n")
+          f"{args.new_tokens} greedy tokens; split: {args.parallel} over {args.backend}\n")
     print("| ranks | rank | MLX memory once loaded MB | MLX peak MB | process peak RSS MB | prefill tok/s | decode tok/s "
           f"| one {'all_sum' if args.parallel == 'tensor' else 'hop'} ms |\n|---|---|---|---|---|---|---|---|")
     for n in (int(r) for r in args.ranks.split(",")):

@@ -126,7 +126,15 @@ void help_while(Busy busy) {
     helpers_inside.fetch_sub(1);
     if (spins % 16 == 0 && !busy()) return;
     if (j == nullptr && read_ahead()) continue;
-    relax();
+    if (j == nullptr && spins % 64 == 63) {
+      // Nothing to help with or read ahead: give the core away now and
+      // then. Where threads outnumber cores (the ranks of a group on one
+      // machine), a host spinning here holds a core that its own stream
+      // thread, or another rank waiting on this one, needs.
+      std::this_thread::yield();
+    } else {
+      relax();
+    }
   }
 }
 
