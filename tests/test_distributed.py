@@ -305,11 +305,12 @@ def test_mlx_launch_chat_shows_its_banner_and_replies_once(registered, tmp_path)
     assert out == whole.stdout
 
 
-def test_a_killed_rank_ends_the_group_with_our_error(registered, tmp_path):
+@pytest.mark.parametrize("parallel", ["pipeline", "tensor"])  # rank 0 finds it gone in a send, or in a layer's all_sum
+def test_a_killed_rank_ends_the_group_with_our_error(registered, parallel, tmp_path):
     # rank 1 joins the group, then is killed before the first step
     dies = [sys.executable, "-c", "import os, signal, mlx.core as mx; mx.distributed.init(backend='ring', strict=True); "
             "os.kill(os.getpid(), signal.SIGKILL)"]
-    (rc, out, err), (rc1, _, _) = run_ranks([llm_command(registered), dies], tmp_path)
+    (rc, out, err), (rc1, _, _) = run_ranks([llm_command(registered), dies], tmp_path, LLM_PTE_PARALLEL=parallel)
     assert rc1 == -signal.SIGKILL
     assert rc == 1 and out == ""
     assert "Error: rank 0 of 2 lost the other ranks ([ring] connection to a peer was lost): one of them ended" in err
