@@ -24,6 +24,11 @@ ARCHITECTURES = {
         "LlamaForCausalLM",
         dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
     ),
+    "llama-3kv": (  # heads, KV heads and MLP width that three ranks share (tensor parallel)
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_hidden_layers=2, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96),
+    ),
     "qwen3": (
         "Qwen3Config",
         "Qwen3ForCausalLM",
@@ -48,13 +53,9 @@ def build_config(arch: str, tied: bool = False):
     import transformers
 
     config_name, _, extra = ARCHITECTURES[arch]
-    return getattr(transformers, config_name)(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        **dict(dict(tie_word_embeddings=tied), **extra),
-    )
+    defaults = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, max_position_embeddings=512,
+                    tie_word_embeddings=tied)
+    return getattr(transformers, config_name)(**dict(defaults, **extra))
 
 
 def synthetic_batch(generator, batch: int, length: int):

@@ -64,6 +64,12 @@ def gemma3_bf16(exported):
     return exported("gemma3", trained=True, dtype="bf16")[1]
 
 
+@pytest.fixture(scope="module")
+def llama_3kv(exported):
+    """Three KV heads: a split over three ranks."""
+    return exported("llama-3kv", trained=True)[1]
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` consecutive free ports on 127.0.0.1 (``mlx.launch`` counts up from one)."""
     for _ in range(100):
@@ -205,17 +211,18 @@ def test_heads_the_ranks_cannot_share_are_refused(llama):
         plan_shards(program.graph("forward"), 3, [g.n_kv_heads for g in program.cache_geometry()])
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_4w", "qwen3", "gemma3_bf16"])
-def test_tensor_split_is_token_identical_and_holds_half_the_projections(model, request, tmp_path):
+@pytest.mark.parametrize("model, ranks", [("llama", 2), ("llama_4w", 2), ("qwen3", 2), ("gemma3_bf16", 2),
+                                         ("llama_3kv", 3)])
+def test_tensor_split_is_token_identical_and_holds_its_part_of_the_projections(model, ranks, request, tmp_path):
     pte = request.getfixturevalue(model)
     reference = run_whole(pte)
-    for rc, out, err in run_ranks([rank_script(pte)] * 2, tmp_path, LLM_PTE_PARALLEL="tensor"):
+    for rc, out, err in run_ranks([rank_script(pte)] * ranks, tmp_path, LLM_PTE_PARALLEL="tensor"):
         assert rc == 0, err
         got = json.loads(out)
         assert dict(got, read_bytes=None) == dict(reference, read_bytes=None)
-        if model in ("llama", "qwen3"):  # fp32, held as stored
+        if model in ("llama", "qwen3", "llama_3kv"):  # fp32, held as stored
             split = sum(split_weights(load_program(pte).graph("forward")).values())
-            assert got["read_bytes"] == reference["read_bytes"] - split // 2
+            assert got["read_bytes"] == reference["read_bytes"] - split + split // ranks
         else:
             assert got["read_bytes"] < reference["read_bytes"]
 
