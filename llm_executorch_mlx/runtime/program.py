@@ -356,9 +356,10 @@ class Program:
 
     # -- cache ----------------------------------------------------------------
 
-    def cache_geometry(self, windows=None) -> list[LayerGeometry]:
+    def cache_geometry(self, windows=None, tensor_ranks: int = 1) -> list[LayerGeometry]:
         """Per-layer cache geometry the file publishes, with an optional window
-        pattern (``"512"``, ``"512,0"``, ``0``...) replacing the model's own."""
+        pattern (``"512"``, ``"512,0"``, ``0``...) replacing the model's own;
+        each layer's KV heads shared by ``tensor_ranks`` tensor-parallel ranks."""
         m = self.metadata
         if m.has_offgraph_cache:
             heads_dims = list(zip(m.kv_heads, m.head_dims))
@@ -375,7 +376,7 @@ class Program:
                 "re-export with --use-offgraph-cache"
             )
         return [
-            LayerGeometry(heads, dim, pattern[i % len(pattern)])
+            LayerGeometry(heads // tensor_ranks, dim, pattern[i % len(pattern)])
             for i, (heads, dim) in enumerate(heads_dims)
         ]
 
@@ -404,8 +405,7 @@ class Program:
                 heads; the pools hold this rank's part.
         """
         m = self.metadata
-        layers = [LayerGeometry(g.n_kv_heads // tensor_ranks, g.head_dim, g.window)
-                  for g in self.cache_geometry(windows)]
+        layers = self.cache_geometry(windows, tensor_ranks)
         if capacity is None:
             capacity = m.max_context
         if capacity is None:
@@ -437,7 +437,7 @@ class Program:
         return cache
 
     def _check_cache(self, cache: SequenceCache, tensor_ranks: int) -> None:
-        want = [(g.n_kv_heads // tensor_ranks, g.head_dim) for g in self.cache_geometry()]
+        want = [(g.n_kv_heads, g.head_dim) for g in self.cache_geometry(tensor_ranks=tensor_ranks)]
         if [(g.n_kv_heads, g.head_dim) for g in cache.layers] != want:
             raise PteError(
                 "the cache's layer geometry does not match this program's; build it "

@@ -126,9 +126,10 @@ def plan_shards(graph: md.MLXGraphT, ranks: int, kv_heads: list[int]) -> Shards:
                        f"(LLM_PTE_PARALLEL=pipeline)")
     products = [i for i, name in enumerate(flow.names) if name in _PRODUCTS]
     columns, rows = [], []
-    ends = [min(_qkv(flow, a, layer)) for layer, a in enumerate(flow.attention)][1:] + [len(flow.names)]
+    heads = [_qkv(flow, a, layer) for layer, a in enumerate(flow.attention)]
+    ends = [min(qkv) for qkv in heads[1:]] + [len(flow.names)]  # a layer's MLP ends where the next one's q/k/v start
     for layer, (a, end) in enumerate(zip(flow.attention, ends)):
-        columns += _qkv(flow, a, layer)
+        columns += heads[layer]
         readers = [p for p in products if a < p < end and a in _upstream(flow, p)]
         if len(readers) != 1 or _upstream(flow, readers[0]) != {a}:
             raise PteError(f"layer {layer}'s attention output is not read by exactly one product (its output "
