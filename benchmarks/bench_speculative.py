@@ -67,6 +67,9 @@ class FixedAcceptance:
     def follow(self) -> None:
         self.drafter.follow()
 
+    def behind(self) -> int:
+        return self.drafter.behind()
+
     def propose(self, most: int) -> list[int]:
         self.drafter.propose(most)
         at = len(self.ids) - self.start

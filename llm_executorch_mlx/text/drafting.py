@@ -10,8 +10,9 @@ needs no second model, and costs a dictionary update per token.
 say next, which pays on any text the small model guesses well.
 
 Both take the ids seen so far (``extend``), read ahead what they will need
-while the model reads the prompt (``follow``) and propose up to a number of
-ids (``propose``); ``generate.speculate`` verifies them.
+while the model reads the prompt (``follow``), say how many seen ids a
+proposal would read first (``behind``) and propose up to a number of ids
+(``propose``); ``generate.speculate`` verifies them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class NgramDrafter:
 
     def follow(self) -> None:
         """Nothing to read ahead: ``extend`` indexes each id as it comes."""
+
+    def behind(self) -> int:
+        return 0
 
     def propose(self, most: int) -> list[int]:
         """Up to ``most`` ids that followed the longest suffix's latest
@@ -85,6 +89,7 @@ class ModelDrafter:
         self.vocab_size = vocab_size
         self.readable = readable
         self.chunk = chunk
+        self._read = 0  # ids seen when the draft last read what was seen (at most: the target may drop some)
 
     def extend(self, ids: list[int]) -> None:
         self.ids.extend(ids)
@@ -102,6 +107,12 @@ class ModelDrafter:
         forward.wait(state[-1])
         mx.eval(state)
         session.tokens = self.ids[:-1]
+        self._read = len(self.ids) - 1
+
+    def behind(self) -> int:
+        """About how many seen ids the next proposal reads first: those
+        since it last read (the target's kept proposals aside)."""
+        return len(self.ids) - self._read
 
     def _unfed(self) -> tuple[list[int] | None, int]:
         """(the ids the draft's cache lacks, how many it holds), after
@@ -133,4 +144,5 @@ class ModelDrafter:
         forward.wait(drafted[-1])
         drafted = mx.stack(drafted).tolist()
         session.tokens = self.ids + drafted[:-1]
+        self._read = len(self.ids)
         return drafted

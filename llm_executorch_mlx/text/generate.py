@@ -166,20 +166,31 @@ SHORTEST = 128  # decoding counted as at least this many plain steps, so misses 
 
 
 def worth_trying(per_step: float | None, free: bool, tried: bool, making: float, spent: float, gave: int,
-                 missed: float, elapsed: float) -> bool:
+                 risk: float, elapsed: float) -> bool:
     """Whether a step tries the drafter (``speculate`` names the seconds and
     counts). Before a plain step is timed: a ``free`` one always, another
     once (proposals all kept would never let a plain step be timed). After:
-    where what proposals cost beyond the plain steps they saved, and what
-    this try costs if it all misses (as the latest that did), stay within
-    ``BUDGET`` of the decoding time (at least ``SHORTEST`` plain steps),
-    and proposals took less than a plain step each to make (``making``, the
-    least they took; one that takes more saves less than it costs, kept or
-    not)."""
+    where what proposals cost beyond the plain steps they saved, and
+    ``risk``, what this try costs beyond a plain step if it all misses,
+    stay within ``BUDGET`` of the decoding time (at least ``SHORTEST``
+    plain steps), and proposals took less than a plain step each to make
+    (``making``, the least they took; one that takes more saves less than
+    it costs, kept or not)."""
     if per_step is None:
         return free or not tried
-    return (making < per_step
-            and spent - gave * per_step + max(0.0, missed - per_step) <= BUDGET * max(elapsed, SHORTEST * per_step))
+    return making < per_step and spent - gave * per_step + risk <= BUDGET * max(elapsed, SHORTEST * per_step)
+
+
+def miss_risk(missed: float, missed_behind: int, behind: int, per_step: float | None) -> float:
+    """What a try costs beyond a plain step if it all misses: what the
+    latest try that did cost beyond one (``missed`` seconds, reading
+    ``missed_behind`` seen ids first), grown as the ids this one reads
+    first (``behind``) outnumber those. A draft model reads every id it
+    missed before it proposes, so after a backoff a try costs more than
+    the try before it."""
+    if per_step is None:
+        return 0.0
+    return max(0.0, missed - per_step) * max(1.0, (behind + 1) / (missed_behind + 1))
 
 
 @dataclass
@@ -240,6 +251,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     read = None  # when the last token was read, if the step after it is plain
     spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
     missed = 0.0  # seconds the latest step whose proposals all missed took (it gave one token)
+    missed_behind = 0  # the seen ids its drafter read first
     # the least seconds proposals took to make, per proposal (0 until some
     # were): the least, since a draft model's may include reading what it missed
     making = 0.0
@@ -248,7 +260,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
         per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
         trying = fed and not idle and worth_trying(per_step, drafter.free, timings.drafted_tokens > 0, making,
-                                                   spent, gave, missed, clock() - t_first)
+                                                   spent, gave, miss_risk(missed, missed_behind, drafter.behind(),
+                                                                          per_step), clock() - t_first)
         # y's step is queued before y is read (the look-ahead) where y was
         # sampled on the device, unless a drafter that is not free tries now:
         # it always proposes, and y is fed with its proposals in one call,
@@ -278,6 +291,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if ahead else 2))
         started = clock()
+        behind = drafter.behind()
         draft = drafter.propose(room) if trying else []
         if draft:
             each_took = (clock() - started) / len(draft)
@@ -313,7 +327,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         kept = next((i for i, (d, c) in enumerate(zip(draft, chosen)) if d != c), len(draft))
         took = clock() - started
         spent, gave = spent + took, gave + kept + 1
-        missed = missed if kept else took
+        missed, missed_behind = (missed, missed_behind) if kept else (took, behind)
         position += kept
         # the kept proposals; a ring layer allows it, since one call writes
         # at most its max write (speculation.tokens + 1)
