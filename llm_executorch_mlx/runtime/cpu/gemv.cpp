@@ -93,13 +93,15 @@ constexpr int kDenseRows = 128;
 // accumulators to the stack on every step. With AVX-512's 32, 3 and 4 rows
 // of x take 6 weight rows (24 + 6 + 1: fewer loads an FMA than 4 x 4); with
 // the 16 of AVX2 and NEON, 3 (12 + 3 + 1, where 4 x 4 spills). Fewer rows of
-// x take 4.
+// x take 4, but one row (a decode step) takes all that fit, 8 (6 with 16
+// registers): a pass then reads that many weight rows at once, and more
+// reads in flight stream the weights from memory faster.
 template <int R>
 constexpr int kWeightRows =
 #if defined(__AVX512F__)
-    R >= 3 ? 6 : 4;
+    R >= 3 ? 6 : R == 2 ? 4 : 8;
 #else
-    R >= 3 ? 3 : 4;
+    R >= 3 ? 3 : R == 1 ? 6 : 4;
 #endif
 
 // The sums of R * C accumulators' lanes, row r's C into y + r * y_row: four at
@@ -138,8 +140,9 @@ inline void store_sums16(const __m512 (&a)[R][C], float* y, int64_t y_row) {
 // bf16 weight widens as it is loaded, once for all R rows: with one row that
 // halved the instructions per weight that made a bf16 decode compute-bound.
 // `next` (weight rows ahead, at the same stride) is prefetched on the first
-// pass over a chunk: its rows are too short for the hardware prefetcher to
-// ramp up.
+// pass over a chunk, into L2: its rows are too short for the hardware
+// prefetcher to ramp up, and lines asked into L1 that far ahead are pushed
+// out of it before they are read.
 template <int R, int C, typename T>
 int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* y, int64_t y_row,
                  const T* next = nullptr) {
@@ -150,7 +153,7 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* y,
     for (int i = 0; i < C; ++i) a[r][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K16; k += 16) {
     if (next) {
-      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k);
+      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k, 0, 2);
     }
     __m512 v[C];
     for (int i = 0; i < C; ++i) v[i] = load16(w + i * w_row + k);
@@ -166,7 +169,7 @@ int64_t dot_rows(const float* x, const T* w, int64_t w_row, int64_t K, float* y,
   f8 a[R][C] = {};
   for (int64_t k = 0; k < K8; k += 8) {
     if (next) {
-      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k);
+      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k, 0, 2);
     }
     f8 v[C];
     for (int i = 0; i < C; ++i) v[i] = load8(w + i * w_row + k);
@@ -201,7 +204,7 @@ int64_t dot_rows_bf16(const uint16_t* xb, const uint16_t* w, int64_t w_row, int6
     for (int i = 0; i < C; ++i) a[r][i] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K32; k += 32) {
     if (next) {
-      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k);
+      for (int i = 0; i < C; ++i) __builtin_prefetch(next + i * w_row + k, 0, 2);
     }
     __m512bh v[C];
     for (int i = 0; i < C; ++i) v[i] = (__m512bh)_mm512_loadu_si512(w + i * w_row + k);
@@ -513,13 +516,14 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
         xs = rounded.data();
       }
       Products task{each, {}, {}};
-      // one row of x: ~64k weights (256 KB of fp32) a chunk, whole groups of
-      // four rows: each chunk is a stream the hardware prefetcher must pick
+      // one row of x: ~64k weights (256 KB of fp32) a chunk, whole passes
+      // of its C rows: each chunk is a stream the hardware prefetcher must pick
       // up anew, so a chunk is as long as still leaves a few for each thread
       // in a 576-row product. More rows: 24 weight rows a chunk, which each
       // pass over x's rows finds in cache and whose next rows the first pass
       // prefetches; fewer rows a chunk would spend the passes on restarts.
-      const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(4, 65536 / std::max<int64_t>(K, 1) / 4 * 4);
+      constexpr int64_t one = kWeightRows<1>;
+      const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(one, 65536 / std::max<int64_t>(K, 1) / one * one);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
         task.each[i].xb = bf16_x ? xb.data() : nullptr;
