@@ -251,7 +251,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     read = None  # when the last token was read, if the step after it is plain
     spent, gave = 0.0, 0  # seconds the steps that verified proposals took, and the tokens they gave
     missed = 0.0  # seconds the latest step whose proposals all missed took (it gave one token)
-    missed_behind = 0  # the seen ids its drafter read first
+    missed_behind = 0  # the drafter's behind() at the top of that step
     # the least seconds proposals took to make, per proposal (0 until some
     # were): the least, since a draft model's may include reading what it missed
     making = 0.0
@@ -259,9 +259,10 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     while True:
         fed = produced + 1 < max_tokens and cache.can_extend(1)  # the next token is fed only if another follows
         per_step = plain / plain_steps if plain_steps else None  # unknown until a plain step follows one
+        behind = drafter.behind()  # as counted where the latest miss was (missed_behind)
         trying = fed and not idle and worth_trying(per_step, drafter.free, timings.drafted_tokens > 0, making,
-                                                   spent, gave, miss_risk(missed, missed_behind, drafter.behind(),
-                                                                          per_step), clock() - t_first)
+                                                   spent, gave, miss_risk(missed, missed_behind, behind, per_step),
+                                                   clock() - t_first)
         # y's step is queued before y is read (the look-ahead) where y was
         # sampled on the device, unless a drafter that is not free tries now:
         # it always proposes, and y is fed with its proposals in one call,
@@ -291,7 +292,6 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
         room = min(most, max_tokens - produced - 1,
                    cache.capacity - cache.length - (1 if ahead else 2))
         started = clock()
-        behind = drafter.behind()
         draft = drafter.propose(room) if trying else []
         if draft:
             each_took = (clock() - started) / len(draft)
