@@ -13,6 +13,13 @@ branches raise if reached; so these check our side of those paths (which
 ops, their arguments, masks, dtypes and casts) whole, through a model and
 through the plugin.
 
+A CUDA GPU also groups a decode step's linear layers with the ops around
+them into one kernel each (``interp/decode_blocks.py``); here the groups run
+as ``decode.MlxOps`` (the kernels' contract in MLX's ops), which checks the
+grouping: which nodes a group takes, which outputs it writes where, and that
+a prefill chunk takes each node's own route. The kernels themselves are
+checked against ``MlxOps`` on a GPU: ``benchmarks/gpu_decode_kernels.py``.
+
 What truly needs CUDA or Metal and is not run here: MLX's GPU kernels
 behind those same calls (its fused attention, RoPE and norm kernels, whose
 rounding differs from the CPU fallbacks run here), MLX's GPU scheduling
@@ -23,6 +30,7 @@ model on a GPU against mlx-lm on the same weights, its speed and how many
 greedy tokens the two share.
 """
 
+import collections
 import sys
 
 import llm
@@ -39,6 +47,7 @@ from test_parity import (BF16_REL_TOL, NEW_TOKENS, PROMPT_LEN, Q4_REL_TOL, asser
 from llm_executorch_mlx.runtime import dtypes, load_program
 from llm_executorch_mlx.runtime import plan as plan_module
 from llm_executorch_mlx.runtime.cpu import extension_ops, fastmath
+from llm_executorch_mlx.runtime.gpu import decode
 from llm_executorch_mlx.runtime.interp import fusion
 from llm_executorch_mlx.text import store
 
@@ -162,3 +171,40 @@ def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monk
     second.text()
     assert second.response_json["cache_path"] == "hit"
     assert calls["sdpa"] and calls["swiglu"]
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    """A CUDA GPU's decode blocks, run by MLX's ops here: how many of each
+    kind (weights, normed, epilogue, bits) the calls launched."""
+    launched = collections.Counter()
+
+    class Counting(decode.MlxOps):
+        def launcher(self, block):
+            inner = super().launcher(block)
+            kind = (len(block.weights), block.norm is not None, block.epilogue, block.weights[0].bits)
+
+            def launch(x, residual=None):
+                launched[kind] += 1
+                return inner(x, residual)
+
+            return launch
+
+    monkeypatch.setattr(decode, "for_device", Counting)
+    return launched
+
+
+@pytest.mark.parametrize("dtype,qlinear,bits", [("bf16", None, 0), ("fp32", "4w", 4)])
+def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, calls, blocks, dtype, qlinear, bits):
+    """Per layer and decode step: the input norm with q, k, v; the output
+    product with its residual add; the second norm with gate, up and SwiGLU;
+    the down product with its add. Prefill chunks run node by node."""
+    model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
+    tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="auto")
+    ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                           quantize=qlinear)
+    assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL if dtype == "bf16" else Q4_REL_TOL)
+    layers = load_program(pte).metadata.n_caches
+    assert blocks == {(3, True, "", bits): NEW_TOKENS * layers, (1, False, "add", bits): 2 * NEW_TOKENS * layers,
+                      (2, True, "swiglu", bits): NEW_TOKENS * layers}
+    assert calls.get("swiglu", 0) == -(-PROMPT_LEN // load_program(pte).metadata.prefill_chunk) * layers

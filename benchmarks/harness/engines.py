@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import sys
 from dataclasses import asdict
@@ -55,12 +56,13 @@ class Ours:
 
     def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours",
                  int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True,
-                 kv_value_dtype: str | None = None):
+                 kv_value_dtype: str | None = None, gpu_kernels: bool = True):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
         self.name = name
         self.route = compute
+        self.gpu_kernels = gpu_kernels  # False: a GPU's decode steps in MLX's ops alone (runtime/gpu/decode.py)
         self.program = load_program(pte, compute=compute, int8_activations=int8_activations,
                                     bf16_activations=bf16_activations)
         self.program.prepare_cpu_kernels()  # as the plugin does before a generation
@@ -109,7 +111,8 @@ class Ours:
         from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
         cache = self.new_cache()
-        forward = self.program.load_method("forward", cache=cache)
+        with _gpu_kernels(self.gpu_kernels):  # chosen when the method is loaded
+            forward = self.program.load_method("forward", cache=cache)
         self.last_timings = Timings()
         steps = generate_tokens(
             forward, cache, prompt, 0, self.program.metadata.prefill_chunk, self._greedy, new_tokens,
@@ -137,6 +140,22 @@ class Ours:
         steps = generate_tokens(forward, cache, history + chunk, len(history), meta.prefill_chunk, self._greedy,
                                 2, Timings())
         return timed((s.token for s in steps), len(chunk), mx.default_stream(mx.default_device()))
+
+
+@contextlib.contextmanager
+def _gpu_kernels(on: bool):
+    from llm_executorch_mlx.runtime.gpu.decode import KERNELS_FLAG
+
+    before = os.environ.get(KERNELS_FLAG)
+    if not on:
+        os.environ[KERNELS_FLAG] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KERNELS_FLAG, None)
+        else:
+            os.environ[KERNELS_FLAG] = before
 
 
 def load_mlx_lm(model_dir: pathlib.Path, dtype: str):

@@ -21,6 +21,10 @@ quantized KV    the extension's kernel      ``quantized_kv``'s, the
                                             history widened per layer
 RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
 SwiGLU          the extension's kernel      one compiled MLX kernel
+a decode step's the ops above               one kernel for a norm and the
+norm, products                              products reading it (SwiGLU
+and epilogues                               after), one for a product and
+                                            its residual add (CUDA)
 ==============  ==========================  ================================
 
 Without the extension (no compiler, ``LLM_PTE_CPU_KERNELS=0``) the CPU runs
@@ -39,6 +43,7 @@ import mlx.core as mx
 
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
+from .gpu import decode
 from .steps import PLAIN, Steps, helped
 
 if TYPE_CHECKING:
@@ -156,6 +161,13 @@ class Plan:
             return mx.fast.rms_norm
         fallback = fastmath.rms_norm(eps)
         return fallback if self.extension is None else extension_ops.rms_norm(self.extension, fallback)
+
+    @property
+    def decode_blocks(self):
+        """What runs a decode step's norm, products and epilogue as one
+        kernel (``interp/decode_blocks.py``): ``gpu/decode.py``'s CUDA
+        kernels on a CUDA GPU; None elsewhere (each node its own op)."""
+        return None if self.cpu else decode.for_device()
 
     def swiglu(self):
         """``silu(gate) * up``, as this device runs it."""

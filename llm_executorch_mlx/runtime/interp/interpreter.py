@@ -23,6 +23,7 @@ from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..plan import Plan
 from ..pte.graph import node_name, tensor_fields
+from .decode_blocks import plan_decode_block
 from .fusion import GROUP, plan_residual_add, plan_swiglu, try_fuse
 from .grouping import plan_group
 from .int32 import clamp_int32
@@ -301,6 +302,14 @@ def _head_pair(ctx, instructions, i, claimed):
     return None if found is None else Rewrite(found, 2)
 
 
+def _decode_block(ctx, instructions, i, claimed):
+    found = plan_decode_block(ctx, instructions, i, claimed)
+    if found is None:
+        return None
+    first_run, later = found
+    return Rewrite(("DecodeBlock", first_run), later={j: ("DecodeBlockPart", run) for j, run in later.items()})
+
+
 def _swiglu(ctx, instructions, i, claimed):
     found = plan_swiglu(ctx, instructions, i)
     if found is None:
@@ -326,11 +335,11 @@ def _shared_x_products(ctx, instructions, i, claimed):
 # ``(ctx, instructions, i, claimed) -> Rewrite | None``; the first that
 # applies wins. Runs of several nodes come first (an embedding's
 # quantized lookup, RoPE's seven nodes, a head split or merge), then
-# rewrites of one node that may claim later ones (SwiGLU's multiply, the
-# products that read the same x); a node an earlier rewrite claimed runs as
+# rewrites of one node that may claim later ones (a GPU's decode blocks,
+# SwiGLU's multiply, the products that read the same x); a node an earlier rewrite claimed runs as
 # claimed. None changes what the chain computes beyond rounding (fusion.py,
 # pairs.py, grouping.py say where).
-REWRITES = (_quantized_lookup, _rope, _head_pair, _swiglu, _residual_add, _shared_x_products)
+REWRITES = (_quantized_lookup, _rope, _head_pair, _decode_block, _swiglu, _residual_add, _shared_x_products)
 
 
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:

@@ -1,0 +1,154 @@
+"""The decode-step kernels (``runtime/gpu/decode.py``) against MLX's own ops, on a CUDA GPU.
+
+For each kind of block a decode step groups (an RMSNorm and the products
+reading it, with or without SwiGLU after; a product and its residual add),
+weights dense (fp32, fp16, bf16) or affine-quantized in MLX's layout (4 and 8
+bits, groups of 32, 64 and 128, packed by ``mx.quantize``), on odd and
+real-model shapes:
+
+- **agreement**: the kernel's outputs against the same block in MLX's ops
+  (``decode.MlxOps``: ``mx.fast.rms_norm``, ``matmul`` /
+  ``quantized_matmul``, the epilogue's ops), the largest difference relative
+  to the largest output, within each dtype's rounding;
+- **determinism**: two launches give the same bits;
+- **time** (``--time``): a decode step's four blocks at Llama-3.2-1B's shape,
+  each launched ``--iters`` times and evaluated at once (GPU time with the
+  host's encoding overlapped), and the bandwidth the weights' bytes imply.
+
+    python benchmarks/gpu_decode_kernels.py --time     # on the GPU machine, with mlx-cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import mlx.core as mx
+
+from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Weight, fits
+
+# largest |kernel - MLX| / largest |MLX output|: a few units in the last place of each dtype
+TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 2e-2}
+NAMES = {mx.float32: "fp32", mx.float16: "fp16", mx.bfloat16: "bf16"}
+
+
+def weight(rows: int, k: int, dtype, bits: int, group: int, key) -> Weight:
+    w = (mx.random.normal((rows, k), key=key) * 0.02).astype(dtype)
+    if not bits:
+        return Weight(w)
+    wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
+    return Weight(wq, scales, biases, bits, group)
+
+
+KINDS = ((0, 0), (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128))  # (bits, group); 0 bits: dense
+REAL, ODD = (2048, (2048, 512, 512)), (1536, (100, 36, 36))  # (K, rows): Llama-3.2-1B's q, k, v; odd rows
+
+
+def cases():
+    """``(name, dtype, bits, group, k, rows, norm, epilogue)``: every weight
+    kind in bf16 (a GPU's dtype for half-precision files) at a real and an
+    odd shape; fp16 and fp32 at the odd one."""
+    chosen = [(mx.bfloat16, kind, shape) for kind in KINDS for shape in (REAL, ODD)]
+    chosen += [(mx.float16, kind, ODD) for kind in ((0, 0), (4, 32))]
+    chosen += [(mx.float32, kind, ODD) for kind in ((0, 0), (8, 128))]
+    for dtype, (bits, group), (k, rows) in chosen:
+        label = f"{NAMES[dtype]} {f'q{bits}g{group}' if bits else 'dense'} K={k}"
+        yield f"{label} norm+{len(rows)}", dtype, bits, group, k, rows, True, ""
+        yield f"{label} norm+2+swiglu", dtype, bits, group, k, (rows[0],) * 2, True, "swiglu"
+        yield f"{label} 1+add", dtype, bits, group, k, rows[:1], False, "add"
+    yield "bf16 dense K=576 2 products", mx.bfloat16, 0, 0, 576, (192, 192), False, ""
+
+
+def check(args) -> list[dict]:
+    kernels, ops = CudaKernels(), MlxOps()
+    results = []
+    key = mx.random.key(args.seed)
+    for name, dtype, bits, group, k, rows, norm, epilogue in cases():
+        keys = mx.random.split(key, len(rows) + 4)
+        key = keys[0]
+        weights = tuple(weight(n, k, dtype, bits, group, keys[1 + i]) for i, n in enumerate(rows))
+        norm_weight = (1 + 0.1 * mx.random.normal((k,), key=keys[-3])).astype(dtype) if norm else None
+        block = Block(weights, (norm_weight, 1e-5) if norm else None, epilogue)
+        assert fits(block), name
+        x = mx.random.normal((1, 1, k), key=keys[-2]).astype(dtype)
+        residual = mx.random.normal((1, 1, rows[0]), key=keys[-1]).astype(dtype) if epilogue == "add" else None
+        ours = kernels.launcher(block)(x, residual)
+        again = kernels.launcher(block)(x, residual)
+        reference = ops.launcher(block)(x, residual)
+        mx.eval(ours, again, reference)
+        error = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in zip(ours, reference))
+        scale = max(float(mx.abs(b.astype(mx.float32)).max()) for b in reference)
+        same = all(bool(mx.array_equal(a, b)) for a, b in zip(ours, again))
+        shapes = all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(ours, reference))
+        ok = shapes and same and error <= TOLERANCE[dtype] * scale
+        results.append({"case": name, "relative_error": error / scale, "deterministic": same, "ok": ok})
+        print(f"{'ok  ' if ok else 'FAIL'} {name:40s} error/scale {error / scale:.2e}"
+              f"{'' if same else '  NOT DETERMINISTIC'}{'' if shapes else '  SHAPES DIFFER'}", flush=True)
+    return results
+
+
+def timing(args) -> list[dict]:
+    """A 1B decode step's blocks, ``iters`` launches then one evaluation."""
+    k, inter, q, kv = 2048, 8192, 2048, 512
+    out = []
+    for label, bits in (("bf16", 0), ("4-bit g32", 4)):
+        keys = mx.random.split(mx.random.key(1), 8)
+        mk = lambda rows, kk, i: weight(rows, kk, mx.bfloat16, bits, 32, keys[i])  # noqa: E731
+        blocks = {
+            "norm+q,k,v": (Block((mk(q, k, 0), mk(kv, k, 1), mk(kv, k, 2)), (mx.ones((k,), mx.bfloat16), 1e-5)), k),
+            "o+add": (Block((mk(k, q, 3),), None, "add"), q),
+            "norm+gate,up+swiglu": (Block((mk(inter, k, 4), mk(inter, k, 5)), (mx.ones((k,), mx.bfloat16), 1e-5),
+                                          "swiglu"), k),
+            "down+add": (Block((mk(k, inter, 6),), None, "add"), inter),
+        }
+        for name, (block, kk) in blocks.items():
+            x = mx.random.normal((1, 1, kk)).astype(mx.bfloat16)
+            residual = mx.random.normal((1, 1, block.rows)).astype(mx.bfloat16) if block.epilogue == "add" else None
+            nbytes = sum(w.w.nbytes + (w.scales.nbytes + w.biases.nbytes if w.bits else 0) for w in block.weights)
+            row = {"weights": label, "block": name, "bytes": nbytes}
+            for engine, runner in (("kernel", CudaKernels()), ("mlx_ops", MlxOps())):
+                launch = runner.launcher(block)
+                mx.eval(launch(x, residual))
+                best = float("inf")
+                for _ in range(args.reps):
+                    mx.synchronize()
+                    t0 = time.perf_counter()
+                    ys = [launch(x, residual) for _ in range(args.iters)]
+                    mx.eval(ys)
+                    mx.synchronize()
+                    best = min(best, (time.perf_counter() - t0) / args.iters)
+                row[f"{engine}_us"] = best * 1e6
+                row[f"{engine}_gbps"] = nbytes / best / 1e9
+            out.append(row)
+            print(f"{label:10s} {name:22s} {nbytes / 2**20:7.1f} MiB  kernel {row['kernel_us']:7.1f} us "
+                  f"({row['kernel_gbps']:6.0f} GB/s)  MLX ops {row['mlx_ops_us']:7.1f} us "
+                  f"({row['mlx_ops_gbps']:6.0f} GB/s)", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--time", action="store_true", help="also time a 1B decode step's blocks")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if not mx.cuda.is_available():
+        print("gpu_decode_kernels.py needs MLX on a CUDA GPU (mlx[cuda12] or mlx[cuda13])", file=sys.stderr)
+        return 2
+    results = {"mlx": mx.__version__, "device": str(mx.default_device()), "checks": check(args)}
+    if args.time:
+        results["timing"] = timing(args)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(results, fh, indent=1)
+    failed = [r["case"] for r in results["checks"] if not r["ok"]]
+    print(f"{len(results['checks']) - len(failed)} of {len(results['checks'])} cases agree with MLX's ops")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

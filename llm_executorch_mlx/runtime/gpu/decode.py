@@ -1,0 +1,321 @@
+"""A decode step's linear layers as one kernel each, on a CUDA GPU.
+
+A decode step on a GPU is bound by the host: every MLX op costs the host
+time to build and to encode whatever the GPU then does with it. One row of
+``x`` against a layer's weights is a GEMV, and the ops around it are cheap
+element-wise work on that row, so one kernel can take them along:
+
+- ``norm``: RMSNorm of ``x`` first (the layer's input norm), each block
+  normalising its own copy of ``x`` in shared memory;
+- several weights that read the same ``x`` (q, k and v; gate and up), each
+  with its own output;
+- an epilogue: the residual add after a product, or SwiGLU over the gate
+  and up products (one output, ``silu(gate) * up``).
+
+Weights are dense (``x``'s dtype) or MLX's affine 4/8-bit layout as the file
+stores it (``uint32`` words, low bits first; scales and biases per group).
+Rounding follows the MLX ops replaced: the norm as ``mx.fast.rms_norm``
+rounds it, each product summed in fp32 and rounded to ``x``'s dtype, then
+each epilogue op rounded as MLX's would be.
+
+``MlxOps`` is the same contract written with MLX's own ops: what the rewrite
+(``interp/decode_blocks.py``) runs where no kernel applies in tests, and the
+reference the device check (``benchmarks/gpu_decode_kernels.py``) compares
+the kernel with.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+WARPS = 8  # warps a block: one output row each
+SHARED_BYTES = 40 * 1024  # most of x a block stages (the static shared-memory limit is 48 KiB)
+DENSE = (mx.float32, mx.float16, mx.bfloat16)
+BITS = (4, 8)
+GROUPS = (32, 64, 128)
+
+_HEADER = r"""
+__device__ inline float warp_sum(float v) {
+  #pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// One row of a dense weight against x (K values in shared memory).
+template <typename T, int K>
+__device__ inline float dot_dense(const T* w, const T* xs, int lane) {
+  constexpr int V = 16 / sizeof(T);  // values a 16-byte load brings
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  float acc = 0.f;
+  #pragma unroll 4
+  for (int v = lane; v < K / V; v += 32) {
+    uint4 packed = wv[v];
+    const T* wp = reinterpret_cast<const T*>(&packed);
+    #pragma unroll
+    for (int j = 0; j < V; ++j) acc += static_cast<float>(wp[j]) * static_cast<float>(xs[v * V + j]);
+  }
+  return warp_sum(acc);
+}
+
+// One row of an affine-quantized weight (MLX's layout) against x.
+template <typename T, typename S, int K, int BITS, int GROUP>
+__device__ inline float dot_quantized(const uint32_t* w, const S* scales, const S* biases, const T* xs, int lane) {
+  constexpr int V = 128 / BITS;  // values a 16-byte load brings, all in one group
+  constexpr int PER = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  float acc = 0.f;
+  #pragma unroll 2
+  for (int v = lane; v < K / V; v += 32) {
+    uint4 packed = wv[v];
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+    const int k0 = v * V;
+    float qx = 0.f, sx = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      #pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const float xv = static_cast<float>(xs[k0 + i * PER + j]);
+        qx += static_cast<float>((words[i] >> (BITS * j)) & MASK) * xv;
+        sx += xv;
+      }
+    }
+    const int g = k0 / GROUP;
+    acc += static_cast<float>(scales[g]) * qx + static_cast<float>(biases[g]) * sx;
+  }
+  return warp_sum(acc);
+}
+
+template <typename T>
+__device__ inline T round_to(float v) { return static_cast<T>(v); }
+"""
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One linear layer's weight, ``[N, K]`` as the layer multiplies it:
+    dense (``scales`` None) or affine-quantized in MLX's layout."""
+
+    w: mx.array
+    scales: mx.array | None = None
+    biases: mx.array | None = None
+    bits: int = 0
+    group: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.w.shape[0]
+
+    @property
+    def k(self) -> int:
+        return self.w.shape[1] * 32 // self.bits if self.bits else self.w.shape[1]
+
+
+@dataclass(frozen=True)
+class Block:
+    """What one kernel computes from one row of ``x``: the products with
+    ``weights`` (all of one kind, ``K`` columns), after RMSNorm with
+    ``norm`` (its weight and eps) if given, then ``epilogue``: "" (each
+    product its own output), "add" (the one product plus a residual) or
+    "swiglu" (``silu(first) * second``, one output)."""
+
+    weights: tuple[Weight, ...]
+    norm: tuple[mx.array | None, float] | None = None
+    epilogue: str = ""
+
+    @property
+    def rows(self) -> int:
+        """The rows of the first output."""
+        return self.weights[0].rows
+
+    def takes(self, x: mx.array) -> bool:
+        """Whether the kernel takes this ``x``: one row of ``K`` values, in
+        the dense weights' dtype."""
+        first = self.weights[0]
+        return x.size == first.k and x.dtype in DENSE and (first.bits or first.w.dtype == x.dtype)
+
+
+def fits(block: Block) -> bool:
+    """Whether the kernel can run ``block`` at all (shapes, dtypes, layout);
+    checked once at load."""
+    first = block.weights[0]
+    k = first.k
+    if any(w.k != k or w.bits != first.bits or w.group != first.group for w in block.weights):
+        return False
+    if first.bits:
+        quantized = all(w.scales is not None and w.biases is not None and w.scales.dtype in DENSE
+                        and w.biases.dtype == w.scales.dtype and w.w.dtype == mx.uint32 for w in block.weights)
+        if not quantized or first.bits not in BITS or first.group not in GROUPS or k % first.group:
+            return False
+        step = 128 // first.bits
+    else:
+        if any(w.w.dtype != first.w.dtype or w.w.dtype not in DENSE or w.w.ndim != 2 for w in block.weights):
+            return False
+        step = 16 // first.w.dtype.size
+    if k == 0 or k % step or k * 4 > SHARED_BYTES:
+        return False
+    if block.epilogue == "swiglu":
+        return len(block.weights) == 2 and block.weights[0].rows == block.weights[1].rows
+    if block.epilogue == "add":
+        return len(block.weights) == 1
+    return 1 <= len(block.weights) <= 3
+
+
+class MlxOps:
+    """``Block``s with MLX's own ops (the contract, op by op)."""
+
+    def launcher(self, block: Block):
+        """``launch(x, residual=None) -> outputs`` for ``block``."""
+
+        def launch(x, residual=None):
+            if block.norm is not None:
+                weight, eps = block.norm
+                x = mx.fast.rms_norm(x, weight, eps)
+            ys = [_product(x, w) for w in block.weights]
+            if block.epilogue == "add":
+                return [ys[0] + residual]
+            if block.epilogue == "swiglu":
+                gate, up = ys
+                return [gate * mx.sigmoid(gate) * up]
+            return ys
+
+        return launch
+
+
+def _product(x, w: Weight):
+    if w.bits:
+        return mx.quantized_matmul(x, w.w, w.scales, w.biases, True, w.group, w.bits)
+    return x @ w.w.T
+
+
+class CudaKernels:
+    """``Block``s as one custom CUDA kernel each (``mx.fast.cuda_kernel``),
+    compiled by MLX at first use, one per shape and dtype."""
+
+    def launcher(self, block: Block):
+        """``launch(x, residual=None) -> outputs`` for ``block``: all but
+        ``x`` and the residual resolved here, once."""
+        first = block.weights[0]
+        weights = []
+        if block.norm is not None and block.norm[0] is not None:
+            weights.append(block.norm[0])
+        for w in block.weights:
+            weights += [w.w] if not w.bits else [w.w, w.scales, w.biases]
+        kernel, rows = _kernel(_signature(block))
+        width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
+        grid, threads = (-(-rows // WARPS) * WARPS * 32, 1, 1), (WARPS * 32, 1, 1)
+        scale_type = [("S", first.scales.dtype)] if first.bits else []
+
+        def launch(x, residual=None):
+            lead = x.shape[:-1]
+            return kernel(inputs=[x, *weights] if residual is None else [x, *weights, residual],
+                          template=[("T", x.dtype), *scale_type],
+                          output_shapes=[(*lead, n) for n in width], output_dtypes=[x.dtype] * len(width),
+                          grid=grid, threadgroup=threads)
+
+        return launch
+
+
+def _signature(block: Block) -> tuple:
+    first = block.weights[0]
+    norm = None if block.norm is None else (block.norm[0] is not None, float(block.norm[1]))
+    return (tuple(w.rows for w in block.weights), first.k, first.bits, first.group, norm, block.epilogue)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(signature: tuple):
+    """The kernel object for one block signature, and its output rows."""
+    rows, k, bits, group, norm, epilogue = signature
+    names = ["x"] + (["norm_w"] if norm and norm[0] else [])
+    for i in range(len(rows)):
+        names += [f"w{i}"] if not bits else [f"w{i}", f"s{i}", f"b{i}"]
+    if epilogue == "add":
+        names.append("residual")
+    outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
+    total = rows[0] if epilogue == "swiglu" else sum(rows)
+    source = _source(rows, k, bits, group, norm, epilogue)
+    kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
+                                 input_names=names, output_names=outputs, source=source, header=_HEADER)
+    return kernel, total
+
+
+def _source(rows, k, bits, group, norm, epilogue) -> str:
+    n = len(rows)
+    lines = [
+        f"constexpr int K = {k};",
+        f"constexpr int WARPS = {WARPS};",
+        "__shared__ alignas(16) unsigned char staged[K * sizeof(T)];",
+        "T* xs = reinterpret_cast<T*>(staged);",
+        "__shared__ float partial[WARPS];",
+        "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
+    ]
+    if norm is not None:
+        has_weight, eps = norm
+        scaled = "static_cast<float>(norm_w[k]) * " if has_weight else ""
+        lines += [
+            "float squares = 0.f;",
+            "for (int k = tid; k < K; k += blockDim.x) { const float v = static_cast<float>(x[k]); squares += v * v; }",
+            "squares = warp_sum(squares);",
+            "if (lane == 0) partial[warp] = squares;",
+            "__syncthreads();",
+            "if (warp == 0) { float t = lane < WARPS ? partial[lane] : 0.f; t = warp_sum(t);"
+            " if (lane == 0) partial[0] = t; }",
+            "__syncthreads();",
+            f"const float inv = rsqrtf(partial[0] / K + {eps!r}f);",
+            "for (int k = tid; k < K; k += blockDim.x)",
+            f"  xs[k] = round_to<T>({scaled}static_cast<float>(round_to<T>(static_cast<float>(x[k]) * inv)));",
+        ]
+    else:
+        lines.append("for (int k = tid; k < K; k += blockDim.x) xs[k] = x[k];")
+    lines.append("__syncthreads();")
+    total = rows[0] if epilogue == "swiglu" else sum(rows)
+    lines += [f"const int r = blockIdx.x * WARPS + warp;", f"if (r >= {total}) return;"]
+
+    def dot(i, row):
+        if bits:
+            per_row, groups = k * bits // 32, k // group
+            return (f"dot_quantized<T, S, K, {bits}, {group}>(w{i} + size_t({row}) * {per_row}, "
+                    f"s{i} + size_t({row}) * {groups}, b{i} + size_t({row}) * {groups}, xs, lane)")
+        return f"dot_dense<T, K>(w{i} + size_t({row}) * K, xs, lane)"
+
+    if epilogue == "swiglu":
+        lines += [
+            f"const float gate = static_cast<float>(round_to<T>({dot(0, 'r')}));",
+            f"const float up = static_cast<float>(round_to<T>({dot(1, 'r')}));",
+            "const float s = static_cast<float>(round_to<T>(1.f / (1.f + expf(-gate))));",
+            "if (lane == 0) out0[r] = round_to<T>(static_cast<float>(round_to<T>(gate * s)) * up);",
+        ]
+    elif epilogue == "add":
+        lines += [
+            f"const float y = static_cast<float>(round_to<T>({dot(0, 'r')}));",
+            "if (lane == 0) out0[r] = round_to<T>(y + static_cast<float>(residual[r]));",
+        ]
+    else:
+        start = 0
+        for i in range(n):
+            cond = "if" if i == 0 else "else if"
+            lines += [
+                f"{cond} (r < {start + rows[i]}) {{",
+                f"  const float y = {dot(i, f'(r - {start})')};",
+                f"  if (lane == 0) out{i}[r - {start}] = round_to<T>(y);",
+                "}",
+            ]
+            start += rows[i]
+    return "\n".join(lines)
+
+
+KERNELS_FLAG = "LLM_PTE_GPU_KERNELS"  # "0": MLX's ops only, as on a GPU without these kernels
+
+
+def for_device():
+    """What runs ``Block``s on this GPU: the CUDA kernels where MLX runs on
+    a CUDA GPU (unless ``LLM_PTE_GPU_KERNELS=0``), else None: each node its
+    own MLX op. Apple GPUs: none yet (``mx.fast.metal_kernel`` has the same
+    shape; not ported)."""
+    if os.environ.get(KERNELS_FLAG, "1") == "0" or not mx.cuda.is_available():
+        return None
+    return CudaKernels()

@@ -1,0 +1,244 @@
+"""Load-time grouping of a decode step's linear layers with the ops around
+them, each group one kernel where the plan has them (``plan.decode_blocks``:
+``gpu/decode.py``'s CUDA kernels).
+
+A Llama layer, as exported, is on a GPU about twenty MLX ops for one token,
+and a step there costs the host's time per op, not the weights' reads. Two
+patterns cover its four products:
+
+- **an RMSNorm and the products that read its output**: the input norm with
+  q, k and v, the post-attention norm with gate and up. When those two
+  products feed ``silu(gate) * up`` and nothing else reads the parts, the
+  kernel ends in SwiGLU and writes the multiply's output.
+- **a product whose one reader is a residual add**: the attention output's
+  and the MLP's down product.
+
+The group's first node decides, each call, from the row it gets: one row
+the kernel takes runs the whole group there, and each later node of the
+group hands on its part (or does nothing: the parts only the group read);
+anything else (a prefill chunk, an ``x`` of another dtype) runs every node's
+own route, as without grouping. Nothing the program reads after the group is
+left unwritten, so the rewrite changes the numbers only by rounding, as the
+kernel's contract says (``gpu/decode.py``).
+
+Weights must be constants (a dense product's ``mat2`` the transpose of one,
+a quantized one's operands constant slots, at most filled by the init
+chain); the kernel's own limits (``decode.fits``) are checked at the first
+call, when the init chain has filled them.
+"""
+
+from __future__ import annotations
+
+from ..gpu.decode import Block, Weight, fits
+from ..pte.graph import node_name, tensor_fields
+from .fusion import kept_slots, plan_swiglu
+from .grouping import _dense_weight
+from .ops.shape import text
+from .ops.table import BUILDERS
+
+PRODUCTS = ("AddmmNode", "QuantizedMatmulNode")
+WINDOW = 12  # nodes after the norm a product may be (q, k, v and their views; gate, up)
+_OPAQUE = ("IfNode", "ScanNode")  # sub-chains may read anything
+
+
+def plan_decode_block(ctx, instructions: list, i: int, claimed) -> tuple | None:
+    """``(first_run, {j: later_run})`` for a group starting at ``i``, or None."""
+    runner = ctx.plan.decode_blocks
+    if runner is None:
+        return None
+    name = node_name(instructions[i])
+    try:
+        if name == "RMSNormNode":
+            return _norm_block(ctx, runner, instructions, i, claimed)
+        if name in PRODUCTS:
+            return _product_add(ctx, runner, instructions, i, claimed)
+    except (AttributeError, TypeError):
+        return None  # malformed: each node's own builder reports it
+    return None
+
+
+def _readers(instructions: list, start: int, slot: int, kept: set[int]) -> list[int] | None:
+    """The nodes after ``start`` that read ``slot`` before it is written
+    again; None if a sub-chain may read it or the caller does."""
+    found = []
+    for j in range(start + 1, len(instructions)):
+        if node_name(instructions[j]) in _OPAQUE:
+            return None
+        reads, writes = tensor_fields(instructions[j].op)
+        if slot in reads:
+            found.append(j)
+        if slot in writes:
+            return found
+    return None if slot in kept else found
+
+
+def _written_between(instructions: list, start: int, end: int, slot: int) -> bool:
+    return any(slot in tensor_fields(instructions[j].op)[1] for j in range(start + 1, end))
+
+
+def _weight(ctx, instructions: list, j: int):
+    """``(x slot, read(f) -> Weight)`` for a product node whose weight is
+    constant, else None."""
+    name, op = node_name(instructions[j]), instructions[j].op
+    if name == "AddmmNode":
+        if op.bias is not None or float(op.alpha) != 1.0:
+            return None
+        view = _dense_weight(ctx, instructions, j, op)  # [K, N]: the constant's transpose
+        if view is None:
+            return None
+        w = view.T
+        return op.mat1.idx, lambda f: Weight(w)
+    if not op.transpose or op.biases is None or text(op.mode) not in ("", "affine"):
+        return None
+    if ctx.fixed_constant(op.w.idx) is None or any(s.idx >= ctx.num_constants for s in (op.scales, op.biases)):
+        return None
+    w, s, b, bits, group = op.w.idx, op.scales.idx, op.biases.idx, op.bits, op.groupSize
+    return op.x.idx, lambda f: Weight(f[w], f[s], f[b], bits, group)
+
+
+def _own(ctx, instructions: list, j: int):
+    """Node ``j``'s own run, as the chain would build it."""
+    instr = instructions[j]
+    name = node_name(instr)
+    outer, ctx.current_node = ctx.current_node, name
+    try:
+        return BUILDERS[name](instr.op, ctx)
+    finally:
+        ctx.current_node = outer
+
+
+def _norm_block(ctx, runner, instructions, i, claimed):
+    norm = instructions[i].op
+    x, out, eps = norm.x.idx, norm.out.idx, float(norm.eps)
+    nw = None if norm.weight is None else norm.weight.idx
+    if nw is not None and nw >= ctx.num_constants:
+        return None
+    kept = kept_slots(ctx)
+    members = _readers(instructions, i, out, kept)
+    if not members or any(j in claimed or j > i + WINDOW for j in members):
+        return None
+    weights = [_weight(ctx, instructions, j) for j in members]
+    if any(w is None or w[0] != out for w in weights) or len(members) > 3:
+        return None
+    outs = [instructions[j].op.out.idx for j in members]
+    if kept & set(outs):
+        return None  # the LM head keeps its own route (its last-row variant)
+    swiglu = _swiglu_after(ctx, instructions, members, outs, kept, claimed) if len(members) == 2 else None
+    epilogue = "swiglu" if swiglu else ""
+    reads = [w[1] for w in weights]
+    own_norm = _own(ctx, instructions, i)
+    own = {j: _own(ctx, instructions, j) for j in members}
+    stashes = [ctx.scratch_slot() for _ in ([epilogue] if swiglu else members)]
+    fused = ctx.scratch_slot()
+    made = []
+
+    def block(f):
+        if not made:
+            b = Block(tuple(read(f) for read in reads), (None if nw is None else f[nw], eps), epilogue)
+            made.append((b, runner.launcher(b)) if fits(b) else (None, None))
+        return made[0]
+
+    def first(f):
+        xs = f[x]
+        b, launch = block(f)
+        if b is None or not b.takes(xs):
+            f[fused] = False
+            own_norm(f)
+            return
+        f[fused] = True
+        for slot, y in zip(stashes, launch(xs)):
+            f[slot] = y
+
+    if swiglu:
+        silu, multiply, silu_run, multiply_run = swiglu
+        later = {j: _unless_fused(fused, own[j]) for j in members}
+        later[silu] = _unless_fused(fused, silu_run)
+        later[multiply] = _hand_on(fused, stashes[0], instructions[multiply].op.out.idx, multiply_run)
+    else:
+        later = {j: _hand_on(fused, stash, o, own[j]) for j, stash, o in zip(members, stashes, outs)}
+    return first, later
+
+
+def _swiglu_after(ctx, instructions, members, outs, kept, claimed):
+    """``(silu, multiply, silu_run, multiply_run)`` when the two products'
+    outputs feed ``silu(a) * b`` alone (``fusion.plan_swiglu``'s pattern),
+    else None."""
+    for a, b in ((0, 1), (1, 0)):
+        readers = _readers(instructions, members[a], outs[a], kept)
+        if not readers or len(readers) != 1 or node_name(instructions[readers[0]]) != "SiluNode":
+            continue
+        silu = readers[0]
+        found = plan_swiglu(ctx, instructions, silu)
+        if found is None:
+            return None
+        silu_run, multiply, multiply_run = found
+        mul = instructions[multiply].op
+        if {mul.a.idx, mul.b.idx} != {instructions[silu].op.out.idx, outs[b]}:
+            return None
+        if _readers(instructions, members[b], outs[b], kept) != [multiply] or {silu, multiply} & claimed.keys():
+            return None
+        return silu, multiply, silu_run, multiply_run
+    return None
+
+
+def _product_add(ctx, runner, instructions, i, claimed):
+    weight = _weight(ctx, instructions, i)
+    if weight is None:
+        return None
+    x, read = weight
+    out = instructions[i].op.out.idx
+    readers = _readers(instructions, i, out, kept_slots(ctx))
+    if not readers or len(readers) != 1 or readers[0] in claimed:
+        return None
+    a = readers[0]
+    add = instructions[a].op
+    if node_name(instructions[a]) != "AddNode" or add.a.idx == add.b.idx or out not in (add.a.idx, add.b.idx):
+        return None
+    residual = add.b.idx if add.a.idx == out else add.a.idx
+    if _written_between(instructions, i - 1, a, residual):
+        return None  # the residual must hold its value from the product on
+    own_product, own_add = _own(ctx, instructions, i), _own(ctx, instructions, a)
+    stash = ctx.scratch_slot()
+    made = []
+
+    def block(f):
+        if not made:
+            b = Block((read(f),), None, "add")
+            made.append((b, runner.launcher(b)) if fits(b) else (None, None))
+        return made[0]
+
+    def first(f):
+        xs, r = f[x], f[residual]
+        b, launch = block(f)
+        if b is None or not b.takes(xs) or r is None or r.dtype != xs.dtype or r.shape != (*xs.shape[:-1], b.rows):
+            f[stash] = None
+            own_product(f)
+            return
+        f[stash] = launch(xs, r)[0]
+
+    def add_run(f):
+        y = f[stash]
+        if y is None:
+            own_add(f)
+        else:
+            f[add.out.idx], f[stash] = y, None
+
+    return first, {a: add_run}
+
+
+def _unless_fused(fused: int, own):
+    def run(f):
+        if not f[fused]:
+            own(f)
+
+    return run
+
+
+def _hand_on(fused: int, stash: int, out: int, own):
+    def run(f):
+        if f[fused]:
+            f[out], f[stash] = f[stash], None
+        else:
+            own(f)
+
+    return run
