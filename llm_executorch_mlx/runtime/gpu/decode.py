@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 WARPS = 8  # warps a block: one output row each
-SHARED_BYTES = 40 * 1024  # most of x a block stages (the static shared-memory limit is 48 KiB)
+SHARED_BYTES = 46 * 1024  # most a block stages of x (the static shared-memory limit is 48 KiB)
 DENSE = (mx.float32, mx.float16, mx.bfloat16)
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
@@ -61,33 +61,50 @@ __device__ inline float dot_dense(const T* w, const T* xs, int lane) {
   return warp_sum(acc);
 }
 
-// One row of an affine-quantized weight (MLX's layout) against x.
-template <typename T, typename S, int K, int BITS, int GROUP>
-__device__ inline float dot_quantized(const uint32_t* w, const S* scales, const S* biases, const T* xs, int lane) {
-  constexpr int V = 128 / BITS;  // values a 16-byte load brings, all in one group
-  constexpr int PER = 32 / BITS;
-  constexpr uint32_t MASK = (1u << BITS) - 1u;
+// An affine-quantized value as a float without an integer conversion:
+// 2^23 + q has q in its low mantissa bits.
+template <int BITS>
+__device__ inline float unpack(uint32_t word, int j) {
+  return __uint_as_float(0x4B000000u | ((word >> (BITS * j)) & ((1u << BITS) - 1u))) - 8388608.f;
+}
+
+// One row of an affine-quantized weight (MLX's layout) against x, staged as
+// floats in chunks of the V values a lane's 16-byte load brings, each chunk
+// padded by 4 floats (lanes' chunks then start in different banks), with
+// each chunk's sum in xsum.
+template <typename S, int K, int BITS, int GROUP>
+__device__ inline float dot_quantized(const uint32_t* w, const S* scales, const S* biases, const float* xs,
+                                      const float* xsum, int lane) {
+  constexpr int V = 128 / BITS, PER = 32 / BITS;
   const uint4* wv = reinterpret_cast<const uint4*>(w);
   float acc = 0.f;
   #pragma unroll 2
   for (int v = lane; v < K / V; v += 32) {
-    uint4 packed = wv[v];
+    const uint4 packed = wv[v];
     const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-    const int k0 = v * V;
-    float qx = 0.f, sx = 0.f;
+    const float4* x4 = reinterpret_cast<const float4*>(xs + v * (V + 4));
+    float qx = 0.f;
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       #pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const float xv = static_cast<float>(xs[k0 + i * PER + j]);
-        qx += static_cast<float>((words[i] >> (BITS * j)) & MASK) * xv;
-        sx += xv;
+      for (int j = 0; j < PER; j += 4) {
+        const float4 xv = x4[(i * PER + j) / 4];
+        qx += unpack<BITS>(words[i], j) * xv.x + unpack<BITS>(words[i], j + 1) * xv.y
+            + unpack<BITS>(words[i], j + 2) * xv.z + unpack<BITS>(words[i], j + 3) * xv.w;
       }
     }
-    const int g = k0 / GROUP;
-    acc += static_cast<float>(scales[g]) * qx + static_cast<float>(biases[g]) * sx;
+    const int g = v * V / GROUP;
+    acc += static_cast<float>(scales[g]) * qx + static_cast<float>(biases[g]) * xsum[v];
   }
   return warp_sum(acc);
+}
+
+// Start a warp's weight row on its way to L2 while the block stages x.
+template <int BYTES>
+__device__ inline void prefetch_row(const void* row, int lane) {
+  const char* p = static_cast<const char*>(row);
+  #pragma unroll
+  for (int o = lane * 128; o < BYTES; o += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 }
 
 template <typename T>
@@ -152,11 +169,13 @@ def fits(block: Block) -> bool:
         if not quantized or first.bits not in BITS or first.group not in GROUPS or k % first.group:
             return False
         step = 128 // first.bits
+        staged = (k + k // step * 4 + k // step) * 4  # padded floats and chunk sums (dot_quantized)
     else:
         if any(w.w.dtype != first.w.dtype or w.w.dtype not in DENSE or w.w.ndim != 2 for w in block.weights):
             return False
         step = 16 // first.w.dtype.size
-    if k == 0 or k % step or k * 4 > SHARED_BYTES:
+        staged = k * 4  # in x's dtype, fp32 at most
+    if k == 0 or k % step or staged > SHARED_BYTES:
         return False
     if block.epilogue == "swiglu":
         return len(block.weights) == 2 and block.weights[0].rows == block.weights[1].rows
@@ -245,14 +264,30 @@ def _kernel(signature: tuple):
 
 def _source(rows, k, bits, group, norm, epilogue) -> str:
     n = len(rows)
+    # x as the products read it: in T for dense weights; for quantized ones as
+    # floats in padded chunks, with each chunk's sum (dot_quantized)
+    chunk = 128 // bits if bits else 0
     lines = [
         f"constexpr int K = {k};",
         f"constexpr int WARPS = {WARPS};",
-        "__shared__ alignas(16) unsigned char staged[K * sizeof(T)];",
-        "T* xs = reinterpret_cast<T*>(staged);",
         "__shared__ float partial[WARPS];",
         "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
+        "const int r = blockIdx.x * WARPS + warp;",
     ]
+    lines += _prefetch(rows, k, bits, group, epilogue)
+    if bits:
+        lines += [
+            f"constexpr int V = {chunk};",
+            "__shared__ alignas(16) float xs[K + K / V * 4];",
+            "__shared__ float xsum[K / V];",
+            "#define STAGE(k, value) xs[(k) + (k) / V * 4] = static_cast<float>(round_to<T>(value))",
+        ]
+    else:
+        lines += [
+            "__shared__ alignas(16) unsigned char staged[K * sizeof(T)];",
+            "T* xs = reinterpret_cast<T*>(staged);",
+            "#define STAGE(k, value) xs[k] = round_to<T>(value)",
+        ]
     if norm is not None:
         has_weight, eps = norm
         scaled = "static_cast<float>(norm_w[k]) * " if has_weight else ""
@@ -267,19 +302,28 @@ def _source(rows, k, bits, group, norm, epilogue) -> str:
             "__syncthreads();",
             f"const float inv = rsqrtf(partial[0] / K + {eps!r}f);",
             "for (int k = tid; k < K; k += blockDim.x)",
-            f"  xs[k] = round_to<T>({scaled}static_cast<float>(round_to<T>(static_cast<float>(x[k]) * inv)));",
+            f"  STAGE(k, {scaled}static_cast<float>(round_to<T>(static_cast<float>(x[k]) * inv)));",
         ]
     else:
-        lines.append("for (int k = tid; k < K; k += blockDim.x) xs[k] = x[k];")
+        lines.append("for (int k = tid; k < K; k += blockDim.x) STAGE(k, static_cast<float>(x[k]));")
     lines.append("__syncthreads();")
+    if bits:
+        lines += [
+            "for (int c = tid; c < K / V; c += blockDim.x) {",
+            "  float t = 0.f;",
+            "  for (int j = 0; j < V; ++j) t += xs[c * (V + 4) + j];",
+            "  xsum[c] = t;",
+            "}",
+            "__syncthreads();",
+        ]
     total = rows[0] if epilogue == "swiglu" else sum(rows)
-    lines += [f"const int r = blockIdx.x * WARPS + warp;", f"if (r >= {total}) return;"]
+    lines.append(f"if (r >= {total}) return;")
 
     def dot(i, row):
         if bits:
             per_row, groups = k * bits // 32, k // group
-            return (f"dot_quantized<T, S, K, {bits}, {group}>(w{i} + size_t({row}) * {per_row}, "
-                    f"s{i} + size_t({row}) * {groups}, b{i} + size_t({row}) * {groups}, xs, lane)")
+            return (f"dot_quantized<S, K, {bits}, {group}>(w{i} + size_t({row}) * {per_row}, "
+                    f"s{i} + size_t({row}) * {groups}, b{i} + size_t({row}) * {groups}, xs, xsum, lane)")
         return f"dot_dense<T, K>(w{i} + size_t({row}) * K, xs, lane)"
 
     if epilogue == "swiglu":
@@ -309,6 +353,27 @@ def _source(rows, k, bits, group, norm, epilogue) -> str:
 
 
 KERNELS_FLAG = "LLM_PTE_GPU_KERNELS"  # "0": MLX's ops only, as on a GPU without these kernels
+
+
+PREFETCH_BYTES = 16 * 1024  # most of a row prefetched
+
+
+def _prefetch(rows, k, bits, group, epilogue) -> list[str]:
+    """Lines prefetching warp ``r``'s weight rows (both of SwiGLU's)."""
+    row_bytes = k * bits // 8 if bits else None
+    per_row = k * bits // 32 if bits else "K"
+
+    def fetch(i, row):
+        size = min(row_bytes or k * 2, PREFETCH_BYTES)  # dense: sizeof(T) is 2 or 4; 2 keeps to the row
+        return f"prefetch_row<{size}>(w{i} + size_t({row}) * {per_row}, lane);"
+
+    if epilogue == "swiglu":
+        return [f"if (r < {rows[0]}) {{ {fetch(0, 'r')} {fetch(1, 'r')} }}"]
+    lines, start = [], 0
+    for i, n in enumerate(rows):
+        lines.append(f"{'if' if i == 0 else 'else if'} (r < {start + n}) {fetch(i, f'(r - {start})')}")
+        start += n
+    return lines
 
 
 def for_device():
