@@ -149,11 +149,21 @@ class Block:
         """The rows of the first output."""
         return self.weights[0].rows
 
+    @functools.cached_property
+    def k(self) -> int:
+        return self.weights[0].k
+
+    @functools.cached_property
+    def x_dtypes(self) -> tuple:
+        """The dtypes of ``x`` the kernel takes: the dense weights' own, or
+        any float dtype against quantized ones."""
+        first = self.weights[0]
+        return DENSE if first.bits else (first.w.dtype,)
+
     def takes(self, x: mx.array) -> bool:
         """Whether the kernel takes this ``x``: one row of ``K`` values, in
-        the dense weights' dtype."""
-        first = self.weights[0]
-        return x.size == first.k and x.dtype in DENSE and (first.bits or first.w.dtype == x.dtype)
+        a dtype it computes in (checked at every call: the hot path)."""
+        return x.size == self.k and x.dtype in self.x_dtypes
 
 
 def fits(block: Block) -> bool:
