@@ -24,8 +24,9 @@ LEAVES = {f"{RUNTIME}.errors", f"{RUNTIME}.dtypes", f"{RUNTIME}.steps", f"{RUNTI
 LAYERS = {  # part -> the parts below it
     f"{RUNTIME}.pte": set(),
     f"{RUNTIME}.cpu": set(),
-    f"{RUNTIME}.plan": {f"{RUNTIME}.cpu"},  # what the ops read: below the interpreter
-    f"{RUNTIME}.interp": {f"{RUNTIME}.pte", f"{RUNTIME}.cpu", f"{RUNTIME}.plan"},
+    f"{RUNTIME}.gpu": set(),
+    f"{RUNTIME}.plan": {f"{RUNTIME}.cpu", f"{RUNTIME}.gpu"},  # what the ops read: below the interpreter
+    f"{RUNTIME}.interp": {f"{RUNTIME}.pte", f"{RUNTIME}.cpu", f"{RUNTIME}.gpu", f"{RUNTIME}.plan"},
 }
 
 
