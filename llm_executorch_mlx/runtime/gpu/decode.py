@@ -38,7 +38,7 @@ DENSE = (mx.float32, mx.float16, mx.bfloat16)
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
 
-_COMMON = r"""
+_HEADER = r"""
 __device__ inline float warp_sum(float v) {
   #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -60,9 +60,7 @@ __device__ inline float dot_dense(const T* w, const T* xs, int lane) {
   }
   return warp_sum(acc);
 }
-"""
 
-_QUANTIZED = r"""
 // An affine-quantized value as a float without an integer conversion:
 // 2^23 + q has q in its low mantissa bits.
 template <int BITS>
@@ -100,9 +98,7 @@ __device__ inline float dot_quantized(const uint32_t* w, const S* scales, const 
   }
   return warp_sum(acc);
 }
-"""
 
-_ROWS = r"""
 // Start a warp's weight row on its way to L2 while the block stages x.
 template <int BYTES>
 __device__ inline void prefetch_row(const void* row, int lane) {
@@ -270,24 +266,10 @@ def _kernel(signature: tuple):
         names.append("residual")
     outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
     total = rows[0] if epilogue == "swiglu" else sum(rows)
-    source = _compact(_source(rows, k, bits, group, norm, epilogue))
+    source = _source(rows, k, bits, group, norm, epilogue)
     kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
-                                 input_names=names, output_names=outputs, source=source, header=_header(bits))
+                                 input_names=names, output_names=outputs, source=source, header=_HEADER)
     return kernel, total
-
-
-def _header(bits: int) -> str:
-    """The helpers a kernel of these weights calls (the dense dot product
-    sits in the common part with the warp sum)."""
-    common = _COMMON if not bits else _COMMON[: _COMMON.index("// One row of a dense weight")]
-    return _compact(common + (_QUANTIZED if bits else "") + _ROWS)
-
-
-def _compact(source: str) -> str:
-    """``source`` without comments and indentation: MLX copies and hashes a
-    custom kernel's whole text at every call, so its length is host time."""
-    lines = (line.split("//", 1)[0].strip() for line in source.splitlines())
-    return "\n".join(line for line in lines if line)
 
 
 def _source(rows, k, bits, group, norm, epilogue) -> str:
