@@ -11,8 +11,8 @@ interleaved (ours, [ours-native,] mlx-lm, xnnpack, ours, ...):
   computes in fp32 on a CPU) and a fresh off-graph cache per repetition;
 - ours-native (bf16/fp16 files only): the same with ``compute="native"``,
   i.e. in the file's dtype;
-- ours-mlx-ops: ours with a GPU's decode steps in MLX's ops alone
-  (``LLM_PTE_GPU_KERNELS=0``: no kernels of ``runtime/gpu/decode.py``);
+- ours-gpu-kernels: ours with a CUDA GPU's decode-step kernels
+  (``LLM_PTE_GPU_KERNELS=1``, ``runtime/gpu/decode.py``);
 - mlx-lm: ``mlx_lm.generate.generate_step`` on the same weights cast with
   ``model.set_dtype``, a fresh prompt cache per repetition, the same prefill
   chunk;
@@ -50,7 +50,7 @@ from harness.models import DTYPE_BYTES, DTYPES, in_child, model_shape, pte_info
 from harness.report import fmt, log, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle, timed
 
-ENGINES = ("ours", "ours-native", "ours-mlx-ops", "mlx-lm", "xnnpack")
+ENGINES = ("ours", "ours-native", "ours-gpu-kernels", "mlx-lm", "xnnpack")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -62,9 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     cli.add_model_arguments(p)
     cli.add_ptes_by_dtype(p)
     p.add_argument("--engines", default=",".join(ENGINES),
-                   help="comma-separated engines among ours,ours-native,ours-mlx-ops,mlx-lm,xnnpack "
-                        f"(default: all; ours is always run; ours-native only for bf16/fp16; ours-mlx-ops: "
-                        f"a GPU's decode steps without our kernels; "
+                   help="comma-separated engines among ours,ours-native,ours-gpu-kernels,mlx-lm,xnnpack "
+                        f"(default: all; ours is always run; ours-native only for bf16/fp16; ours-gpu-kernels: "
+                        f"with a CUDA GPU's decode-step kernels; "
                         f"xnnpack only for {'/'.join(xnnpack_peer.XNNPACK_DTYPES)})")
     p.add_argument("--blas", default="auto",
                    help="BLAS for MLX's CPU matmuls: auto (the runtime's choice: "
@@ -185,8 +185,8 @@ def make_engines(dtype: str, art: Artifacts, args, meta) -> list:
     engines = [Ours(art.ptes[dtype], "auto")]
     if "ours-native" in args.engines and dtype != "fp32":
         engines.append(Ours(art.ptes[dtype], "native", name="ours-native"))
-    if "ours-mlx-ops" in args.engines:
-        engines.append(Ours(art.ptes[dtype], "auto", name="ours-mlx-ops", gpu_kernels=False))
+    if "ours-gpu-kernels" in args.engines:
+        engines.append(Ours(art.ptes[dtype], "auto", name="ours-gpu-kernels", gpu_kernels=True))
     if "mlx-lm" in args.engines:
         engines.append(MlxLm(art.model_dir, dtype, meta.prefill_chunk))
     if dtype in art.xnnpack:

@@ -56,13 +56,13 @@ class Ours:
 
     def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours",
                  int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True,
-                 kv_value_dtype: str | None = None, gpu_kernels: bool = True):
+                 kv_value_dtype: str | None = None, gpu_kernels: bool = False):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
         self.name = name
         self.route = compute
-        self.gpu_kernels = gpu_kernels  # False: a GPU's decode steps in MLX's ops alone (runtime/gpu/decode.py)
+        self.gpu_kernels = gpu_kernels  # a CUDA GPU's decode-step kernels (runtime/gpu/decode.py, opt-in)
         self.program = load_program(pte, compute=compute, int8_activations=int8_activations,
                                     bf16_activations=bf16_activations)
         self.program.prepare_cpu_kernels()  # as the plugin does before a generation
@@ -147,8 +147,7 @@ def _gpu_kernels(on: bool):
     from llm_executorch_mlx.runtime.gpu.decode import KERNELS_FLAG
 
     before = os.environ.get(KERNELS_FLAG)
-    if not on:
-        os.environ[KERNELS_FLAG] = "0"
+    os.environ[KERNELS_FLAG] = "1" if on else "0"
     try:
         yield
     finally:

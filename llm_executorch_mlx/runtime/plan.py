@@ -21,10 +21,10 @@ quantized KV    the extension's kernel      ``quantized_kv``'s, the
                                             history widened per layer
 RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
 SwiGLU          the extension's kernel      one compiled MLX kernel
-a decode step's the ops above               one kernel for a norm and the
-norm, products                              products reading it (SwiGLU
-and epilogues                               after), one for a product and
-                                            its residual add (CUDA)
+a decode step's the ops above               opt-in (CUDA): one kernel for a
+norm, products                              norm and the products reading
+and epilogues                               it (SwiGLU after), one for a
+                                            product and its residual add
 ==============  ==========================  ================================
 
 Without the extension (no compiler, ``LLM_PTE_CPU_KERNELS=0``) the CPU runs
@@ -166,7 +166,8 @@ class Plan:
     def decode_blocks(self):
         """What runs a decode step's norm, products and epilogue as one
         kernel (``interp/decode_blocks.py``): ``gpu/decode.py``'s CUDA
-        kernels on a CUDA GPU; None elsewhere (each node its own op)."""
+        kernels on a CUDA GPU where asked for (opt-in); None elsewhere
+        (each node its own op)."""
         return None if self.cpu else decode.for_device()
 
     def swiglu(self):

@@ -362,9 +362,6 @@ def _source(rows, k, bits, group, norm, epilogue) -> str:
     return "\n".join(lines)
 
 
-KERNELS_FLAG = "LLM_PTE_GPU_KERNELS"  # "0": MLX's ops only, as on a GPU without these kernels
-
-
 PREFETCH_BYTES = 16 * 1024  # most of a row prefetched
 
 
@@ -386,11 +383,16 @@ def _prefetch(rows, k, bits, group, epilogue) -> list[str]:
     return lines
 
 
+KERNELS_FLAG = "LLM_PTE_GPU_KERNELS"  # "1": the kernels on a CUDA GPU (opt-in)
+
+
 def for_device():
     """What runs ``Block``s on this GPU: the CUDA kernels where MLX runs on
-    a CUDA GPU (unless ``LLM_PTE_GPU_KERNELS=0``), else None: each node its
-    own MLX op. Apple GPUs: none yet (``mx.fast.metal_kernel`` has the same
-    shape; not ported)."""
-    if os.environ.get(KERNELS_FLAG, "1") == "0" or not mx.cuda.is_available():
+    a CUDA GPU and ``LLM_PTE_GPU_KERNELS=1`` asks for them, else None (each
+    node its own MLX op). Opt-in: each kernel call costs the host about what
+    the MLX ops it replaces cost MLX to encode, so a decode step is no
+    faster with them yet (``docs/design.md``). Apple GPUs: none
+    (``mx.fast.metal_kernel`` has the same shape; not ported)."""
+    if os.environ.get(KERNELS_FLAG) != "1" or not mx.cuda.is_available():
         return None
     return CudaKernels()
