@@ -208,3 +208,29 @@ def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, 
     assert blocks == {(3, True, "", bits): NEW_TOKENS * layers, (1, False, "add", bits): 2 * NEW_TOKENS * layers,
                       (2, True, "swiglu", bits): NEW_TOKENS * layers}
     assert calls.get("swiglu", 0) == -(-PROMPT_LEN // load_program(pte).metadata.prefill_chunk) * layers
+
+
+def test_the_decode_kernels_refuse_blocks_they_cannot_read():
+    """What ``decode.fits`` refuses runs as each node's own MLX op: weights
+    of mixed kinds or widths, a norm weight of another length, a ``K`` the
+    16-byte loads cannot step through, a group size MLX's kernels lack, an
+    ``x`` too long for shared memory."""
+    def dense(n, k, dtype=mx.bfloat16):
+        return decode.Weight(mx.zeros((n, k), dtype))
+
+    def q4(n, k, group=32):
+        w, s, b = mx.quantize(mx.zeros((n, k)), group_size=group, bits=4)
+        return decode.Weight(w, s, b, 4, group)
+
+    norm = (mx.ones((64,)), 1e-5)
+    assert decode.fits(decode.Block((dense(8, 64), dense(4, 64)), norm))
+    assert decode.fits(decode.Block((q4(8, 64), q4(8, 64)), norm, "swiglu"))
+    assert not decode.fits(decode.Block((dense(8, 64), q4(8, 64)), norm))  # mixed kinds
+    assert not decode.fits(decode.Block((dense(8, 64), dense(8, 64, mx.float16)), norm))  # mixed dtypes
+    assert not decode.fits(decode.Block((dense(8, 64),), (mx.ones((32,)), 1e-5)))  # norm of another length
+    assert not decode.fits(decode.Block((dense(8, 60),), None))  # 60 bf16 values: not 16-byte steps
+    assert not decode.fits(decode.Block((dense(8, 64), dense(6, 64)), None, "swiglu"))  # gate and up differ
+    assert not decode.fits(decode.Block((dense(8, 64), dense(8, 64)), None, "add"))  # add takes one product
+    assert not decode.fits(decode.Block((dense(8, 16384, mx.float32),), None))  # x past shared memory
+    w, s, b = mx.quantize(mx.zeros((8, 64)), group_size=64, bits=3)
+    assert not decode.fits(decode.Block((decode.Weight(w, s, b, 3, 64),), None))  # 3-bit words

@@ -187,6 +187,8 @@ def fits(block: Block) -> bool:
         staged = k * 4  # in x's dtype, fp32 at most
     if k == 0 or k % step or staged > SHARED_BYTES:
         return False
+    if block.norm is not None and block.norm[0] is not None and block.norm[0].shape != (k,):
+        return False  # the kernel reads K of its values
     if block.epilogue == "swiglu":
         return len(block.weights) == 2 and block.weights[0].rows == block.weights[1].rows
     if block.epilogue == "add":
