@@ -32,7 +32,7 @@ from __future__ import annotations
 from ..gpu.decode import Block, Weight, fits
 from ..pte.graph import node_name, tensor_fields
 from .fusion import kept_slots, plan_swiglu
-from .grouping import _dense_weight
+from .grouping import dense_weight
 from .ops.shape import text
 from .ops.table import BUILDERS
 
@@ -83,7 +83,7 @@ def _weight(ctx, instructions: list, j: int):
     if name == "AddmmNode":
         if op.bias is not None or float(op.alpha) != 1.0:
             return None
-        view = _dense_weight(ctx, instructions, j, op)  # [K, N]: the constant's transpose
+        view = dense_weight(ctx, instructions, j, op)  # [K, N]: the constant's transpose
         if view is None:
             return None
         w = view.T

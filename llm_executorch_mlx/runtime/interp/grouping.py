@@ -161,7 +161,7 @@ def plan_dense_group(ctx, instructions: list, i: int, taken) -> tuple | None:
         return None
     try:
         first = instructions[i].op
-        weight = _dense_weight(ctx, instructions, i, first)
+        weight = dense_weight(ctx, instructions, i, first)
         if weight is None:
             return None
         x, members, weights = first.mat1.idx, [i], [weight]
@@ -171,7 +171,7 @@ def plan_dense_group(ctx, instructions: list, i: int, taken) -> tuple | None:
                 break
             op = instructions[j].op
             if name == DENSE_NODE and j not in taken and op.mat1.idx == x:
-                w = _dense_weight(ctx, instructions, j, op)
+                w = dense_weight(ctx, instructions, j, op)
                 if w is not None and w.dtype == weight.dtype and w.shape[0] == weight.shape[0]:
                     members.append(j)
                     weights.append(w)
@@ -184,7 +184,7 @@ def plan_dense_group(ctx, instructions: list, i: int, taken) -> tuple | None:
     return _dense_runs(ctx, members, [instructions[j].op for j in members], weights)
 
 
-def _dense_weight(ctx, instructions, j, op) -> mx.array | None:
+def dense_weight(ctx, instructions, j, op) -> mx.array | None:
     """``op``'s ``mat2`` as the ``[K, N]`` view of a fixed constant, when the
     last node before ``j`` to write it transposes that constant; its bias (if
     any) must be plain (alpha = beta = 1)."""
