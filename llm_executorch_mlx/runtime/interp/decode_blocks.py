@@ -43,10 +43,12 @@ _OPAQUE = ("IfNode", "ScanNode")  # sub-chains may read anything
 
 def plan_decode_block(ctx, instructions: list, i: int, claimed) -> tuple | None:
     """``(first_run, {j: later_run})`` for a group starting at ``i``, or None."""
-    runner = ctx.plan.decode_blocks
+    name = node_name(instructions[i])
+    if name != "RMSNormNode" and name not in PRODUCTS:
+        return None
+    runner = ctx.plan.decode_blocks  # asked only where a group may start
     if runner is None:
         return None
-    name = node_name(instructions[i])
     try:
         if name == "RMSNormNode":
             return _norm_block(ctx, runner, instructions, i, claimed)
