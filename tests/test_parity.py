@@ -298,10 +298,20 @@ def test_4bit_linear_matches_torchao_reference(exported, products, int8, monkeyp
     program = load_program(pte)
     grouped = program.prepare_cpu_kernels().products.on
     assert grouped == (products == "1" and program.cpu_kernels.extension is not None)
+    calls = []  # the weights of each grouped call a decode step makes
+    if grouped:
+        extension = program.cpu_kernels.extension
+        together = extension.quantized_gemvs
+        monkeypatch.setattr(extension, "quantized_gemvs",
+                            lambda x, ws, *a, **k: calls.append(len(ws)) or together(x, ws, *a, **k))
     forward = program.load_method("forward", cache=program.new_cache(capacity=16))
     layers = program.metadata.n_caches
     assert forward.op_names.count("QuantizedMatmulGroup") == 2 * layers * grouped
     assert forward.op_names.count("QuantizedMatmulGrouped") == 3 * layers * grouped
+    forward.execute([np.array([[1, 2, 3]]), np.arange(3)])
+    calls.clear()
+    forward.execute([np.array([[4]]), np.array([3])])
+    assert sorted(calls) == sorted([3, 2] * layers * grouped)  # each layer's q, k, v in one call, gate and up in one
     # and their weights (the LM head's too) are stored interleaved for the extension's products
     assert len(program._interleaved.get("forward", ())) == (7 * layers + 1) * grouped
 

@@ -97,7 +97,7 @@ def _runs(ctx, members, ops, signature):
     gemvs = ctx.plan.products.quantized_gemvs
     weights = [(op.w.idx, op.scales.idx, op.biases.idx) for op in ops]
     own = [build_quantized_matmul(op, ctx) for op in ops]  # each node's route when the products do not take x
-    operands = [GemvOperands(group, bits) for _ in ops]
+    operands = [GemvOperands(group, bits, layout) for _ in ops]
     most = ctx.plan.quantized_rows(layout)
 
     def products(f):

@@ -56,10 +56,12 @@ class GemvOperands:
     ``check_quantized``): what it would refuse (a corrupt program's shapes)
     goes to MLX's ops instead, whose checks name the problem. A product's
     weight, scales and biases are the same arrays every step, so they are
-    checked once for each triple seen."""
+    checked once for each triple seen. A weight held in another ``layout``
+    than MLX's was checked when it was converted at load (``program.py``):
+    its ``K`` is read from its shape (its scales may be fp16 there)."""
 
-    def __init__(self, group_size: int, bits: int):
-        self.group_size, self.bits = group_size, bits
+    def __init__(self, group_size: int, bits: int, layout: Layout = Layout.MLX):
+        self.group_size, self.bits, self.layout = group_size, bits, layout
         self._seen = (None, None, None, 0)
 
     def k(self, w, scales, biases) -> int:
@@ -74,6 +76,8 @@ class GemvOperands:
 
     def _k(self, w, scales, biases) -> int:
         group_size, bits = self.group_size, self.bits
+        if self.layout is not Layout.MLX:
+            return w.shape[1] * 32 // bits
         if (w.dtype != mx.uint32 or w.ndim != 2 or scales.dtype != mx.float32
                 or biases is None or biases.dtype != mx.float32):
             return 0
@@ -175,10 +179,11 @@ def _interleaved_matmul(plan, x, w, scales, biases, out, group_size, bits, last_
     extension = plan.products
     gemv, dequantize = extension.quantized_gemv, extension.dequantize
     most, int8 = plan.quantized_rows(layout), layout is Layout.INT8
+    operands = GemvOperands(group_size, bits, layout)
 
     def run(f):
         xs, ws, s, b = f[x], f[w], f[scales], f[biases]
-        k = ws.shape[1] * 32 // bits  # checked at load (program.py interleaves it)
+        k = operands.k(ws, s, b)
         if xs.ndim == 0 or xs.shape[-1] != k:
             raise PteError(f"{where}: x of shape {tuple(xs.shape)} against a {bits}-bit weight of {k} columns: "
                            "corrupt file?")
