@@ -13,6 +13,8 @@ interleaved (ours, [ours-native,] mlx-lm, xnnpack, ours, ...):
   i.e. in the file's dtype;
 - ours-gpu-kernels: ours with a CUDA GPU's decode-step kernels
   (``LLM_PTE_GPU_KERNELS=1``, ``runtime/gpu/decode.py``);
+- ours-uncompiled: ours with every op of a decode step built from Python
+  (``LLM_PTE_COMPILED_STEPS=0``, ``runtime/interp/compiled_runs.py``);
 - mlx-lm: ``mlx_lm.generate.generate_step`` on the same weights cast with
   ``model.set_dtype``, a fresh prompt cache per repetition, the same prefill
   chunk;
@@ -50,7 +52,7 @@ from harness.models import DTYPE_BYTES, DTYPES, in_child, model_shape, pte_info
 from harness.report import fmt, log, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle, timed
 
-ENGINES = ("ours", "ours-native", "ours-gpu-kernels", "mlx-lm", "xnnpack")
+ENGINES = ("ours", "ours-native", "ours-gpu-kernels", "ours-uncompiled", "mlx-lm", "xnnpack")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,10 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     cli.add_model_arguments(p)
     cli.add_ptes_by_dtype(p)
-    p.add_argument("--engines", default=",".join(ENGINES),
-                   help="comma-separated engines among ours,ours-native,ours-gpu-kernels,mlx-lm,xnnpack "
-                        f"(default: all; ours is always run; ours-native only for bf16/fp16; ours-gpu-kernels: "
-                        f"with a CUDA GPU's decode-step kernels; "
+    p.add_argument("--engines", default=",".join(e for e in ENGINES if e != "ours-uncompiled"),
+                   help="comma-separated engines among ours,ours-native,ours-gpu-kernels,ours-uncompiled,mlx-lm,xnnpack "
+                        f"(default: all but ours-uncompiled; ours is always run; ours-native only for bf16/fp16; "
+                        f"ours-gpu-kernels: with a CUDA GPU's decode-step kernels; ours-uncompiled: every op of a "
+                        f"decode step built from Python; "
                         f"xnnpack only for {'/'.join(xnnpack_peer.XNNPACK_DTYPES)})")
     p.add_argument("--blas", default="auto",
                    help="BLAS for MLX's CPU matmuls: auto (the runtime's choice: "
@@ -187,6 +190,8 @@ def make_engines(dtype: str, art: Artifacts, args, meta) -> list:
         engines.append(Ours(art.ptes[dtype], "native", name="ours-native"))
     if "ours-gpu-kernels" in args.engines:
         engines.append(Ours(art.ptes[dtype], "auto", name="ours-gpu-kernels", gpu_kernels=True))
+    if "ours-uncompiled" in args.engines:
+        engines.append(Ours(art.ptes[dtype], "auto", name="ours-uncompiled", compiled_steps=False))
     if "mlx-lm" in args.engines:
         engines.append(MlxLm(art.model_dir, dtype, meta.prefill_chunk))
     if dtype in art.xnnpack:

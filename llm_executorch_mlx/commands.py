@@ -63,6 +63,9 @@ def _runtime_facts() -> dict:
         k = cpu.kernels()
         facts["blas"] = {"library": k.blas.library, "reason": k.blas.reason}
         facts.update(Plan(True, k).summary())
+    facts["decode_steps"] = ("the runs of ops between each layer's RoPE and attention replayed compiled"
+                             if Plan(on_cpu()).compiles_steps else
+                             "every op built from Python (LLM_PTE_COMPILED_STEPS=0)")
     return facts
 
 
@@ -258,6 +261,7 @@ def register_commands(cli):
             click.echo(f"        quantized products: {runtime['quantized_products']}")
             if "bf16_products" in runtime:
                 click.echo(f"        bf16 products: {runtime['bf16_products']}")
+        click.echo(f"        decode steps: {runtime['decode_steps']}")
     add_export_commands(pte)  # llm pte export, llm pte demo
     add_cache_commands(pte)  # llm pte cache, llm pte cache clear
 

@@ -65,6 +65,7 @@ def calls(monkeypatch):
     Programs and sessions the plugin loaded meanwhile hold a GPU's choices:
     none outlives the test."""
     forget_loaded_programs()
+    monkeypatch.setenv("LLM_PTE_COMPILED_STEPS", "0")  # counted: the calls each step makes from Python
     yield from _seeing_a_gpu(monkeypatch)
     forget_loaded_programs()
 

@@ -56,13 +56,16 @@ class Ours:
 
     def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours",
                  int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True,
-                 kv_value_dtype: str | None = None, gpu_kernels: bool = False):
+                 kv_value_dtype: str | None = None, gpu_kernels: bool = False, compiled_steps: bool = True):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
         self.name = name
         self.route = compute
-        self.gpu_kernels = gpu_kernels  # a CUDA GPU's decode-step kernels (runtime/gpu/decode.py, opt-in)
+        # chosen when a method is loaded: a CUDA GPU's decode-step kernels
+        # (runtime/gpu/decode.py, opt-in), short steps' compiled runs (interp/compiled_runs.py)
+        self.flags = {"LLM_PTE_GPU_KERNELS": "1" if gpu_kernels else "0",
+                      "LLM_PTE_COMPILED_STEPS": "1" if compiled_steps else "0"}
         self.program = load_program(pte, compute=compute, int8_activations=int8_activations,
                                     bf16_activations=bf16_activations)
         self.program.prepare_cpu_kernels()  # as the plugin does before a generation
@@ -111,7 +114,7 @@ class Ours:
         from llm_executorch_mlx.text.generate import Timings, generate_tokens
 
         cache = self.new_cache()
-        with _gpu_kernels(self.gpu_kernels):  # chosen when the method is loaded
+        with _flags(self.flags):
             forward = self.program.load_method("forward", cache=cache)
         self.last_timings = Timings()
         steps = generate_tokens(
@@ -132,7 +135,8 @@ class Ours:
         meta = self.program.metadata
         if self._session is None:
             cache = self.new_cache()
-            self._session = cache, self.program.load_method("forward", cache=cache)
+            with _flags(self.flags):
+                self._session = cache, self.program.load_method("forward", cache=cache)
         cache, forward = self._session
         cache.clear()
         for _ in generate_tokens(forward, cache, history, 0, meta.prefill_chunk, self._greedy, 1, Timings()):
@@ -143,18 +147,18 @@ class Ours:
 
 
 @contextlib.contextmanager
-def _gpu_kernels(on: bool):
-    from llm_executorch_mlx.runtime.gpu.decode import KERNELS_FLAG
-
-    before = os.environ.get(KERNELS_FLAG)
-    os.environ[KERNELS_FLAG] = "1" if on else "0"
+def _flags(values: dict[str, str]):
+    """The runtime's environment flags set to ``values`` while a method is loaded."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(KERNELS_FLAG, None)
-        else:
-            os.environ[KERNELS_FLAG] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def load_mlx_lm(model_dir: pathlib.Path, dtype: str):

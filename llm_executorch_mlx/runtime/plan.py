@@ -27,6 +27,9 @@ and epilogues                               it (SwiGLU after), one for a
                                             product and its residual add
 ==============  ==========================  ================================
 
+On either device a short step (decode) replays its runs of ops between the
+cache's attention and RoPE through ``mx.compile`` (``compiles_steps``).
+
 Without the extension (no compiler, ``LLM_PTE_CPU_KERNELS=0``) the CPU runs
 ``fastmath``'s MLX-op versions, which avoid MLX's slow scalar CPU paths.
 """
@@ -44,6 +47,7 @@ import mlx.core as mx
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
 from .gpu import decode
+from .interp import compiled_runs
 from .steps import PLAIN, Steps, helped
 
 if TYPE_CHECKING:
@@ -211,6 +215,14 @@ class Plan:
         if keys.quantized or values.quantized or keys.dtype != values.dtype:
             return None
         return extension_ops.update_and_attend(self.extension, scale)
+
+    @property
+    def compiles_steps(self) -> bool:
+        """Whether a short step (decode, a speculative try) replays the runs
+        of ops between the cache's attention and RoPE compiled
+        (``interp/compiled_runs.py``), on any device; ``LLM_PTE_COMPILED_STEPS=0``:
+        every op built from Python."""
+        return compiled_runs.wanted()
 
     @property
     def steps(self) -> Steps:

@@ -23,6 +23,8 @@ from ..errors import PteError
 from ..pte._schema import mlx_delegate as md
 from ..plan import Plan
 from ..pte.graph import node_name, tensor_fields
+from . import compiled_runs
+from .compiled_runs import CompiledChain, run_checked
 from .decode_blocks import plan_decode_block
 from .fusion import GROUP, plan_residual_add, plan_swiglu, try_fuse
 from .grouping import plan_group
@@ -427,17 +429,6 @@ def run_ops(ops: list[tuple[str, Run]], frame: list) -> None:
         run(frame)
 
 
-def run_ops_checked(ops: list[tuple[str, Run]], frame: list) -> None:
-    """Run a chain, turning any failure into a ``PteError`` naming the node."""
-    for i, (name, run) in enumerate(ops):
-        try:
-            run(frame)
-        except (PteError, MemoryError):
-            raise
-        except Exception as e:
-            raise PteError(f"{name} (instruction {i}) failed: {e}") from None
-
-
 class GraphExecutor:
     """One loaded MLX program: constants, mutable buffers, prepared chains.
 
@@ -493,6 +484,8 @@ class GraphExecutor:
         self._main = build_chain(ctx, graph.mainChainIdx)
         self._main_last_row = self._last_row_variant()
         self.node_names = [name for name, _ in self._main]
+        # short steps' chains with their pure runs compiled, by (chain, step shape)
+        self._compiled: dict[tuple, CompiledChain] | None = {} if ctx.plan.compiles_steps else None
 
         template = [None] * ctx.frame_size
         template[: len(constants)] = constants
@@ -520,6 +513,8 @@ class GraphExecutor:
         ``layouts`` above)."""
         for tid, array in arrays.items():
             self._template[tid] = array
+        if self._compiled:
+            self._compiled.clear()  # their traces captured the constants they read
 
     def _last_row_variant(self) -> list[tuple[str, Run]] | None:
         """The main chain computing its first output for the last position only.
@@ -578,13 +573,14 @@ class GraphExecutor:
         ops = self._main
         if last_position_only and self._main_last_row is not None:
             ops = self._main_last_row
+        run = self._runner(ops, inputs)
         cache = self._ctx.cache
         if cache is None:
-            run_ops_checked(ops, f)
+            run(f)
         else:
             cache.begin_step()
             try:
-                run_ops_checked(ops, f)
+                run(f)
             except BaseException:  # Ctrl-C included: no half-written step survives
                 cache.abort_step()
                 raise
@@ -599,6 +595,24 @@ class GraphExecutor:
                 value = value.astype(dtype)
             outs.append(value)
         return outs
+
+
+    def _runner(self, ops: list[tuple[str, Run]], inputs: list) -> Run:
+        """How this step runs ``ops``: a short step of a shape seen before
+        replays its chain's pure runs compiled (``compiled_runs``); the
+        first of a shape runs op by op while it is recorded."""
+        shape = None if self._compiled is None else compiled_runs.step_shape(inputs)
+        if shape is None:
+            return lambda f: run_checked(ops, f)
+        chain = self._compiled.get((id(ops), shape))
+        if chain is not None:
+            return chain.run
+        kept = set(self.output_slots) | set(self._mutable)
+
+        def record(f):
+            self._compiled[(id(ops), shape)] = CompiledChain.record(ops, f, kept, self._ctx.num_constants)
+
+        return record
 
 
 def run_guarded(run: Run, frame: list, what: str) -> None:

@@ -1,0 +1,243 @@
+"""A short step's runs of pure ops, replayed through ``mx.compile``.
+
+Building a step's lazy graph costs the host a few microseconds an op in
+Python (the closures, MLX's bindings), and a decode step of a small model
+is hundreds of ops: 617 for the 135M Llama, ~2 ms of a 7 ms step on two CPU
+cores; on a GPU the build is about half the step. Most of those ops are pure
+functions of the frame: between the ops that touch the host's state (the
+off-graph cache's write and attention, RoPE at the host's position, a
+collective) they read arrays and fixed values and write arrays.
+``mx.compile`` traces such a run once and replays its graph from C++ at
+about a third of the host's cost an op; MLX may also fuse its elementwise
+ops.
+
+A step's chain is split at its first call of a step shape (the inputs'
+shapes and dtypes) by recording which slots each op reads and writes. A run
+of pure ops becomes one compiled call: its inputs are the arrays it reads
+that earlier ops (or the step's inputs) wrote, the constants are captured,
+its outputs are the slots later ops or the step's outputs read. Whatever
+else it reads from the frame (shape sizes, literals) keys its traces, so a
+replay never sees values other than those it was traced with: a run whose
+values keep changing (one that reads a position) is built op by op again
+after ``MOST_TRACES``, as is one that cannot be traced (an op that reads a
+value on the host). Only short steps are compiled (decode, a speculative
+try): a prefill chunk is bound by its arithmetic, and each new chunk length
+would cost a trace.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..errors import PteError
+
+FLAG = "LLM_PTE_COMPILED_STEPS"  # "0": every op of every step built from Python
+HOST_OPS = frozenset({"UpdateAndAttendNode", "RopeFused", "AllSum"})  # the cache, the host's position, a collective
+MOST_ENTRIES = 16  # compiled: steps whose every input holds at most this many entries
+MOST_TRACES = 4  # traces a run may take (its fixed values) before it is built op by op
+
+
+def wanted() -> bool:
+    """Whether short steps replay their pure runs compiled (``LLM_PTE_COMPILED_STEPS``)."""
+    return os.environ.get(FLAG, "1") != "0"
+
+
+def step_shape(inputs: list) -> tuple | None:
+    """The key a step's compiled runs are kept under: its inputs' shapes and
+    dtypes (a host value's type), or None for a step too long to compile."""
+    key = []
+    for x in inputs:
+        shape = getattr(x, "shape", None)
+        if shape is None:
+            key.append(type(x))
+            continue
+        if math.prod(shape) > MOST_ENTRIES:
+            return None
+        key.append((tuple(shape), str(x.dtype)))
+    return tuple(key)
+
+
+class _Recording(list):
+    """A frame that logs each slot read and written, and by which op."""
+
+    def __init__(self, frame: list):
+        super().__init__(frame)
+        self.op = -1
+        self.log: list[tuple[int, bool, int]] = []  # (op, written, slot)
+
+    def __getitem__(self, slot):
+        self.log.append((self.op, False, slot))
+        return list.__getitem__(self, slot)
+
+    def __setitem__(self, slot, value):
+        self.log.append((self.op, True, slot))
+        list.__setitem__(self, slot, value)
+
+
+@dataclass
+class _Run:
+    """Ops ``first``..``last`` of a chain as one compiled call."""
+
+    first: int
+    last: int
+    reads: list[int]  # slots it reads before writing them, constants aside
+    outputs: list[int]  # slots it writes that are read after it
+    traces: dict = field(default_factory=dict)  # fixed values read -> (compiled, array outputs, host outputs)
+    off: bool = False  # built op by op from now on
+
+    def call(self, ops: list, frame: list) -> None:
+        arrays, key = [], []
+        for slot in self.reads:
+            value = frame[slot]
+            if isinstance(value, mx.array):
+                arrays.append(slot)
+                key.append((slot, value.shape, value.dtype))
+            else:
+                key.append((slot, type(value), value))
+        try:
+            trace = self.traces.get(key := tuple(key))
+        except TypeError:  # an unhashable value read: nothing to key a trace by
+            trace = None
+            self.off = True
+        if trace is None and not self.off and len(self.traces) < MOST_TRACES:
+            trace = self.traces[key] = self._trace(ops, frame, arrays)
+            if trace is not None:
+                return  # the trace computed this call's outputs
+        if trace is None:
+            self.off = True
+            return self.run_ops(ops, frame)
+        compiled, array_outputs, host_outputs = trace
+        for slot, value in zip(array_outputs, compiled(*[frame[s] for s in arrays])):
+            frame[slot] = value
+        for slot, value in host_outputs:
+            frame[slot] = value
+
+    def _trace(self, ops: list, frame: list, arrays: list[int]):
+        """Trace the run on this call's inputs and write its outputs:
+        ``(compiled, array output slots, host outputs)``, or None where the
+        run cannot be traced (nothing written then)."""
+        base = list(frame)
+        written: list = []  # the frame the trace ended with
+
+        def replay(*xs):
+            f = list(base)
+            for slot, x in zip(arrays, xs):
+                f[slot] = x
+            for _, run in ops[self.first : self.last + 1]:
+                run(f)
+            written[:] = [f]
+            return [f[s] for s in self.outputs if isinstance(f[s], mx.array)]
+
+        compiled = mx.compile(replay)
+        try:
+            outs = compiled(*[frame[s] for s in arrays])
+        except Exception:  # an op that needs a value on the host: build it op by op
+            return None
+        f = written[0]
+        array_outputs = [s for s in self.outputs if isinstance(f[s], mx.array)]
+        host_outputs = [(s, f[s]) for s in self.outputs if not isinstance(f[s], mx.array)]
+        for slot, value in zip(array_outputs, outs):
+            frame[slot] = value
+        for slot, value in host_outputs:
+            frame[slot] = value
+        return compiled, array_outputs, host_outputs
+
+    def run_ops(self, ops: list, frame: list) -> None:
+        run_checked(ops, frame, self.first, self.last + 1)
+
+
+class CompiledChain:
+    """One chain at one step shape: its pure runs compiled, the rest op by op.
+
+    Made by ``record``, which runs the chain once (op by op) and learns from
+    the reads and writes which runs to compile."""
+
+    def __init__(self, ops: list, runs: list[_Run]):
+        self.ops = ops
+        self.runs = {r.first: r for r in runs}
+
+    @classmethod
+    def record(cls, ops: list, frame: list, kept: set[int], constants: int) -> "CompiledChain":
+        """Run ``ops`` on ``frame`` as ``run_ops_checked`` does, and plan the
+        compiled runs. ``kept``: slots read after the chain (its outputs,
+        mutable buffers); ``constants``: slots below it are the program's
+        constants, captured rather than passed."""
+        recording = _Recording(frame)
+        for i in range(len(ops)):
+            recording.op = i
+            run_checked(ops, recording, i, i + 1)
+        frame[:] = recording
+        return cls(ops, _plan_runs(ops, recording.log, kept, constants))
+
+    def run(self, frame: list) -> None:
+        ops, runs = self.ops, self.runs
+        i, n = 0, len(ops)
+        while i < n:
+            r = runs.get(i)
+            if r is None or r.off:
+                run_checked(ops, frame, i, i + 1)
+                i += 1
+                continue
+            try:
+                r.call(ops, frame)
+            except (PteError, MemoryError):
+                raise
+            except Exception as e:
+                raise PteError(f"{ops[r.first][0]} (instructions {r.first}-{r.last}) failed: {e}") from None
+            i = r.last + 1
+
+
+def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], constants: int) -> list[_Run]:
+    """The runs of two or more pure ops, with the slots each reads and the
+    ones read after it."""
+    spans, start = [], None
+    for i, (name, _) in enumerate(ops + [("", None)]):
+        pure = i < len(ops) and name not in HOST_OPS
+        if pure and start is None:
+            start = i
+        elif not pure and start is not None:
+            if i - start > 1:
+                spans.append((start, i - 1))
+            start = None
+    by_slot: dict[int, list[tuple[int, bool]]] = {}
+    for op, wrote, slot in log:
+        by_slot.setdefault(slot, []).append((op, wrote))
+    runs = []
+    for first, last in spans:
+        reads, writes = [], set()
+        for op, wrote, slot in log:
+            if not first <= op <= last:
+                continue
+            if wrote:
+                writes.add(slot)
+            elif slot not in writes and slot not in reads and slot >= constants:
+                reads.append(slot)
+        outputs = sorted(s for s in writes if _read_after(by_slot[s], last, s in kept))
+        runs.append(_Run(first, last, reads, outputs))
+    return runs
+
+
+def _read_after(events: list[tuple[int, bool]], last: int, kept: bool) -> bool:
+    """Whether the value a slot holds after op ``last`` is read: by a later
+    op before another write, or after the chain (``kept``)."""
+    for op, wrote in events:
+        if op > last:
+            return not wrote
+    return kept
+
+
+def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None) -> None:
+    """Run ``ops[start:stop]``, turning any failure into a ``PteError`` naming the node."""
+    for i in range(start, len(ops) if stop is None else stop):
+        name, run = ops[i]
+        try:
+            run(frame)
+        except (PteError, MemoryError):
+            raise
+        except Exception as e:
+            raise PteError(f"{name} (instruction {i}) failed: {e}") from None
+

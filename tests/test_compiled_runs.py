@@ -1,0 +1,150 @@
+"""A short step's pure runs of ops replayed through ``mx.compile``
+(``runtime/interp/compiled_runs.py``).
+
+End to end: greedy decoding with the runs compiled gives the logits of every
+op built from Python (``LLM_PTE_COMPILED_STEPS=0``), and the compiled runs do
+run; the parity tests (``test_parity.py``) hold the compiled route against
+transformers. On hand-made chains: each call's results against numpy while
+a run reads a value that changes (keyed, then built op by op), an op that
+needs a value on the host (never traced), and which slots a run hands on.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_parity import prompt_for
+
+from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime.interp import compiled_runs
+from llm_executorch_mlx.runtime.interp.compiled_runs import MOST_TRACES, CompiledChain
+
+
+def decode(pte, prompt, new_tokens):
+    program = load_program(pte)
+    program.prepare_cpu_kernels()
+    cache = program.new_cache(capacity=128)
+    forward = program.load_method("forward", cache=cache)
+    chunk = program.metadata.prefill_chunk
+    for start in range(0, len(prompt), chunk):
+        ids = np.array([prompt[start : start + chunk]], dtype=np.int64)
+        logits = forward.execute([ids, np.arange(start, start + ids.shape[1], dtype=np.int64)])[0]
+    rows, tokens = [], list(prompt)
+    for _ in range(new_tokens):
+        tokens.append(int(np.array(logits[0, -1].astype(mx.float32)).argmax()))
+        logits = forward.execute([np.array([[tokens[-1]]]), np.array([len(tokens) - 1], dtype=np.int64)])[0]
+        rows.append(np.array(logits.astype(mx.float32))[0, -1])
+    return tokens, np.stack(rows)
+
+
+@pytest.fixture
+def chains(monkeypatch):
+    """Every ``CompiledChain`` recorded meanwhile, and how many runs replayed."""
+    made, replays = [], []
+    record, call = CompiledChain.record.__func__, compiled_runs._Run.call
+
+    def recording(cls, *args):
+        made.append(record(cls, *args))
+        return made[-1]
+
+    def counted(self, ops, frame):
+        replays.append(bool(self.traces))
+        return call(self, ops, frame)
+
+    monkeypatch.setattr(CompiledChain, "record", classmethod(recording))
+    monkeypatch.setattr(compiled_runs._Run, "call", counted)
+    return made, replays
+
+
+@pytest.mark.parametrize("arch,qlinear", [("llama", None), ("llama", "4w"), ("gemma3", None)])
+def test_compiled_decode_matches_every_op_built_from_python(exported, arch, qlinear, chains, monkeypatch):
+    _, pte = exported(arch, qlinear=qlinear)
+    prompt = prompt_for()
+    monkeypatch.setenv(compiled_runs.FLAG, "0")
+    tokens, plain = decode(pte, prompt, 8)
+    assert not chains[0]
+    monkeypatch.setenv(compiled_runs.FLAG, "1")
+    compiled_tokens, compiled = decode(pte, prompt, 8)
+    assert compiled_tokens == tokens
+    np.testing.assert_array_equal(compiled, plain)
+    made, replays = chains
+    runs = made[-1].runs  # the decode steps' chain (a short last prefill chunk has its own)
+    assert runs and all(not r.off for r in runs.values())
+    assert sum(replays) >= 6 * len(runs)  # the steps after the recording and the trace replay
+
+
+def test_the_flag_turns_compiled_runs_off(monkeypatch):
+    from llm_executorch_mlx.runtime.plan import Plan
+
+    monkeypatch.setenv(compiled_runs.FLAG, "0")
+    assert not Plan(cpu=True).compiles_steps
+    monkeypatch.delenv(compiled_runs.FLAG)
+    assert Plan(cpu=True).compiles_steps
+
+
+def test_only_short_steps_are_compiled():
+    assert compiled_runs.step_shape([np.zeros((1, 1), np.int64), np.zeros(1, np.int64)]) is not None
+    assert compiled_runs.step_shape([np.zeros((1, 128), np.int64), np.arange(128)]) is None
+    assert compiled_runs.step_shape([mx.zeros((1, 4)), 3]) == (((1, 4), "mlx.core.float32"), int)
+
+
+# Hand-made chains: a frame of [x, n, y, z, w]; slot 0 a constant, unless told.
+X, N, Y, Z, W = range(5)
+
+
+def chain(middle):
+    """y = x * 2; ``middle``; w = z + 1 (a host op between them ends the first run)."""
+    return [
+        ("Double", lambda f: f.__setitem__(Y, f[X] * 2)),
+        ("Middle", middle),
+        ("RopeFused", lambda f: f.__setitem__(W, f[Z] + 1)),  # a host op: never compiled
+        ("Negate", lambda f: f.__setitem__(W, -f[W])),
+    ]
+
+
+def run_steps(ops, values, constants=1):
+    x = mx.array([1.0, -2.0, 3.0])
+    results, compiled = [], None
+    for n in values:
+        frame = [x, n, None, None, None]
+        if compiled is None:
+            compiled = CompiledChain.record(ops, frame, kept={W}, constants=constants)
+        else:
+            compiled.run(frame)
+        results.append((np.array(frame[Z]), np.array(frame[W])))
+    return compiled, results
+
+
+def test_a_run_keyed_by_a_changing_value_is_right_then_built_op_by_op():
+    ops = chain(lambda f: f.__setitem__(Z, f[Y] + f[N]))
+    values = list(range(MOST_TRACES + 3))
+    compiled, results = run_steps(ops, values)
+    x = np.array([1.0, -2.0, 3.0], np.float32)
+    for n, (z, w) in zip(values, results):
+        np.testing.assert_array_equal(z, 2 * x + n)
+        np.testing.assert_array_equal(w, -(2 * x + n + 1))
+    first = compiled.runs[0]
+    assert (first.first, first.last) == (0, 1) and first.off
+    assert len(first.traces) == MOST_TRACES
+
+
+def test_a_run_with_a_fixed_value_replays_its_trace():
+    ops = chain(lambda f: f.__setitem__(Z, f[Y] + f[N]))
+    compiled, results = run_steps(ops, [5] * 6)
+    for z, w in results:
+        np.testing.assert_array_equal(z, [7.0, 1.0, 11.0])
+        np.testing.assert_array_equal(w, [-8.0, -2.0, -12.0])
+    first = compiled.runs[0]
+    assert not first.off and len(first.traces) == 1
+    assert first.reads == [N]  # x is a constant: captured, not passed
+    assert first.outputs == [Z]  # y is read only inside the run
+
+
+def test_an_op_that_reads_the_host_is_built_op_by_op():
+    def middle(f):
+        f[Z] = f[Y] + f[Y].sum().item()  # needs the value on the host: cannot be traced
+
+    compiled, results = run_steps(chain(middle), [0] * 4, constants=0)  # x an input: a tracer
+    for z, w in results:
+        np.testing.assert_array_equal(z, [6.0, -0.0, 10.0])
+        np.testing.assert_array_equal(w, [-7.0, -1.0, -11.0])
+    assert compiled.runs[0].off
