@@ -17,6 +17,7 @@ from test_parity import prompt_for
 from llm_executorch_mlx.runtime import load_program
 from llm_executorch_mlx.runtime.interp import compiled_runs
 from llm_executorch_mlx.runtime.interp.compiled_runs import MOST_TRACES, CompiledChain
+from llm_executorch_mlx.runtime.plan import COMPILED_STEPS_FLAG, Plan
 
 
 def decode(pte, prompt, new_tokens):
@@ -59,10 +60,10 @@ def chains(monkeypatch):
 def test_compiled_decode_matches_every_op_built_from_python(exported, arch, qlinear, chains, monkeypatch):
     _, pte = exported(arch, qlinear=qlinear)
     prompt = prompt_for()
-    monkeypatch.setenv(compiled_runs.FLAG, "0")
+    monkeypatch.setenv(COMPILED_STEPS_FLAG, "0")
     tokens, plain = decode(pte, prompt, 8)
     assert not chains[0]
-    monkeypatch.setenv(compiled_runs.FLAG, "1")
+    monkeypatch.setenv(COMPILED_STEPS_FLAG, "1")
     compiled_tokens, compiled = decode(pte, prompt, 8)
     assert compiled_tokens == tokens
     np.testing.assert_array_equal(compiled, plain)
@@ -73,11 +74,9 @@ def test_compiled_decode_matches_every_op_built_from_python(exported, arch, qlin
 
 
 def test_the_flag_turns_compiled_runs_off(monkeypatch):
-    from llm_executorch_mlx.runtime.plan import Plan
-
-    monkeypatch.setenv(compiled_runs.FLAG, "0")
+    monkeypatch.setenv(COMPILED_STEPS_FLAG, "0")
     assert not Plan(cpu=True).compiles_steps
-    monkeypatch.delenv(compiled_runs.FLAG)
+    monkeypatch.delenv(COMPILED_STEPS_FLAG)
     assert Plan(cpu=True).compiles_steps
 
 

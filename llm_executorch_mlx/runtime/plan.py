@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -47,7 +48,6 @@ import mlx.core as mx
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
 from .gpu import decode
-from .interp import compiled_runs
 from .steps import PLAIN, Steps, helped
 
 if TYPE_CHECKING:
@@ -57,6 +57,8 @@ if TYPE_CHECKING:
 # the CPU, so above a few rows its dequantize and one BLAS product, whose
 # cost the rows share, is faster.
 MLX_QMM_ROWS = 4
+
+COMPILED_STEPS_FLAG = "LLM_PTE_COMPILED_STEPS"  # "0": every op of a step built from Python
 
 
 class Layout(enum.Enum):
@@ -222,7 +224,7 @@ class Plan:
         of ops between the cache's attention and RoPE compiled
         (``interp/compiled_runs.py``), on any device; ``LLM_PTE_COMPILED_STEPS=0``:
         every op built from Python."""
-        return compiled_runs.wanted()
+        return os.environ.get(COMPILED_STEPS_FLAG, "1") != "0"
 
     @property
     def steps(self) -> Steps:

@@ -2,8 +2,8 @@
 
 Building a step's lazy graph costs the host a few microseconds an op in
 Python (the closures, MLX's bindings), and a decode step of a small model
-is hundreds of ops: 617 for the 135M Llama, ~2 ms of a 7 ms step on two CPU
-cores; on a GPU the build is about half the step. Most of those ops are pure
+is hundreds of ops (617 for the 135M Llama): about a third of its step on
+two CPU cores, and on a GPU about half. Most of those ops are pure
 functions of the frame: between the ops that touch the host's state (the
 off-graph cache's write and attention, RoPE at the host's position, a
 collective) they read arrays and fixed values and write arrays.
@@ -28,22 +28,15 @@ would cost a trace.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ..errors import PteError
 
-FLAG = "LLM_PTE_COMPILED_STEPS"  # "0": every op of every step built from Python
 HOST_OPS = frozenset({"UpdateAndAttendNode", "RopeFused", "AllSum"})  # the cache, the host's position, a collective
 MOST_ENTRIES = 16  # compiled: steps whose every input holds at most this many entries
 MOST_TRACES = 4  # traces a run may take (its fixed values) before it is built op by op
-
-
-def wanted() -> bool:
-    """Whether short steps replay their pure runs compiled (``LLM_PTE_COMPILED_STEPS``)."""
-    return os.environ.get(FLAG, "1") != "0"
 
 
 def step_shape(inputs: list) -> tuple | None:
