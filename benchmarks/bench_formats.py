@@ -101,8 +101,9 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-5)
 CONVERTER = "vendor/llama.cpp/convert_hf_to_gguf.py"
 # the peers, each optional; "ours-exact": ours with its rounding routes off (-o int8_activations false
-# for a quantized format, -o bf16_activations false for bf16: their gain as a ratio)
-ENGINES = ("llama.cpp", "mlx-lm", "ours-exact", "ik_llama.cpp")
+# for a quantized format, -o bf16_activations false for bf16: their gain as a ratio); "ours-uncompiled":
+# ours with every op of a decode step built from Python (LLM_PTE_COMPILED_STEPS=0)
+ENGINES = ("llama.cpp", "mlx-lm", "ours-exact", "ours-uncompiled", "ik_llama.cpp")
 READ_TRIALS = 5  # passes of each reader over the buffer; the fastest counts
 
 
@@ -331,6 +332,10 @@ def make_engines(name: str, art: Artifacts, args) -> list:
         engines.append(Ours(art.ptes[name], name="ours exact", kv_dtype=kv_dtype, **{exact: False}))
     for engine, extra in zip(engines, ("", f", -o {exact} false")):
         engine.label = f".pte {form.label}{extra}, computes in {engine.compute_dtype}; KV {args.kv}"
+    if "ours-uncompiled" in args.engines:
+        engine = Ours(art.ptes[name], name="ours uncompiled", kv_dtype=kv_dtype, compiled_steps=False)
+        engine.label = f".pte {form.label}, every op built from Python, computes in {engine.compute_dtype}; KV {args.kv}"
+        engines.append(engine)
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():
             engine = LlamaCpp(gguf, ftype, args.max_ctx_len, args.prefill_chunk, args.threads, args.kv,

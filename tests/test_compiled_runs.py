@@ -70,7 +70,7 @@ def test_compiled_decode_matches_every_op_built_from_python(exported, arch, qlin
     made, replays = chains
     runs = made[-1].runs  # the decode steps' chain (a short last prefill chunk has its own)
     assert runs and all(not r.off for r in runs.values())
-    assert sum(replays) >= 6 * len(runs)  # the steps after the recording and the trace replay
+    assert sum(replays) >= 5 * len(runs)  # the steps after the plain one, the recording and the trace replay
 
 
 def test_the_flag_turns_compiled_runs_off(monkeypatch):

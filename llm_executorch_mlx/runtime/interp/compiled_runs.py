@@ -11,8 +11,9 @@ collective) they read arrays and fixed values and write arrays.
 about a third of the host's cost an op; MLX may also fuse its elementwise
 ops.
 
-A step's chain is split at its first call of a step shape (the inputs'
-shapes and dtypes) by recording which slots each op reads and writes. A run
+A step's chain is split at the second call of a step shape (the inputs'
+shapes and dtypes; a shape that comes once costs nothing) by recording
+which slots each op reads and writes. A run
 of pure ops becomes one compiled call: its inputs are the arrays it reads
 that earlier ops (or the step's inputs) wrote, the constants are captured,
 its outputs are the slots later ops or the step's outputs read. Whatever

@@ -598,19 +598,24 @@ class GraphExecutor:
 
 
     def _runner(self, ops: list[tuple[str, Run]], inputs: list) -> Run:
-        """How this step runs ``ops``: a short step of a shape seen before
-        replays its chain's pure runs compiled (``compiled_runs``); the
-        first of a shape runs op by op while it is recorded."""
+        """How this step runs ``ops``: a short step replays its chain's pure
+        runs compiled (``compiled_runs``) once its shape has come twice. The
+        first step of a shape runs op by op (a one-off, as a short prompt
+        often is, costs nothing more), the second while it is recorded."""
         shape = None if self._compiled is None else compiled_runs.step_shape(inputs)
         if shape is None:
             return lambda f: run_checked(ops, f)
-        chain = self._compiled.get((id(ops), shape))
+        key = (id(ops), shape)
+        chain = self._compiled.get(key)
         if chain is not None:
             return chain.run
+        if key not in self._compiled:
+            self._compiled[key] = None
+            return lambda f: run_checked(ops, f)
         kept = set(self.output_slots) | set(self._mutable)
 
         def record(f):
-            self._compiled[(id(ops), shape)] = CompiledChain.record(ops, f, kept, self._ctx.num_constants)
+            self._compiled[key] = CompiledChain.record(ops, f, kept, self._ctx.num_constants)
 
         return record
 
