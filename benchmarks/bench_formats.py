@@ -334,7 +334,8 @@ def make_engines(name: str, art: Artifacts, args) -> list:
         engine.label = f".pte {form.label}{extra}, computes in {engine.compute_dtype}; KV {args.kv}"
     if "ours-uncompiled" in args.engines:
         engine = Ours(art.ptes[name], name="ours uncompiled", kv_dtype=kv_dtype, compiled_steps=False)
-        engine.label = f".pte {form.label}, every op built from Python, computes in {engine.compute_dtype}; KV {args.kv}"
+        engine.label = (f".pte {form.label}, every op built from Python, computes in {engine.compute_dtype}; "
+                        f"KV {args.kv}")
         engines.append(engine)
     if "llama.cpp" in args.engines:
         for ftype, gguf in art.ggufs[name].items():

@@ -36,7 +36,8 @@ import mlx.core as mx
 from ..errors import PteError
 
 HOST_OPS = frozenset({"UpdateAndAttendNode", "RopeFused", "AllSum"})  # the cache, the host's position, a collective
-MOST_ENTRIES = 16  # compiled: steps whose every input holds at most this many entries
+# compiled: steps whose every input holds at most this many entries (decode, a try of the default draft)
+MOST_ENTRIES = 8
 MOST_TRACES = 4  # traces a run may take (its fixed values) before it is built op by op
 
 
