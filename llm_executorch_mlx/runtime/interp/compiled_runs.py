@@ -80,6 +80,7 @@ class _Run:
     first: int
     last: int
     reads: list[int]  # slots it reads before writing them, constants aside
+    captured: list[int]  # the constants it reads: part of its trace
     outputs: list[int]  # slots it writes that are read after it
     traces: dict = field(default_factory=dict)  # fixed values read -> (compiled, array outputs, host outputs)
     off: bool = False  # built op by op from now on
@@ -93,29 +94,32 @@ class _Run:
                 key.append((slot, value.shape, value.dtype))
             else:
                 key.append((slot, type(value), value))
+        key = tuple(key)
         try:
-            trace = self.traces.get(key := tuple(key))
+            trace = self.traces.get(key)
         except TypeError:  # an unhashable value read: nothing to key a trace by
-            trace = None
-            self.off = True
-        if trace is None and not self.off and len(self.traces) < MOST_TRACES:
-            trace = self.traces[key] = self._trace(ops, frame, arrays)
-            if trace is not None:
-                return  # the trace computed this call's outputs
-        if trace is None:
             self.off = True
             return self.run_ops(ops, frame)
-        compiled, array_outputs, host_outputs = trace
-        for slot, value in zip(array_outputs, compiled(*[frame[s] for s in arrays])):
-            frame[slot] = value
-        for slot, value in host_outputs:
-            frame[slot] = value
+        if trace is not None:
+            compiled, array_outputs, host_outputs = trace
+            for slot, value in zip(array_outputs, compiled(*[frame[s] for s in arrays])):
+                frame[slot] = value
+            for slot, value in host_outputs:
+                frame[slot] = value
+            return
+        if len(self.traces) < MOST_TRACES:
+            trace = self.traces[key] = self._trace(ops, frame, arrays)
+        if trace is None:  # values that keep changing, or an op that cannot be traced
+            self.off = True
+            self.run_ops(ops, frame)
 
     def _trace(self, ops: list, frame: list, arrays: list[int]):
         """Trace the run on this call's inputs and write its outputs:
         ``(compiled, array output slots, host outputs)``, or None where the
         run cannot be traced (nothing written then)."""
-        base = list(frame)
+        base = [None] * len(frame)  # what the run reads, and nothing else of this step
+        for slot in self.captured + self.reads:
+            base[slot] = frame[slot]
         written: list = []  # the frame the trace ended with
 
         def replay(*xs):
@@ -157,7 +161,7 @@ class CompiledChain:
 
     @classmethod
     def record(cls, ops: list, frame: list, kept: set[int], constants: int) -> "CompiledChain":
-        """Run ``ops`` on ``frame`` as ``run_ops_checked`` does, and plan the
+        """Run ``ops`` on ``frame`` as ``run_checked`` does, and plan the
         compiled runs. ``kept``: slots read after the chain (its outputs,
         mutable buffers); ``constants``: slots below it are the program's
         constants, captured rather than passed."""
@@ -203,16 +207,16 @@ def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], cons
         by_slot.setdefault(slot, []).append((op, wrote))
     runs = []
     for first, last in spans:
-        reads, writes = [], set()
+        reads, captured, writes = [], [], set()
         for op, wrote, slot in log:
             if not first <= op <= last:
                 continue
             if wrote:
                 writes.add(slot)
-            elif slot not in writes and slot not in reads and slot >= constants:
-                reads.append(slot)
+            elif slot not in writes and slot not in reads and slot not in captured:
+                (reads if slot >= constants else captured).append(slot)
         outputs = sorted(s for s in writes if _read_after(by_slot[s], last, s in kept))
-        runs.append(_Run(first, last, reads, outputs))
+        runs.append(_Run(first, last, reads, captured, outputs))
     return runs
 
 
