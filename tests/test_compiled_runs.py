@@ -16,7 +16,7 @@ from test_parity import prompt_for
 
 from llm_executorch_mlx.runtime import load_program
 from llm_executorch_mlx.runtime.interp import compiled_runs
-from llm_executorch_mlx.runtime.interp.compiled_runs import MOST_TRACES, CompiledChain
+from llm_executorch_mlx.runtime.interp.compiled_runs import CompiledChain
 from llm_executorch_mlx.runtime.plan import COMPILED_STEPS_FLAG, Plan
 
 
@@ -48,7 +48,7 @@ def chains(monkeypatch):
         return made[-1]
 
     def counted(self, ops, frame):
-        replays.append(bool(self.traces))
+        replays.append(self.trace is not None)
         return call(self, ops, frame)
 
     monkeypatch.setattr(CompiledChain, "record", classmethod(recording))
@@ -86,17 +86,19 @@ def test_only_short_steps_are_compiled():
     assert compiled_runs.step_shape([mx.zeros((1, 4)), 3]) == (((1, 4), "mlx.core.float32"), int)
 
 
-# Hand-made chains: a frame of [x, n, y, z, w]; slot 0 a constant, unless told.
-X, N, Y, Z, W = range(5)
+# Hand-made chains: a frame of [x, n, y, z, w, v]; slot 0 a constant, unless told.
+X, N, Y, Z, W, V = range(6)
 
 
 def chain(middle):
-    """y = x * 2; ``middle``; w = z + 1 (a host op between them ends the first run)."""
+    """y = x * 2; ``middle``; w = z + 1; v = -w, then an op beyond the
+    frame (never compiled) reading z and v."""
     return [
         ("Double", lambda f: f.__setitem__(Y, f[X] * 2)),
         ("Middle", middle),
-        ("RopeFused", lambda f: f.__setitem__(W, f[Z] + 1)),  # a host op: never compiled
-        ("Negate", lambda f: f.__setitem__(W, -f[W])),
+        ("PlusOne", lambda f: f.__setitem__(W, f[Z] + 1)),
+        ("Negate", lambda f: f.__setitem__(V, -f[W])),
+        ("UpdateAndAttendNode", lambda f: f.__setitem__(V, f[V] + 0 * f[Z])),
     ]
 
 
@@ -104,38 +106,42 @@ def run_steps(ops, values, constants=1):
     x = mx.array([1.0, -2.0, 3.0])
     results, compiled = [], None
     for n in values:
-        frame = [x, n, None, None, None]
+        frame = [x, n, None, None, None, None]
         if compiled is None:
-            compiled = CompiledChain.record(ops, frame, kept={W}, constants=constants)
+            compiled = CompiledChain.record(ops, frame, kept={V}, constants=constants)
         else:
             compiled.run(frame)
-        results.append((np.array(frame[Z]), np.array(frame[W])))
+        results.append((np.array(frame[Z]), np.array(frame[V])))
     return compiled, results
 
 
-def test_a_run_keyed_by_a_changing_value_is_right_then_built_op_by_op():
+def spans(compiled):
+    return sorted((r.first, r.last) for r in compiled.runs.values())
+
+
+def test_an_op_reading_a_changing_value_is_built_apart_and_the_rest_stays_compiled():
     ops = chain(lambda f: f.__setitem__(Z, f[Y] + f[N]))
-    values = list(range(MOST_TRACES + 3))
+    values = [0, 1, 2, 3, 4]
     compiled, results = run_steps(ops, values)
     x = np.array([1.0, -2.0, 3.0], np.float32)
-    for n, (z, w) in zip(values, results):
+    for n, (z, v) in zip(values, results):
         np.testing.assert_array_equal(z, 2 * x + n)
-        np.testing.assert_array_equal(w, -(2 * x + n + 1))
-    first = compiled.runs[0]
-    assert (first.first, first.last) == (0, 1) and first.off
-    assert len(first.traces) == MOST_TRACES
+        np.testing.assert_array_equal(v, -(2 * x + n + 1))
+    assert spans(compiled) == [(2, 3)]  # Double alone is no run; Middle reads n
+    assert compiled.runs[2].trace is not None and not compiled.runs[2].off
 
 
 def test_a_run_with_a_fixed_value_replays_its_trace():
     ops = chain(lambda f: f.__setitem__(Z, f[Y] + f[N]))
     compiled, results = run_steps(ops, [5] * 6)
-    for z, w in results:
+    for z, v in results:
         np.testing.assert_array_equal(z, [7.0, 1.0, 11.0])
-        np.testing.assert_array_equal(w, [-8.0, -2.0, -12.0])
-    first = compiled.runs[0]
-    assert not first.off and len(first.traces) == 1
-    assert first.reads == [N]  # x is a constant: captured, not passed
-    assert first.outputs == [Z]  # y is read only inside the run
+        np.testing.assert_array_equal(v, [-8.0, -2.0, -12.0])
+    assert spans(compiled) == [(0, 3)]
+    run = compiled.runs[0]
+    assert not run.off and run.trace is not None
+    assert run.reads == [N] and run.captured == [X]  # x is a constant: captured, not passed
+    assert run.outputs == [Z, V]  # y and w are read only inside the run
 
 
 def test_an_op_that_reads_the_host_is_built_op_by_op():
@@ -143,7 +149,7 @@ def test_an_op_that_reads_the_host_is_built_op_by_op():
         f[Z] = f[Y] + f[Y].sum().item()  # needs the value on the host: cannot be traced
 
     compiled, results = run_steps(chain(middle), [0] * 4, constants=0)  # x an input: a tracer
-    for z, w in results:
+    for z, v in results:
         np.testing.assert_array_equal(z, [6.0, -0.0, 10.0])
-        np.testing.assert_array_equal(w, [-7.0, -1.0, -11.0])
+        np.testing.assert_array_equal(v, [-7.0, -1.0, -11.0])
     assert compiled.runs[0].off

@@ -4,41 +4,49 @@ Building a step's lazy graph costs the host a few microseconds an op in
 Python (the closures, MLX's bindings), and a decode step of a small model
 is hundreds of ops (617 for the 135M Llama): about a third of its step on
 two CPU cores, and on a GPU about half. Most of those ops are pure
-functions of the frame: between the ops that touch the host's state (the
-off-graph cache's write and attention, RoPE at the host's position, a
-collective) they read arrays and fixed values and write arrays.
+functions of the frame: between the ops that act beyond the frame (the
+off-graph cache's write and attention, a collective) they read arrays and
+fixed values and write arrays; what an op needs from the host (RoPE's
+position) is made into an array as the call starts (``host_array``).
 ``mx.compile`` traces such a run once and replays its graph from C++ at
 about a third of the host's cost an op; MLX may also fuse its elementwise
 ops.
 
 A step's chain is split at the second call of a step shape (the inputs'
 shapes and dtypes; a shape that comes once costs nothing) by recording
-which slots each op reads and writes. A run
-of pure ops becomes one compiled call: its inputs are the arrays it reads
-that earlier ops (or the step's inputs) wrote, the constants are captured,
-its outputs are the slots later ops or the step's outputs read. Whatever
-else it reads from the frame (shape sizes, literals) keys its traces, so a
-replay never sees values other than those it was traced with: a run whose
-values keep changing (one that reads a position) is built op by op again
-after ``MOST_TRACES``, as is one that cannot be traced (an op that reads a
-value on the host). Only short steps are compiled (decode, a speculative
-try): a prefill chunk is bound by its arithmetic, and each new chunk length
-would cost a trace.
+which slots each op reads and writes. A run of pure ops becomes one
+compiled call: its inputs are the arrays it reads that earlier ops (or the
+step's inputs) wrote, the constants are captured, its outputs are the
+slots later ops or the step's outputs read. Whatever else it reads from the
+frame (shape sizes, literals) is checked at each replay against what its
+trace read, so a replay never sees other values than its trace did: an op
+found reading a value that changes (a position on the host) is built op by
+op from then on and the runs around it re-planned, and a run that cannot
+be traced (an op that reads a value on the host) is built op by op. Only
+short steps are compiled (decode, a speculative try): a prefill chunk is
+bound by its arithmetic, and each new chunk length would cost a trace.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..errors import PteError
 
-HOST_OPS = frozenset({"UpdateAndAttendNode", "RopeFused", "AllSum"})  # the cache, the host's position, a collective
+HOST_OPS = frozenset({"UpdateAndAttendNode", "AllSum"})  # they act beyond the frame: the cache, a collective
 # compiled: steps whose every input holds at most this many entries (decode, a try of the default draft)
 MOST_ENTRIES = 8
-MOST_TRACES = 4  # traces a run may take (its fixed values) before it is built op by op
+
+
+class _Varies(Exception):
+    """A run read other fixed values than its trace did, in these slots."""
+
+    def __init__(self, slots: set[int]):
+        super().__init__(slots)
+        self.slots = slots
 
 
 def step_shape(inputs: list) -> tuple | None:
@@ -82,10 +90,13 @@ class _Run:
     reads: list[int]  # slots it reads before writing them, constants aside
     captured: list[int]  # the constants it reads: part of its trace
     outputs: list[int]  # slots it writes that are read after it
-    traces: dict = field(default_factory=dict)  # fixed values read -> (compiled, array outputs, host outputs)
+    key: tuple | None = None  # what it read at its trace: the array slots' shapes, the other slots' values
+    trace: tuple | None = None  # (compiled, array output slots, host outputs)
     off: bool = False  # built op by op from now on
 
     def call(self, ops: list, frame: list) -> None:
+        """Replay the run (its first call traces it); ``_Varies`` where it
+        reads other fixed values than its trace did (nothing run then)."""
         arrays, key = [], []
         for slot in self.reads:
             value = frame[slot]
@@ -93,25 +104,21 @@ class _Run:
                 arrays.append(slot)
                 key.append((slot, value.shape, value.dtype))
             else:
-                key.append((slot, type(value), value))
+                key.append((slot, type(value), _fixed(value)))
         key = tuple(key)
-        try:
-            trace = self.traces.get(key)
-        except TypeError:  # an unhashable value read: nothing to key a trace by
-            self.off = True
-            return self.run_ops(ops, frame)
-        if trace is not None:
-            compiled, array_outputs, host_outputs = trace
-            for slot, value in zip(array_outputs, compiled(*[frame[s] for s in arrays])):
-                frame[slot] = value
-            for slot, value in host_outputs:
-                frame[slot] = value
+        if self.trace is None:
+            self.key, self.trace = key, self._trace(ops, frame, arrays)
+            if self.trace is None:  # an op that cannot be traced
+                self.off = True
+                self.run_ops(ops, frame)
             return
-        if len(self.traces) < MOST_TRACES:
-            trace = self.traces[key] = self._trace(ops, frame, arrays)
-        if trace is None:  # values that keep changing, or an op that cannot be traced
-            self.off = True
-            self.run_ops(ops, frame)
+        if key != self.key:
+            raise _Varies({k[0] for k, seen in zip(key, self.key) if k != seen})
+        compiled, array_outputs, host_outputs = self.trace
+        for slot, value in zip(array_outputs, compiled(*[frame[s] for s in arrays])):
+            frame[slot] = value
+        for slot, value in host_outputs:
+            frame[slot] = value
 
     def _trace(self, ops: list, frame: list, arrays: list[int]):
         """Trace the run on this call's inputs and write its outputs:
@@ -153,11 +160,14 @@ class CompiledChain:
     """One chain at one step shape: its pure runs compiled, the rest op by op.
 
     Made by ``record``, which runs the chain once (op by op) and learns from
-    the reads and writes which runs to compile."""
+    the reads and writes which runs to compile. An op found reading a fixed
+    value that changes from step to step (a position, on the host) is built
+    op by op from then on, the runs re-planned around it."""
 
-    def __init__(self, ops: list, runs: list[_Run]):
-        self.ops = ops
-        self.runs = {r.first: r for r in runs}
+    def __init__(self, ops: list, log: list[tuple[int, bool, int]], kept: set[int], constants: int):
+        self.ops, self._log, self._kept, self._constants = ops, log, kept, constants
+        self._host_ops: set[int] = set()  # ops read values that change
+        self.runs = {r.first: r for r in _plan_runs(ops, log, kept, constants, self._host_ops)}
 
     @classmethod
     def record(cls, ops: list, frame: list, kept: set[int], constants: int) -> "CompiledChain":
@@ -170,32 +180,46 @@ class CompiledChain:
             recording.op = i
             run_checked(ops, recording, i, i + 1)
         frame[:] = recording
-        return cls(ops, _plan_runs(ops, recording.log, kept, constants))
+        return cls(ops, recording.log, kept, constants)
 
     def run(self, frame: list) -> None:
-        ops, runs = self.ops, self.runs
+        ops = self.ops
         i, n = 0, len(ops)
         while i < n:
-            r = runs.get(i)
+            r = self.runs.get(i)
             if r is None or r.off:
                 run_checked(ops, frame, i, i + 1)
                 i += 1
                 continue
             try:
                 r.call(ops, frame)
+            except _Varies as v:
+                self._build_apart(r, v.slots)
+                continue  # from op i again, as re-planned
             except (PteError, MemoryError):
                 raise
             except Exception as e:
                 raise PteError(f"{ops[r.first][0]} (instructions {r.first}-{r.last}) failed: {e}") from None
             i = r.last + 1
 
+    def _build_apart(self, run: _Run, slots: set[int]) -> None:
+        """Take the ops of ``run`` that read ``slots`` out of the compiled runs."""
+        readers = {op for op, wrote, slot in self._log
+                   if run.first <= op <= run.last and not wrote and slot in slots}
+        self._host_ops |= readers or set(range(run.first, run.last + 1))
+        kept = {r.first: r for r in self.runs.values() if r.last < run.first or r.first > run.last}
+        fresh = _plan_runs(self.ops, self._log, self._kept, self._constants, self._host_ops)
+        kept.update({r.first: r for r in fresh if run.first <= r.first and r.last <= run.last})
+        self.runs = kept
 
-def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], constants: int) -> list[_Run]:
-    """The runs of two or more pure ops, with the slots each reads and the
-    ones read after it."""
+
+def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], constants: int,
+               host_ops: set[int]) -> list[_Run]:
+    """The runs of two or more pure ops (none of ``host_ops``, by index),
+    with the slots each reads and the ones read after it."""
     spans, start = [], None
     for i, (name, _) in enumerate(ops + [("", None)]):
-        pure = i < len(ops) and name not in HOST_OPS
+        pure = i < len(ops) and name not in HOST_OPS and i not in host_ops
         if pure and start is None:
             start = i
         elif not pure and start is not None:
@@ -218,6 +242,17 @@ def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], cons
         outputs = sorted(s for s in writes if _read_after(by_slot[s], last, s in kept))
         runs.append(_Run(first, last, reads, captured, outputs))
     return runs
+
+
+def _fixed(value):
+    """What a fixed value read is compared by: itself where it is plain
+    (numbers, strings, dtypes, tuples of them), else its identity."""
+    plain = (int, float, bool, str, type(None), mx.Dtype)
+    if isinstance(value, plain):
+        return value
+    if isinstance(value, (tuple, list)) and all(isinstance(v, plain) for v in value):
+        return tuple(value)
+    return id(value)
 
 
 def _read_after(events: list[tuple[int, bool]], last: int, kept: bool) -> bool:

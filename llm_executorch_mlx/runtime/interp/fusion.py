@@ -112,6 +112,9 @@ def _fuse(ctx, instructions: list, i: int):
         tables.rotation_slot = ctx.shared_scratch_slot(("rope rotation",) + key)
 
         checked = set()  # (shape, dtype) pairs seen: check once, and whether one position
+        # a decode step's rotation, made as the call starts where the position is an input's
+        rotation = ctx.host_array(("rope rotation",) + key, lambda f: tables.rotation_at(position(f))) \
+            if positions in ctx.input_tids else None
 
         def run(f):
             X = f[x]
@@ -120,7 +123,11 @@ def _fuse(ctx, instructions: list, i: int):
                 check(X)
                 checked.add(seen)
             if seen[0][-2] == 1 and seen[1] == mx.float32:  # a decode step
-                f[out] = X @ tables.rotation(f, position(f), seen[0])
+                if rotation is None:
+                    f[out] = X @ tables.rotation(f, position(f), seen[0])
+                else:
+                    m = f[rotation]
+                    f[out] = X @ mx.broadcast_to(m, (*seen[0][:-2], *m.shape))
                 return
             cos_t, sin_t = tables.get(f, position(f), seen[0][-2])
             f[out] = _rotate_half(X, cos_t, sin_t)
@@ -130,11 +137,15 @@ def _fuse(ctx, instructions: list, i: int):
     freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
     mx.eval(freqs)
     rope = mx.fast.rope
+    # the step's first position as an array made as the call starts, where it is an input's
+    offset = ctx.host_array(("rope offset", positions), lambda f: mx.array(position(f), dtype=mx.int32)) \
+        if positions in ctx.input_tids else None
 
     def run(f):
         X = f[x]
         check(X)
-        y = rope(X, dims, traditional=False, base=None, scale=1.0, offset=position(f), freqs=freqs)
+        at = position(f) if offset is None else f[offset]
+        y = rope(X, dims, traditional=False, base=None, scale=1.0, offset=at, freqs=freqs)
         f[out] = y if scale == 1.0 else y * scale
 
     return "RopeFused", run
@@ -172,6 +183,17 @@ class _RopeTables:
             cached = f[self.slot] = ((start, length), mx.array(cos), mx.array(sin))
         return cached[1], cached[2]
 
+    def rotation_at(self, start: int) -> mx.array:
+        """``M`` with ``x @ M`` the rotary embedding of a row ``x`` at
+        position ``start`` (as ``rotation`` makes it, not broadcast)."""
+        (cos,), (sin,) = self._cos_sin(start, 1)
+        h = cos.size
+        m = np.zeros((2 * h, 2 * h), np.float32)
+        k = np.arange(h)
+        m[k, k] = m[k + h, k + h] = cos  # y = x * cos + rotate_half(x) * sin,
+        m[k + h, k], m[k, k + h] = -sin, sin  # rotate_half(x) = [-x2, x1]
+        return mx.array(m)
+
     def rotation(self, f, start: int, shape) -> mx.array:
         """``M`` with ``x @ M`` the rotary embedding of ``x`` (``shape``, one
         position, ``start``), broadcast over the leading axes so the product
@@ -186,13 +208,8 @@ class _RopeTables:
             made = f[self.rotation_slot] = {}
         key = shape[:-2]
         if key not in made:
-            (cos,), (sin,) = self._cos_sin(start, 1)
-            h = cos.size
-            m = np.zeros((2 * h, 2 * h), np.float32)
-            k = np.arange(h)
-            m[k, k] = m[k + h, k + h] = cos  # y = x * cos + rotate_half(x) * sin,
-            m[k + h, k], m[k, k + h] = -sin, sin  # rotate_half(x) = [-x2, x1]
-            made[key] = mx.broadcast_to(mx.array(m), (*shape[:-2], 2 * h, 2 * h))
+            m = self.rotation_at(start)
+            made[key] = mx.broadcast_to(m, (*shape[:-2], *m.shape))
         return made[key]
 
 

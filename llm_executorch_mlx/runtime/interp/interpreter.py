@@ -77,6 +77,7 @@ class BuildContext:
         self._shared_slots: dict = {}
         self._writers: dict[int, list[int]] = {}  # slot -> indices into _writes
         self.presets: dict[int, object] = {}  # slot -> a value every call's frame starts with
+        self.host_arrays: dict[int, Callable[[list], mx.array]] = {}  # slot -> made as each call starts
         self._write_counts: dict[int, int] | None = None  # see preset
 
     # -- slots ------------------------------------------------------------
@@ -161,6 +162,15 @@ class BuildContext:
         slot = self._shared_slots.get(key)
         if slot is None:
             slot = self._shared_slots[key] = self.scratch_slot()
+        return slot
+
+    def host_array(self, key, make: Callable[[list], mx.array]) -> int:
+        """One slot per ``key`` holding ``make(frame)``, an array made from
+        the inputs' host copies as each call starts (RoPE at the step's
+        position): the ops reading it read no host value themselves, so a
+        compiled run (``compiled_runs.py``) can take them."""
+        slot = self.shared_scratch_slot(("host array", key))
+        self.host_arrays.setdefault(slot, make)
         return slot
 
     def literal(self, value) -> int:
@@ -500,6 +510,7 @@ class GraphExecutor:
             template[slot] = value
         self._template = template
         self._host_slots = [(i, ctx.host_slots.get(i)) for i in self.input_slots]
+        self._host_arrays = list(ctx.host_arrays.items())
         if init is not None:
             run_guarded(init, template, "init chain")
             mx.eval([t for t in template[: ctx.num_constants] if t is not None])
@@ -570,6 +581,8 @@ class GraphExecutor:
                 f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
                     arr.reshape(-1)[0].item()
                 )
+        for slot, make in self._host_arrays:
+            f[slot] = make(f)
         ops = self._main
         if last_position_only and self._main_last_row is not None:
             ops = self._main_last_row
