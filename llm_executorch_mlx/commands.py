@@ -63,7 +63,7 @@ def _runtime_facts() -> dict:
         k = cpu.kernels()
         facts["blas"] = {"library": k.blas.library, "reason": k.blas.reason}
         facts.update(Plan(True, k).summary())
-    facts["decode_steps"] = ("the runs of ops between each layer's RoPE and attention replayed compiled"
+    facts["decode_steps"] = ("the ops between two layers' attention replayed as one compiled call"
                              if Plan(on_cpu()).compiles_steps else
                              "every op built from Python (LLM_PTE_COMPILED_STEPS=0)")
     return facts

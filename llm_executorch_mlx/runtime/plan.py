@@ -27,8 +27,8 @@ and epilogues                               it (SwiGLU after), one for a
                                             product and its residual add
 ==============  ==========================  ================================
 
-On either device a short step (decode) replays its runs of ops between the
-cache's attention and RoPE through ``mx.compile`` (``compiles_steps``).
+On either device a short step (decode) replays the ops between two layers'
+attention as one ``mx.compile``d call (``compiles_steps``).
 
 Without the extension (no compiler, ``LLM_PTE_CPU_KERNELS=0``) the CPU runs
 ``fastmath``'s MLX-op versions, which avoid MLX's slow scalar CPU paths.
@@ -220,8 +220,8 @@ class Plan:
 
     @property
     def compiles_steps(self) -> bool:
-        """Whether a short step (decode, a speculative try) replays the runs
-        of ops between the cache's attention and RoPE compiled
+        """Whether a short step (decode, a speculative try) replays the ops
+        between two layers' attention as one compiled call
         (``interp/compiled_runs.py``), on any device; ``LLM_PTE_COMPILED_STEPS=0``:
         every op built from Python."""
         return os.environ.get(COMPILED_STEPS_FLAG, "1") != "0"
