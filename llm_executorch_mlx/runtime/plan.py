@@ -220,7 +220,7 @@ class Plan:
 
     @property
     def compiles_steps(self) -> bool:
-        """Whether a short step (decode, a speculative try) replays the ops
+        """Whether a decode step replays the ops
         between two layers' attention as one compiled call
         (``interp/compiled_runs.py``), on any device; ``LLM_PTE_COMPILED_STEPS=0``:
         every op built from Python."""

@@ -23,8 +23,8 @@ trace read, so a replay never sees other values than its trace did: an op
 found reading a value that changes (a position on the host) is built op by
 op from then on and the runs around it re-planned, and a run that cannot
 be traced (an op that reads a value on the host) is built op by op. Only
-short steps are compiled (decode, a speculative try): a prefill chunk is
-bound by its arithmetic, and each new chunk length would cost a trace.
+decode steps are compiled: a prefill chunk is bound by its arithmetic, and
+each new chunk length would cost a recording and traces.
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ import mlx.core as mx
 from ..errors import PteError
 
 HOST_OPS = frozenset({"UpdateAndAttendNode", "AllSum"})  # they act beyond the frame: the cache, a collective
-# compiled: steps whose every input holds at most this many entries (decode, a try of the default draft)
-MOST_ENTRIES = 8
+# compiled: steps whose every input holds at most this many entries: decode. A
+# speculative try's steps come in many lengths, each costing a recording and
+# traces (and RoPE's tables for several positions are read on the host): with
+# them compiled, prompt lookup on the 135M model lost its gain.
+MOST_ENTRIES = 1
 
 
 class _Varies(Exception):

@@ -611,7 +611,7 @@ class GraphExecutor:
 
 
     def _runner(self, ops: list[tuple[str, Run]], inputs: list) -> Run:
-        """How this step runs ``ops``: a short step replays its chain's pure
+        """How this step runs ``ops``: a decode step replays its chain's pure
         runs compiled (``compiled_runs``) once its shape has come twice. The
         first step of a shape runs op by op (a one-off, as a short prompt
         often is, costs nothing more), the second while it is recorded."""
