@@ -494,7 +494,7 @@ class GraphExecutor:
         self._main = build_chain(ctx, graph.mainChainIdx)
         self._main_last_row = self._last_row_variant()
         self.node_names = [name for name, _ in self._main]
-        # short steps' chains with their pure runs compiled, by (chain, step shape)
+        # decode steps' chains with their pure runs compiled, by (chain, step shape)
         self._compiled: dict[tuple, CompiledChain] | None = {} if ctx.plan.compiles_steps else None
 
         template = [None] * ctx.frame_size
