@@ -71,9 +71,11 @@ def llama_3kv(exported):
 
 
 def free_ports(n: int) -> list[int]:
-    """``n`` consecutive free ports on 127.0.0.1 (``mlx.launch`` counts up from one)."""
+    """``n`` consecutive free ports on 127.0.0.1 (``mlx.launch`` counts up from one),
+    below Linux's ephemeral range (32768 on), where a rank's own outgoing
+    connection could take a port another rank is about to listen on."""
     for _ in range(100):
-        start = random.randrange(20000, 60000)
+        start = random.randrange(20000, 32000)
         sockets = []
         try:
             for port in range(start, start + n):
