@@ -1,6 +1,6 @@
 """The extension as other CPUs get it: built with its vector extensions capped
-(``LLM_PTE_CPU_VECTORS``: ``amx``, the default build with AMX tiles where
-the CPU has them; ``avx512``, AVX-512 without VNNI; ``avx2``, AVX2,
+(``LLM_PTE_CPU_VECTORS``: ``avx512_vnni``, the default build without AMX
+tiles, where the CPU has them; ``avx512``, AVX-512 without VNNI; ``avx2``, AVX2,
 FMA and F16C only; ``portable``, the compiler's default target, which runs
 the float kernels an Arm or older x86 CPU runs), each variant in its own process and its own cache directory,
 against numpy on the weights dequantized by hand and MLX's own ops.
@@ -82,6 +82,15 @@ for K, N, M in ((576, 200, 3), (576, 200, 5), (576, 200, 128), (13, 7, 6)):
         y = np.array(ext.gemv(mx.array(xm), weight))
         worst[f"gemv {name} {K}x{N} M{M}"] = float(
             np.abs(y - xm @ wide).max() / (1e-5 * np.sqrt(K) * np.abs(xm).max() * np.abs(wide).max()))
+if ext.limits()["bf16_dot"]:
+    # x rounded to bf16: 35 rows are two tiles of 16 (AMX's, where built) and 3 more;
+    # 56 weight rows a block of 32, one of 16 and 8 more
+    xm = rng.standard_normal((1, 35, 96)).astype(np.float32)
+    wm = mx.array(rng.standard_normal((96, 56)).astype(np.float32)).astype(mx.bfloat16)
+    xr = np.array(mx.array(xm).astype(mx.bfloat16).astype(mx.float32))
+    wide = np.array(wm.astype(mx.float32))
+    y = np.array(ext.gemv(mx.array(xm), wm, bf16_x=True))
+    worst["gemv bf16_x 96x56 M35"] = float(np.abs(y - xr @ wide).max() / (1e-5 * np.sqrt(96) * np.abs(xr).max() * np.abs(wide).max()))
 worst["widen_bf16"] = float(np.abs(np.array(ext.widen_bf16(w16.T)) - np.array(w16.T.astype(mx.float32))).max())
 for bits in (4, 8):
     q, s, b = mx.quantize(mx.array(rng.standard_normal((33, 256)).astype(np.float32)), group_size=32, bits=bits)
@@ -199,7 +208,8 @@ for name, make in () if lanes else (
     except ValueError as refusal:
         worst[f"refused: {name}"] = 0.0 if "no interleaved layout" in str(refusal) else 2.0
 print(json.dumps({"command": command, "worst": worst, "int8_bits": list(ext.limits()["int8_bits"]),
-                  "bf16_dot": ext.limits()["bf16_dot"], "int8_tiles": ext.limits()["int8_tiles"]}))
+                  "bf16_dot": ext.limits()["bf16_dot"], "int8_tiles": ext.limits()["int8_tiles"],
+                  "bf16_tiles": ext.limits()["bf16_tiles"]}))
 """
 
 
@@ -220,7 +230,7 @@ def amx_lent() -> bool:
 
 VARIANTS = (["portable"] + (["avx2"] if {"avx2", "fma"} <= cpu_flags() else [])
             + (["avx512"] if {"avx2", "fma", "avx512f", "avx512bw", "avx512vl"} <= cpu_flags() else [])
-            + (["amx"] if {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags() else []))
+            + (["avx512_vnni"] if {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags() else []))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -233,18 +243,30 @@ def test_every_vector_variant_computes_the_same_products(variant, tmp_path):
     flags = {f for f in report["command"] if f.startswith("-m")}
     avx2 = {"-mavx2", "-mfma"} | ({"-mf16c"} & {f"-m{f}" for f in cpu_flags()})
     avx512 = avx2 | {"-mavx512f", "-mavx512bw", "-mavx512vl"}
-    amx = (avx512 | {"-mavx512vnni", "-mamx-tile", "-mamx-int8"}
-           | ({"-mavx512bf16"} & {f"-m{f.replace('_', '')}" for f in cpu_flags()}))
-    assert flags == {"portable": set(), "avx2": avx2, "avx512": avx512, "amx": amx}[variant]
+    vnni = avx512 | {"-mavx512vnni"} | ({"-mavx512bf16"} & {f"-m{f.replace('_', '')}" for f in cpu_flags()})
+    assert flags == {"portable": set(), "avx2": avx2, "avx512": avx512, "avx512_vnni": vnni}[variant]
     # x86 has integer dot products, hence the interleaved layout and the int8
     # route (without VNNI: vpmaddubsw, 8-bit weights offset); the portable build has neither
     assert any(case.startswith("interleaved") for case in report["worst"]) == (variant != "portable")
     assert report["int8_bits"] == ([] if variant == "portable" else [4, 8])
-    assert report["bf16_dot"] is ("-mavx512bf16" in flags)  # only amx keeps AVX512_BF16
-    # the tiles wherever the build has them and Linux lends them (the int8 cases' 130 rows take them)
-    assert report["int8_tiles"] is (variant == "amx" and amx_lent())
+    assert report["bf16_dot"] is ("-mavx512bf16" in flags)  # only avx512_vnni keeps AVX512_BF16
+    assert not report["int8_tiles"] and not report["bf16_tiles"]  # no variant has AMX; the default build does
     too_far = {case: ratio for case, ratio in report["worst"].items() if not ratio <= 1.0}
     assert not too_far, f"{variant}: errors above tolerance (as a fraction of it): {too_far}"
+
+
+def test_the_default_build_takes_amx_tiles_where_the_cpu_lends_them():
+    """The default build multiplies on AMX's tiles wherever the CPU has them
+    and Linux lends them (the rest of the suite then runs its products
+    there), and nowhere else."""
+    from llm_executorch_mlx.runtime import cpu
+
+    found = cpu.kernels(build=True)
+    assert found.products.on, found.products.why
+    limits = found.extension.limits()
+    amx = {"amx_tile", "amx_int8", "avx512_vnni"} <= cpu_flags() and amx_lent()
+    assert limits["int8_tiles"] is amx
+    assert limits["bf16_tiles"] is (amx and {"amx_bf16", "avx512_bf16"} <= cpu_flags())
 
 
 SOURCES = pathlib.Path(__file__).resolve().parent.parent / "llm_executorch_mlx" / "runtime" / "cpu"

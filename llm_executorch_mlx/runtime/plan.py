@@ -256,7 +256,8 @@ class Plan:
             f"the compiled kernel's products up to {self.dense_rows(mx.float32)} rows, BLAS's sgemm above"
             if k.fp32_rows else "the compiled kernel's products or BLAS's sgemm, as measured on the first prompt")
         facts["bf16_products"] = (
-            "activations rounded to bf16, bf16 dot products (-o bf16_activations false: fp32)"
+            "activations rounded to bf16, bf16 dot products"
+            f"{', on AMX tiles 16 rows at a time' if limits.bf16_tiles else ''} (-o bf16_activations false: fp32)"
             if self.rounds_to_bf16 else "fp32 activations" + (
                 " (-o bf16_activations false)" if limits.bf16_dot else " (no bf16 dot products here)"))
         exact = (f"activations within 2^-16 for up to {limits.interleaved_rows} rows (up to {limits.quantized_rows} "

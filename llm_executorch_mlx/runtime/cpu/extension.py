@@ -42,7 +42,8 @@ from . import native
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("attention.cpp", "gemv.cpp", "swiglu.cpp", "rms_norm.cpp", "shared_work.cpp", "module.cpp"))
 HEADERS = tuple(HERE / name for name in ("kernels.h", "primitive.h", "shared_work.h", "simd.h", "quantized_rows.h", "quantized_dot.h",
-                                        "quantized_interleaved.h", "quantized_int8.h", "quantized_amx.h"))
+                                        "quantized_interleaved.h", "quantized_int8.h", "quantized_amx.h",
+                                        "amx.h", "dense_amx.h"))
 MODULE = "cpu_kernels"
 VECTORS_FLAG = "LLM_PTE_CPU_VECTORS"
 NOT_BUILT = "built on the first prompt (~30 s, once)"
@@ -115,13 +116,13 @@ def _vector_flags() -> list[str]:
     and F16C (the exp and dot loops vectorise 8 wide, the quantized products
     use integer dot products, an fp16 cache widens in one instruction),
     AVX-512BW (those 16 wide), VNNI and BF16 (bf16 products with
-    ``vdpbf16ps``); other machines get the compiler's default target.
-    ``LLM_PTE_CPU_VECTORS=amx`` adds AMX where the CPU has it (the int8
-    products 16 rows of x at a time where Linux lends the tiles; opt-in,
-    docs/design.md says why). ``LLM_PTE_CPU_VECTORS`` caps them: ``avx512``
-    (AVX-512 without VNNI or BF16), ``avx2`` (AVX2, FMA and F16C only) or
-    ``portable`` (the default target: the kernels other CPUs run), which the
-    tests use to run every variant here."""
+    ``vdpbf16ps``), and AMX (the int8 and bf16 products 16 rows of x at a
+    time, where Linux lends the tiles); other machines get the compiler's
+    default target. ``LLM_PTE_CPU_VECTORS`` caps them: ``avx512_vnni``
+    (AVX-512 with VNNI and BF16, no AMX), ``avx512`` (AVX-512 without VNNI
+    or BF16), ``avx2`` (AVX2, FMA and F16C only) or ``portable`` (the default
+    target: the kernels other CPUs run), which the tests use to run every
+    variant here."""
     cap = os.environ.get(VECTORS_FLAG, "native")
     if platform.machine() not in ("x86_64", "AMD64") or cap == "portable":
         return []
@@ -140,8 +141,8 @@ def _vector_flags() -> list[str]:
             wanted.append("-mavx512vnni")
         if "avx512_bf16" in flags and cap != "avx512":
             wanted.append("-mavx512bf16")
-        if {"amx_tile", "amx_int8", "avx512_vnni"} <= flags and cap == "amx":
-            wanted += ["-mamx-tile", "-mamx-int8"]
+        if {"amx_tile", "amx_int8", "avx512_vnni"} <= flags and cap not in ("avx512", "avx512_vnni"):
+            wanted += ["-mamx-tile", "-mamx-int8"] + (["-mamx-bf16"] if {"amx_bf16", "avx512_bf16"} <= flags else [])
     elif "avx_vnni" in flags and cap != "avx512":
         wanted.append("-mavxvnni")
     return wanted

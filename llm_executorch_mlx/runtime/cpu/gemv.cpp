@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "dense_amx.h"
 #include "kernels.h"
 #include "quantized_amx.h"
 #include "quantized_dot.h"
@@ -57,6 +58,9 @@ struct Product {
   // a dense product against bf16 weights with x rounded to bf16 (x then
   // holds the rounded values as fp32, for the loops the pairs do not cover)
   const uint16_t* xb = nullptr;
+  // and its first xt_rows rows as AMX's B tiles (dense_amx.h), where they take them
+  const uint32_t* xt = nullptr;
+  int xt_rows = 0;
 };
 
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
@@ -311,6 +315,21 @@ constexpr int64_t kL1PanelBytes = 32 * 1024;
 // loaded (exactly: a bf16 is the top half of an fp32).
 template <typename T>
 void dense_product_rows(const Product& j, int64_t lo, int64_t hi) {
+#if LLM_PTE_BF16_TILES
+  if (j.xt) {
+    // x's whole tiles of rows against whole blocks of 16 weight rows on
+    // the tiles; the other rows of x, and the last few weight rows, below
+    const int64_t tiled = lo + (hi - lo) / kBf16Tile * kBf16Tile;
+    bf16_tile_product(static_cast<const uint16_t*>(j.w), j.w_row, j.K, j.xt, j.xt_rows, j.y, j.N, lo, tiled);
+    Product rest = j, last = j;
+    rest.xt = last.xt = nullptr;
+    rest.x += j.xt_rows * j.K, rest.xb += j.xt_rows * j.K, rest.y += j.xt_rows * j.N, rest.x_rows -= j.xt_rows;
+    last.x_rows = j.xt_rows;
+    if (rest.x_rows) dense_product_rows<T>(rest, lo, hi);
+    if (tiled < hi) dense_product_rows<T>(last, tiled, hi);
+    return;
+  }
+#endif
   const T* W = static_cast<const T*>(j.w);
   if (j.w_col != 1) {
     for (int r = 0; r < j.x_rows; ++r) {
@@ -496,6 +515,8 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
     const int64_t x_col = x.strides().back(), x_row = x.ndim() >= 2 ? x.strides(-2) : K;
     const std::optional<mx::array> addend = adds_ ? std::optional(inputs.back()) : std::nullopt;
     const bool bf16_x = bf16_x_;  // the task may run after this primitive is gone: no member in it
+    bool rows_contiguous = true;
+    for (const auto& p : each) rows_contiguous = rows_contiguous && p.w_col == 1;
     encoder.dispatch([=]() mutable {
       for (auto& flag : started) flag->store(true, std::memory_order_relaxed);
       std::vector<float> packed;  // x's rows, contiguous
@@ -515,6 +536,15 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
         round_to_bf16(xs, M * K, xb.data(), rounded.data());
         xs = rounded.data();
       }
+      // x's whole tiles of 16 rows for AMX, where the build and the CPU have them
+      thread_local std::vector<uint32_t> xt;
+      const int tiled = bf16_x && rows_contiguous ? bf16_tile_rows(M, K) : 0;
+#if LLM_PTE_BF16_TILES
+      if (tiled) {
+        if (xt.size() < size_t(tiled * K / 2)) xt.resize(tiled * K / 2);
+        bf16_tile_x(xb.data(), K, tiled, xt.data());
+      }
+#endif
       Products task{each, {}, {}};
       // one row of x: ~64k weights (256 KB of fp32) a chunk, whole passes
       // of its C rows: each chunk is a stream the hardware prefetcher must pick
@@ -523,10 +553,13 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
       // pass over x's rows finds in cache and whose next rows the first pass
       // prefetches; fewer rows a chunk would spend the passes on restarts.
       constexpr int64_t one = kWeightRows<1>;
-      const int64_t rows = M > 1 ? kDenseChunkRows : std::max<int64_t>(one, 65536 / std::max<int64_t>(K, 1) / one * one);
+      // On the tiles: two blocks of 16 weight rows a chunk.
+      const int64_t rows = tiled ? 2 * 16 : M > 1 ? kDenseChunkRows : std::max<int64_t>(one, 65536 / std::max<int64_t>(K, 1) / one * one);
       for (int i = 0; i < n; ++i) {
         task.each[i].x = xs;
         task.each[i].xb = bf16_x ? xb.data() : nullptr;
+        task.each[i].xt = tiled ? xt.data() : nullptr;
+        task.each[i].xt_rows = tiled;
         task.chunk_rows.push_back(rows);
         for (int64_t first = 0; first < each[i].N; first += rows) task.chunks.emplace_back(i, first);
       }
@@ -964,7 +997,8 @@ Limits limits() {
   l.int8_bits = {4, 8};
 #endif
   l.bf16_dot = LLM_PTE_BF16_DOT;
-  l.int8_tiles = amx_allowed();
+  l.int8_tiles = LLM_PTE_INTEGER_DOT && amx_allowed();
+  l.bf16_tiles = LLM_PTE_BF16_TILES && amx_allowed();
   return l;
 }
 

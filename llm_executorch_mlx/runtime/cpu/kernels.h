@@ -124,6 +124,7 @@ struct Limits {
   std::vector<int> int8_bits;  // the widths multiplied with int8 activations here
   bool bf16_dot = false;  // gemv's bf16_x: bf16 weights times x rounded to bf16 (AVX512_BF16)
   bool int8_tiles = false;  // int8 products take x's rows 16 at a time on AMX tiles (quantized_amx.h)
+  bool bf16_tiles = false;  // bf16_x products take x's rows 16 at a time on AMX tiles (dense_amx.h)
 };
 Limits limits();
 

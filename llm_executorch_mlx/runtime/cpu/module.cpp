@@ -91,11 +91,12 @@ NB_MODULE(cpu_kernels, m) {
         d["int8_bits"] = nb::tuple(nb::cast(l.int8_bits));
         d["bf16_dot"] = l.bf16_dot;
         d["int8_tiles"] = l.int8_tiles;
+        d["bf16_tiles"] = l.bf16_tiles;
         return d;
       },
       "What this build's products take (kernels.h's Limits) as a dict: most rows of x per layout,\n"
       "the rows of an interleaved block (0: none here), the quantized widths and group sizes, and\n"
-      "whether the int8 products take AMX tiles (int8_tiles).");
+      "whether the int8 and bf16_x products take AMX tiles (int8_tiles, bf16_tiles).");
   m.def("silu_mul", &llm_pte::silu_mul, "gate"_a, "up"_a, nb::kw_only(), "stream"_a = nb::none(),
         "silu(gate) * up for float32 gate and up of one shape, on the CPU, vectorised.");
   m.def("rms_norm", &llm_pte::rms_norm, "x"_a, "weight"_a.none(), "eps"_a, nb::kw_only(), "stream"_a = nb::none(),

@@ -18,15 +18,13 @@
 
 #pragma once
 
+#include "amx.h"
 #include "quantized_int8.h"
 
 #if LLM_PTE_INTEGER_DOT && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
 
 #include <algorithm>
 #include <vector>
-
-#include <sys/syscall.h>
-#include <unistd.h>
 
 namespace llm_pte {
 
@@ -35,14 +33,6 @@ constexpr int kAmxRows = 16;  // rows of x in a tile, and weight rows (columns) 
 // overlap the scaling, and the VNNI tiles are as fast (bench_rows.py).
 constexpr int kAmxMinRows = 2 * kAmxRows;
 static_assert(kLanes32 == kAmxRows, "a block of quads is one B tile wide");
-
-// Linux lends a process the 8 KB of tile registers only once it asks; the
-// kernel refuses where the CPU or the hypervisor leaves the tile state off.
-inline bool amx_allowed() {
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  static const bool allowed = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
-  return allowed;
-}
 
 // Tiles 0 and 1: x, 16 rows of a span of k (a group's values, at most 64);
 // 2 and 3: the weights of two blocks over that span; 4-5 and 6-7: sums, 16
@@ -224,7 +214,6 @@ int amx_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
 #else
 
 namespace llm_pte {
-inline bool amx_allowed() { return false; }  // no tiles in this build
 #if LLM_PTE_INTEGER_DOT
 template <int BITS>
 int amx_rows(const Int8Rows&, int64_t, int64_t) {

@@ -57,6 +57,7 @@ class Limits:
     int8_bits: tuple[int, ...]
     bf16_dot: bool  # bf16 weights times x rounded to bf16 (``gemv``'s ``bf16_x``)
     int8_tiles: bool  # the int8 products take x's rows 16 at a time on AMX tiles
+    bf16_tiles: bool  # the bf16 products (``bf16_x``) take x's rows 16 at a time on AMX tiles
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,28 @@
+// What every AMX route needs first: Linux lends a process the 8 KB of tile
+// registers only once it asks, and refuses where the CPU or the hypervisor
+// leaves the tile state off. Builds without tiles answer no.
+
+#pragma once
+
+#if defined(__AMX_TILE__)
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+namespace llm_pte {
+
+inline bool amx_allowed() {
+  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+  static const bool allowed = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return allowed;
+}
+
+}  // namespace llm_pte
+
+#else
+
+namespace llm_pte {
+inline bool amx_allowed() { return false; }  // no tiles in this build
+}  // namespace llm_pte
+
+#endif
