@@ -140,7 +140,8 @@ class Plan:
     def rows_match_steps(self) -> bool:
         """Whether each row of a call of several tokens gets the logits a
         call of that token alone gets, as close as greedy choices need: on
-        the CPU, whose products sum each row alike whatever the rows; a GPU
+        the CPU, whose products sum each row in fp32 whatever the rows (in
+        another order from some row count on: BLAS, AMX tiles); a GPU
         runs other kernels (a GEMM's tiles, not a GEMV's) for several rows,
         so a token decided there may differ where the top two logits are
         within rounding (speculative decoding, ``generate.speculate``)."""

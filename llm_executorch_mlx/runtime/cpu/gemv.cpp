@@ -58,9 +58,8 @@ struct Product {
   // a dense product against bf16 weights with x rounded to bf16 (x then
   // holds the rounded values as fp32, for the loops the pairs do not cover)
   const uint16_t* xb = nullptr;
-  // and its first xt_rows rows as AMX's B tiles (dense_amx.h), where they take them
+  // and its rows as AMX's B tiles (dense_amx.h), where they take them
   const uint32_t* xt = nullptr;
-  int xt_rows = 0;
 };
 
 // Most rows of x a quantized product takes: a short chunk's, whose weights are
@@ -317,15 +316,12 @@ template <typename T>
 void dense_product_rows(const Product& j, int64_t lo, int64_t hi) {
 #if LLM_PTE_BF16_TILES
   if (j.xt) {
-    // x's whole tiles of rows against whole blocks of 16 weight rows on
-    // the tiles; the other rows of x, and the last few weight rows, below
+    // every row of x against whole blocks of 16 weight rows on the tiles;
+    // the last few weight rows below
     const int64_t tiled = lo + (hi - lo) / kBf16Tile * kBf16Tile;
-    bf16_tile_product(static_cast<const uint16_t*>(j.w), j.w_row, j.K, j.xt, j.xt_rows, j.y, j.N, lo, tiled);
-    Product rest = j, last = j;
-    rest.xt = last.xt = nullptr;
-    rest.x += j.xt_rows * j.K, rest.xb += j.xt_rows * j.K, rest.y += j.xt_rows * j.N, rest.x_rows -= j.xt_rows;
-    last.x_rows = j.xt_rows;
-    if (rest.x_rows) dense_product_rows<T>(rest, lo, hi);
+    bf16_tile_product(static_cast<const uint16_t*>(j.w), j.w_row, j.K, j.xt, j.x_rows, j.y, j.N, lo, tiled);
+    Product last = j;
+    last.xt = nullptr;
     if (tiled < hi) dense_product_rows<T>(last, tiled, hi);
     return;
   }
@@ -536,12 +532,12 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
         round_to_bf16(xs, M * K, xb.data(), rounded.data());
         xs = rounded.data();
       }
-      // x's whole tiles of 16 rows for AMX, where the build and the CPU have them
+      // x's rows as AMX's tiles of 16, where the build and the CPU have them
       thread_local std::vector<uint32_t> xt;
       const int tiled = bf16_x && rows_contiguous ? bf16_tile_rows(M, K) : 0;
 #if LLM_PTE_BF16_TILES
       if (tiled) {
-        if (xt.size() < size_t(tiled * K / 2)) xt.resize(tiled * K / 2);
+        if (xt.size() < size_t(bf16_tile_span(tiled) * K / 2)) xt.resize(bf16_tile_span(tiled) * K / 2);
         bf16_tile_x(xb.data(), K, tiled, xt.data());
       }
 #endif
@@ -559,7 +555,6 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
         task.each[i].x = xs;
         task.each[i].xb = bf16_x ? xb.data() : nullptr;
         task.each[i].xt = tiled ? xt.data() : nullptr;
-        task.each[i].xt_rows = tiled;
         task.chunk_rows.push_back(rows);
         for (int64_t first = 0; first < each[i].N; first += rows) task.chunks.emplace_back(i, first);
       }
@@ -997,7 +992,7 @@ Limits limits() {
   l.int8_bits = {4, 8};
 #endif
   l.bf16_dot = LLM_PTE_BF16_DOT;
-  l.int8_tiles = LLM_PTE_INTEGER_DOT && amx_allowed();
+  l.int8_tiles = amx_allowed();  // an AMX build has integer dot products
   l.bf16_tiles = LLM_PTE_BF16_TILES && amx_allowed();
   return l;
 }
