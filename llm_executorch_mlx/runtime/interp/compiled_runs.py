@@ -146,6 +146,8 @@ class _Run:
             outs = compiled(*[frame[s] for s in arrays])
         except Exception:  # an op that needs a value on the host: build it op by op
             return None
+        if not written:  # MLX answered from a trace it holds under this function's id: not ours
+            return None
         f = written[0]
         array_outputs = [s for s in self.outputs if isinstance(f[s], mx.array)]
         host_outputs = [(s, f[s]) for s in self.outputs if not isinstance(f[s], mx.array)]
