@@ -759,7 +759,7 @@ def test_the_plan_writes_and_attends_in_one_op_where_a_flat_layer_stores_keys_an
 
     def op(window, keys, values):
         in_op = plan.update_and_attend(0.5, window, (storage(keys), storage(values)))
-        return in_op and in_op.__qualname__.split(".")[0]
+        return in_op and in_op.run.__qualname__.split(".")[0]
 
     assert op(0, "int8", "int4") == "quantized_update_and_attend"
     assert op(0, "bf16", "bf16") == "update_and_attend"

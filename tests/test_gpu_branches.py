@@ -191,15 +191,25 @@ def blocks(monkeypatch):
 
             return launch
 
+        def update_and_attend(self, scale):
+            inner = super().update_and_attend(scale)
+
+            def run(*args):
+                launched["attention"] += 1
+                return inner(*args)
+
+            return run
+
     monkeypatch.setattr(decode, "for_device", Counting)
     return launched
 
 
 @pytest.mark.parametrize("dtype,qlinear,bits", [("bf16", None, 0), ("fp32", "4w", 4)])
 def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, calls, blocks, dtype, qlinear, bits):
-    """Per layer and decode step: the input norm with q, k, v; the output
-    product with its residual add; the second norm with gate, up and SwiGLU;
-    the down product with its add. Prefill chunks run node by node."""
+    """Per layer and decode step: the input norm with q, k, v; the cache
+    write with attention; the output product with its residual add; the
+    second norm with gate, up and SwiGLU; the down product with its add.
+    Prefill chunks run node by node."""
     model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
     tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="auto")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
@@ -207,7 +217,7 @@ def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, 
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL if dtype == "bf16" else Q4_REL_TOL)
     layers = load_program(pte).metadata.n_caches
     assert blocks == {(3, True, "", bits): NEW_TOKENS * layers, (1, False, "add", bits): 2 * NEW_TOKENS * layers,
-                      (2, True, "swiglu", bits): NEW_TOKENS * layers}
+                      (2, True, "swiglu", bits): NEW_TOKENS * layers, "attention": NEW_TOKENS * layers}
     assert calls.get("swiglu", 0) == -(-PROMPT_LEN // load_program(pte).metadata.prefill_chunk) * layers
 
 

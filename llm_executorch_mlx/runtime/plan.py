@@ -41,13 +41,13 @@ import math
 import os
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import mlx.core as mx
 
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
-from .gpu import decode
+from .gpu import attention, decode
 from .steps import PLAIN, Steps, helped
 
 if TYPE_CHECKING:
@@ -67,6 +67,18 @@ class Layout(enum.Enum):
     MLX = "mlx"  # MLX's affine layout, as the file stores it
     INTERLEAVED = "interleaved"  # blocks of rows interleaved (cpu/quantized_interleaved.h)
     INT8 = "int8"  # interleaved four bytes a row at a time, read with int8 activations (cpu/quantized_int8.h)
+
+
+class InOp(NamedTuple):
+    """A cache layer's write and attention as one op: ``run(Q, Kn, Vn, K, V,
+    position, position_array)`` (K and V each a pool's list of arrays;
+    ``position_array`` the position as an int32 array where ``on_device``
+    asks for it, else None) returns ``(y, K', V')``, for the steps
+    ``takes(Q, Kn, Vn)`` accepts."""
+
+    run: Callable
+    takes: Callable
+    on_device: bool = False  # a GPU's: the position read from an array
 
 
 @dataclass(frozen=True)
@@ -206,18 +218,24 @@ class Plan:
             return fallback
         return extension_ops.attention(self.extension, fallback, window)
 
-    def update_and_attend(self, scale: float, window: int, storages: tuple[Storage, Storage]):
+    def update_and_attend(self, scale: float, window: int, storages: tuple[Storage, Storage]) -> InOp | None:
         """A cache layer's write and attention as one op (``SequenceCache.update_in_op``'s),
         or None: for a flat layer (``window`` 0) whose keys and values are
-        stored alike, both in one float dtype or both quantized."""
-        if window or self.extension is None or not self.kernels.attention.on:
+        stored alike: on a CPU both in one float dtype or both quantized; on
+        a GPU with the decode-step kernels, both in one float dtype."""
+        if window:
             return None
         keys, values = storages
-        if keys.quantized and values.quantized:
-            return extension_ops.quantized_update_and_attend(self.extension, scale, keys, values)
-        if keys.quantized or values.quantized or keys.dtype != values.dtype:
+        alike = not keys.quantized and not values.quantized and keys.dtype == values.dtype
+        if not self.cpu:
+            blocks = self.decode_blocks
+            return None if blocks is None or not alike else InOp(blocks.update_and_attend(scale), attention.takes, True)
+        if self.extension is None or not self.kernels.attention.on:
             return None
-        return extension_ops.update_and_attend(self.extension, scale)
+        if keys.quantized and values.quantized:
+            return InOp(extension_ops.quantized_update_and_attend(self.extension, scale, keys, values),
+                        extension_ops.in_op_takes)
+        return InOp(extension_ops.update_and_attend(self.extension, scale), extension_ops.in_op_takes) if alike else None
 
     @property
     def compiles_steps(self) -> bool:

@@ -86,12 +86,11 @@ def quantized_attention(extension, fallback, window: int = 0):
 
 def update_and_attend(extension, scale: float):
     """A flat layer's step as one op: the cache write and the attention
-    (``in_op(Q, Kn, Vn, K, V, position)``, K and V each a pool's list of
-    arrays, returning ``(y, K', V')``; for what ``in_op_takes``). Five MLX
+    (``Plan.update_and_attend``'s ``InOp`` run, for what ``in_op_takes``). Five MLX
     nodes a layer fewer than writing the pools with ``__setitem__``, slicing
     them and attending."""
 
-    def in_op(Q, Kn, Vn, K, V, position):
+    def in_op(Q, Kn, Vn, K, V, position, position_array):
         y, k_pool, v_pool = extension.update_and_attend(Q, Kn, Vn, *K, *V, position, scale, stream=mx.cpu)
         return y, [k_pool], [v_pool]
 
@@ -106,7 +105,7 @@ def quantized_update_and_attend(extension, scale: float, keys: Storage, values: 
     value's fp16 differently about once in 1,500): a few hundred MLX nodes a
     step fewer than encoding, writing and slicing three arrays a pool."""
 
-    def in_op(Q, Kn, Vn, K, V, position):
+    def in_op(Q, Kn, Vn, K, V, position, position_array):
         y, *pools = extension.quantized_update_and_attend(
             Q, Kn, Vn, *K, *V, position, scale, keys.bits, values.bits, keys.group_size(Q.shape[-1]),
             rotated=keys.rotated, stream=mx.cpu)

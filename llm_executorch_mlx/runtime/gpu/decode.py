@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import attention
+
 WARPS = 8  # warps a block: one output row each
 SHARED_BYTES = 46 * 1024  # most a block stages of x (the static shared-memory limit is 48 KiB)
 DENSE = (mx.float32, mx.float16, mx.bfloat16)
@@ -216,6 +218,10 @@ class MlxOps:
 
         return launch
 
+    def update_and_attend(self, scale: float):
+        """A flat cache layer's write and attention, in MLX's ops."""
+        return attention.mlx_op(scale)
+
 
 def _product(x, w: Weight):
     if w.bits:
@@ -249,6 +255,10 @@ class CudaKernels:
                           grid=grid, threadgroup=threads)
 
         return launch
+
+    def update_and_attend(self, scale: float):
+        """A flat cache layer's write and attention as one kernel (``attention.py``)."""
+        return attention.kernel_op(scale)
 
 
 def _signature(block: Block) -> tuple:

@@ -137,9 +137,7 @@ def _fuse(ctx, instructions: list, i: int):
     freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
     mx.eval(freqs)
     rope = mx.fast.rope
-    # the step's first position as an array made as the call starts, where it is an input's
-    offset = ctx.host_array(("rope offset", positions), lambda f: mx.array(position(f), dtype=mx.int32)) \
-        if positions in ctx.input_tids else None
+    offset = ctx.position_array_of(positions)
 
     def run(f):
         X = f[x]

@@ -173,6 +173,19 @@ class BuildContext:
         self.host_arrays.setdefault(slot, make)
         return slot
 
+    def position_array(self, tid) -> int | None:
+        """The slot of a host array of integer tensor ``tid``'s element 0 (a
+        step's first position, as RoPE and the cache's kernels take it on a
+        GPU), made as each call starts; None where it is not an input's."""
+        return self.position_array_of(self._host_source(self.t(tid)))
+
+    def position_array_of(self, i: int) -> int | None:
+        """``position_array`` for tensor slot ``i`` (already traced to its source)."""
+        if i not in self.input_tids:
+            return None
+        position = self.host_int_of(i)
+        return self.host_array(("position", i), lambda f: mx.array(position(f), dtype=mx.int32))
+
     def literal(self, value) -> int:
         """Frame index of a slot holding a constant (ints, floats, arrays...)."""
         key = (type(value), value if isinstance(value, (int, float, bool, str)) else id(value))

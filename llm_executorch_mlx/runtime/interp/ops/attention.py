@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ...cpu.extension_ops import in_op_takes
 from ...errors import PteError
 from .table import op
 
@@ -29,11 +28,13 @@ def build_update_and_attend(n, ctx):
     sdpa = ctx.plan.cache_attention(window, cache.quantized)
     # the layer's write and attention as one op, where the plan has it
     in_op = ctx.plan.update_and_attend(scale, window, cache.storage)
+    at_array = ctx.position_array(n.position) if in_op is not None and in_op.on_device else None
 
     def run(f):
         at, Q, Kn, Vn = position(f), f[q], f[k], f[v]
-        if in_op is not None and in_op_takes(Q, Kn, Vn):
-            y = cache.update_in_op(layer, at, Kn, lambda K, V: in_op(Q, Kn, Vn, K, V, at))
+        if in_op is not None and in_op.takes(Q, Kn, Vn):
+            held = None if at_array is None else f[at_array]
+            y = cache.update_in_op(layer, at, Kn, lambda K, V: in_op.run(Q, Kn, Vn, K, V, at, held))
         else:
             K, V, mask = cache.update_and_fetch(layer, at, Kn, Vn)
             y = sdpa(Q, K, V, scale=scale, mask=mask)
