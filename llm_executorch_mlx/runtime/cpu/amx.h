@@ -9,7 +9,21 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <cstdint>
+
 namespace llm_pte {
+
+// The tile configuration `_tile_loadconfig` reads (palette 1): each tile's
+// bytes a row and rows. A route sets the tiles it uses.
+struct alignas(64) TileShapes {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes[16] = {};
+  uint8_t rows[16] = {};
+  void set(int tile, int row_bytes, int tile_rows) {
+    bytes[tile] = uint16_t(row_bytes);
+    rows[tile] = uint8_t(tile_rows);
+  }
+};
 
 inline bool amx_allowed() {
   constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA

@@ -36,12 +36,11 @@ constexpr int kBf16TileK = 32;  // k a tile multiplies over (64 bytes of bf16)
 // are slower from 8 rows on.
 constexpr int kBf16TileMinRows = 8;
 
-// Rows of x (M of them, K wide) the tiles take: all of them (the last tile
-// padded), where there are enough, the tiles are lent and K is whole tiles;
-// otherwise none, and the vector units take them.
-inline int bf16_tile_rows(int64_t M, int64_t K) {
-  if (M < kBf16TileMinRows || K % kBf16TileK || !amx_allowed()) return 0;
-  return int(M);
+// Whether the tiles take x's M rows (K wide), all of them, the last tile
+// padded: where there are enough, the tiles are lent and K is whole tiles;
+// otherwise the vector units take them.
+inline bool bf16_tiles_take(int64_t M, int64_t K) {
+  return M >= kBf16TileMinRows && K % kBf16TileK == 0 && amx_allowed();
 }
 
 // Rows of x as laid out for the tiles: whole tiles.
@@ -61,14 +60,11 @@ inline void bf16_tile_x(const uint16_t* xb, int64_t K, int rows, uint32_t* xt) {
 // Tiles 0-1: two blocks of 16 weight rows; 2-3: two tiles of x; 4-7 their
 // sums (4: weights 0 by x 2, 5: 0 by 3, 6: 1 by 2, 7: 1 by 3); each 16 rows of
 // 64 bytes.
-struct alignas(64) Bf16TileShapes {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes[16] = {};
-  uint8_t rows[16] = {};
-  Bf16TileShapes() {
-    for (int t = 0; t < 8; ++t) bytes[t] = 64, rows[t] = kBf16Tile;
-  }
-};
+inline TileShapes bf16_tile_shapes() {
+  TileShapes shapes;
+  for (int t = 0; t < 8; ++t) shapes.set(t, 64, kBf16Tile);
+  return shapes;
+}
 
 // One tile of sums ([weight row][row of x]) into y (row stride N) as y's
 // [row of x][weight row], for its first `rows` rows of x (the rest padding).
@@ -126,7 +122,7 @@ void bf16_tiles(const uint16_t* w, int64_t w_row, int64_t K, const uint32_t* xt,
 // every two tiles of x.
 inline void bf16_tile_product(const uint16_t* W, int64_t w_row, int64_t K, const uint32_t* xt, int rows, float* y,
                               int64_t N, int64_t lo, int64_t hi) {
-  const Bf16TileShapes shapes;
+  const TileShapes shapes = bf16_tile_shapes();
   _tile_loadconfig(&shapes);
   for (int64_t n = lo; n < hi; n += 2 * kBf16Tile) {
     const uint16_t* w = W + n * w_row;
@@ -149,7 +145,7 @@ inline void bf16_tile_product(const uint16_t* W, int64_t w_row, int64_t K, const
 #define LLM_PTE_BF16_TILES 0
 
 namespace llm_pte {
-inline int bf16_tile_rows(int64_t, int64_t) { return 0; }  // no bf16 tiles in this build
+inline bool bf16_tiles_take(int64_t, int64_t) { return false; }  // no bf16 tiles in this build
 }  // namespace llm_pte
 
 #endif

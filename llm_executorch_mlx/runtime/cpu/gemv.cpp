@@ -534,11 +534,11 @@ class SharedGemv : public CpuPrimitive<SharedGemv, SharedPrimitive> {
       }
       // x's rows as AMX's tiles of 16, where the build and the CPU have them
       thread_local std::vector<uint32_t> xt;
-      const int tiled = bf16_x && rows_contiguous ? bf16_tile_rows(M, K) : 0;
+      const bool tiled = bf16_x && rows_contiguous && bf16_tiles_take(M, K);
 #if LLM_PTE_BF16_TILES
       if (tiled) {
-        if (xt.size() < size_t(bf16_tile_span(tiled) * K / 2)) xt.resize(bf16_tile_span(tiled) * K / 2);
-        bf16_tile_x(xb.data(), K, tiled, xt.data());
+        if (xt.size() < size_t(bf16_tile_span(int(M)) * K / 2)) xt.resize(bf16_tile_span(int(M)) * K / 2);
+        bf16_tile_x(xb.data(), K, int(M), xt.data());
       }
 #endif
       Products task{each, {}, {}};

@@ -39,16 +39,13 @@ static_assert(kLanes32 == kAmxRows, "a block of quads is one B tile wide");
 // rows of x by 16 weight rows in int32, for x's even and odd tiles: while
 // one tile's sums are scaled on the vector units, the next is multiplied.
 // A group's weight tiles stay loaded for every tile of x.
-struct alignas(64) TileShapes {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes[16] = {};
-  uint8_t rows[16] = {};
-  explicit TileShapes(int span) {
-    for (int t : {0, 1}) bytes[t] = uint16_t(span), rows[t] = kAmxRows;
-    for (int t : {2, 3}) bytes[t] = 64, rows[t] = uint8_t(span / 4);
-    for (int t : {4, 5, 6, 7}) bytes[t] = 64, rows[t] = kAmxRows;
-  }
-};
+inline TileShapes int8_tile_shapes(int span) {
+  TileShapes shapes;
+  for (int t : {0, 1}) shapes.set(t, span, kAmxRows);
+  for (int t : {2, 3}) shapes.set(t, 64, span / 4);
+  for (int t : {4, 5, 6, 7}) shapes.set(t, 64, kAmxRows);
+  return shapes;
+}
 
 // GCC's tile intrinsics name their tiles in the assembly text, so each
 // tile's number is spelled out. Sums tile C takes x tile (C - 4) / 2 and
@@ -185,7 +182,7 @@ template <int BITS>
 int amx_rows(const Int8Rows& r, int64_t lo, int64_t hi) {
   const int rows = r.M / kAmxRows * kAmxRows;
   if (rows < kAmxMinRows || !amx_allowed()) return 0;
-  const TileShapes shapes(std::min(r.group, 64));
+  const TileShapes shapes = int8_tile_shapes(std::min(r.group, 64));
   _tile_loadconfig(&shapes);
   const int64_t block_bytes = r.K * BITS / 8 * kLanes32, tile_block = r.K * kLanes32;
   const bool symmetric = r.scales.biases == nullptr;
