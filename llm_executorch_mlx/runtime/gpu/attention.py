@@ -34,7 +34,7 @@ HEAD_DIMS = (64, 128)
 
 _SOURCE = r"""
 constexpr int WARPS = {warps};
-const float NEG_INF = __int_as_float(0xff800000);
+const float NEG_INF = -__int_as_float(0x7f800000);
 const int h = blockIdx.x, kvh = h / (H / HKV);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int n = position[0];                         // keys already in the pool
