@@ -8,8 +8,9 @@ real-model shapes:
 
 - **agreement**: the kernel's outputs against the same block in MLX's ops
   (``decode.MlxOps``: ``mx.fast.rms_norm``, ``matmul`` /
-  ``quantized_matmul``, the epilogue's ops), the largest difference relative
-  to the largest output, within each dtype's rounding;
+  ``quantized_matmul``, the epilogue's ops, ``mx.fast.rope`` for heads
+  rotated), the largest difference relative to the largest output, within
+  each dtype's rounding;
 - **determinism**: two launches give the same bits;
 - **time** (``--time``): a decode step's four blocks at Llama-3.2-1B's shape,
   each launched ``--iters`` times and evaluated at once (GPU time with the
@@ -27,7 +28,7 @@ import time
 
 import mlx.core as mx
 
-from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Weight, fits
+from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight, fits
 
 # largest |kernel - MLX| / largest |MLX output|: a few units in the last place of each dtype
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 2e-2}
@@ -47,36 +48,43 @@ REAL, ODD = (2048, (2048, 512, 512)), (1536, (100, 36, 36))  # (K, rows): Llama-
 
 
 def cases():
-    """``(name, dtype, bits, group, k, rows, norm, epilogue)``: every weight
-    kind in bf16 (a GPU's dtype for half-precision files) at a real and an
-    odd shape; fp16 and fp32 at the odd one."""
+    """``(name, dtype, bits, group, k, rows, norm, epilogue, head size)``:
+    every weight kind in bf16 (a GPU's dtype for half-precision files) at a
+    real and an odd shape, the real one also split into heads of 64 with
+    the first two rotated; fp16 and fp32 at the odd one."""
     chosen = [(mx.bfloat16, kind, shape) for kind in KINDS for shape in (REAL, ODD)]
     chosen += [(mx.float16, kind, ODD) for kind in ((0, 0), (4, 32))]
     chosen += [(mx.float32, kind, ODD) for kind in ((0, 0), (8, 128))]
     for dtype, (bits, group), (k, rows) in chosen:
         label = f"{NAMES[dtype]} {f'q{bits}g{group}' if bits else 'dense'} K={k}"
-        yield f"{label} norm+{len(rows)}", dtype, bits, group, k, rows, True, ""
-        yield f"{label} norm+2+swiglu", dtype, bits, group, k, (rows[0],) * 2, True, "swiglu"
-        yield f"{label} 1+add", dtype, bits, group, k, rows[:1], False, "add"
-    yield "bf16 dense K=576 2 products", mx.bfloat16, 0, 0, 576, (192, 192), False, ""
+        yield f"{label} norm+{len(rows)}", dtype, bits, group, k, rows, True, "", 0
+        if (k, rows) == REAL:
+            yield f"{label} norm+{len(rows)}+rope", dtype, bits, group, k, rows, True, "", 64
+        yield f"{label} norm+2+swiglu", dtype, bits, group, k, (rows[0],) * 2, True, "swiglu", 0
+        yield f"{label} 1+add", dtype, bits, group, k, rows[:1], False, "add", 0
+    yield "bf16 dense K=576 2 products", mx.bfloat16, 0, 0, 576, (192, 192), False, "", 0
+    yield "fp16 dense K=576 2 products+rope D=128", mx.float16, 0, 0, 576, (256, 128), False, "", 128
 
 
 def check(args) -> list[dict]:
     kernels, ops = CudaKernels(), MlxOps()
     results = []
     key = mx.random.key(args.seed)
-    for name, dtype, bits, group, k, rows, norm, epilogue in cases():
+    for name, dtype, bits, group, k, rows, norm, epilogue, head in cases():
         keys = mx.random.split(key, len(rows) + 4)
         key = keys[0]
         weights = tuple(weight(n, k, dtype, bits, group, keys[1 + i]) for i, n in enumerate(rows))
         norm_weight = (1 + 0.1 * mx.random.normal((k,), key=keys[-3])).astype(dtype) if norm else None
-        block = Block(weights, (norm_weight, 1e-5) if norm else None, epilogue)
+        # Llama-3's RoPE base; a position far enough on that the angles wrap
+        rotary = Rotary(head, 500000.0 ** (mx.arange(0, head, 2) / head), 2) if head else None
+        position = mx.array(517, mx.int32) if head else None
+        block = Block(weights, (norm_weight, 1e-5) if norm else None, epilogue, rotary)
         assert fits(block), name
         x = mx.random.normal((1, 1, k), key=keys[-2]).astype(dtype)
         residual = mx.random.normal((1, 1, rows[0]), key=keys[-1]).astype(dtype) if epilogue == "add" else None
-        ours = kernels.launcher(block)(x, residual)
-        again = kernels.launcher(block)(x, residual)
-        reference = ops.launcher(block)(x, residual)
+        ours = kernels.launcher(block)(x, residual, position)
+        again = kernels.launcher(block)(x, residual, position)
+        reference = ops.launcher(block)(x, residual, position)
         mx.eval(ours, again, reference)
         error = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in zip(ours, reference))
         scale = max(float(mx.abs(b.astype(mx.float32)).max()) for b in reference)

@@ -183,11 +183,12 @@ def blocks(monkeypatch):
     class Counting(decode.MlxOps):
         def launcher(self, block):
             inner = super().launcher(block)
-            kind = (len(block.weights), block.norm is not None, block.epilogue, block.weights[0].bits)
+            kind = (len(block.weights), block.norm is not None, block.epilogue, block.weights[0].bits,
+                    block.rotary and block.rotary.rotated)
 
-            def launch(x, residual=None):
+            def launch(x, residual=None, position=None):
                 launched[kind] += 1
-                return inner(x, residual)
+                return inner(x, residual, position)
 
             return launch
 
@@ -206,18 +207,21 @@ def blocks(monkeypatch):
 
 @pytest.mark.parametrize("dtype,qlinear,bits", [("bf16", None, 0), ("fp32", "4w", 4)])
 def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, calls, blocks, dtype, qlinear, bits):
-    """Per layer and decode step: the input norm with q, k, v; the cache
-    write with attention; the output product with its residual add; the
-    second norm with gate, up and SwiGLU; the down product with its add.
-    Prefill chunks run node by node."""
+    """Per layer and decode step: the input norm with q, k, v, split into
+    heads and rotated; the cache write with attention; the output product
+    with its residual add; the second norm with gate, up and SwiGLU; the
+    down product with its add. Prefill chunks run node by node."""
     model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
     tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="auto")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
                            quantize=qlinear)
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL if dtype == "bf16" else Q4_REL_TOL)
     layers = load_program(pte).metadata.n_caches
-    assert blocks == {(3, True, "", bits): NEW_TOKENS * layers, (1, False, "add", bits): 2 * NEW_TOKENS * layers,
-                      (2, True, "swiglu", bits): NEW_TOKENS * layers, "attention": NEW_TOKENS * layers}
+    # q, k and v leave the kernel in heads, q and k rotated, but in the first
+    # layer: the export makes its RoPE tables' views after that layer's norm
+    assert blocks == {(3, True, "", bits, 2): NEW_TOKENS * (layers - 1), (3, True, "", bits, None): NEW_TOKENS,
+                      (1, False, "add", bits, None): 2 * NEW_TOKENS * layers,
+                      (2, True, "swiglu", bits, None): NEW_TOKENS * layers, "attention": NEW_TOKENS * layers}
     assert calls.get("swiglu", 0) == -(-PROMPT_LEN // load_program(pte).metadata.prefill_chunk) * layers
 
 

@@ -10,7 +10,11 @@ element-wise work on that row, so one kernel can take them along:
 - several weights that read the same ``x`` (q, k and v; gate and up), each
   with its own output;
 - an epilogue: the residual add after a product, or SwiGLU over the gate
-  and up products (one output, ``silu(gate) * up``).
+  and up products (one output, ``silu(gate) * up``);
+- or, for q, k and v: each output split into heads, and q's and k's heads
+  rotated as ``mx.fast.rope`` rotates them (``Rotary``; a warp sums the two
+  rows of a rotated pair), so the step's head split and its two RoPE ops
+  are this kernel too.
 
 Weights are dense (``x``'s dtype) or MLX's affine 4/8-bit layout as the file
 stores it (``uint32`` words, low bits first; scales and biases per group).
@@ -135,16 +139,30 @@ class Weight:
 
 
 @dataclass(frozen=True)
+class Rotary:
+    """RoPE after the products: every output split into heads of ``dims``
+    values (``[B, rows / dims, 1, dims]``), the first ``rotated`` of them
+    rotated as ``mx.fast.rope`` rotates a head (rotate-half, its ``freqs``,
+    ``1 / inv_freq`` in fp32, at the step's position)."""
+
+    dims: int
+    freqs: mx.array
+    rotated: int
+
+
+@dataclass(frozen=True)
 class Block:
     """What one kernel computes from one row of ``x``: the products with
     ``weights`` (all of one kind, ``K`` columns), after RMSNorm with
     ``norm`` (its weight and eps) if given, then ``epilogue``: "" (each
     product its own output), "add" (the one product plus a residual) or
-    "swiglu" (``silu(first) * second``, one output)."""
+    "swiglu" (``silu(first) * second``, one output); with ``rotary``
+    (no epilogue), each output in heads, the first ones rotated."""
 
     weights: tuple[Weight, ...]
     norm: tuple[mx.array | None, float] | None = None
     epilogue: str = ""
+    rotary: Rotary | None = None
 
     @property
     def rows(self) -> int:
@@ -191,6 +209,13 @@ def fits(block: Block) -> bool:
         return False
     if block.norm is not None and block.norm[0] is not None and block.norm[0].shape != (k,):
         return False  # the kernel reads K of its values
+    rotary = block.rotary
+    if rotary is not None:
+        half = rotary.dims // 2
+        if (block.epilogue or rotary.dims % 2 or not 0 < rotary.rotated <= len(block.weights)
+                or rotary.freqs.dtype != mx.float32 or rotary.freqs.shape != (half,)
+                or any(w.rows % rotary.dims for w in block.weights)):
+            return False
     if block.epilogue == "swiglu":
         return len(block.weights) == 2 and block.weights[0].rows == block.weights[1].rows
     if block.epilogue == "add":
@@ -204,7 +229,7 @@ class MlxOps:
     def launcher(self, block: Block):
         """``launch(x, residual=None) -> outputs`` for ``block``."""
 
-        def launch(x, residual=None):
+        def launch(x, residual=None, position=None):
             if block.norm is not None:
                 weight, eps = block.norm
                 x = mx.fast.rms_norm(x, weight, eps)
@@ -214,7 +239,13 @@ class MlxOps:
             if block.epilogue == "swiglu":
                 gate, up = ys
                 return [gate * mx.sigmoid(gate) * up]
-            return ys
+            rotary = block.rotary
+            if rotary is None:
+                return ys
+            d = rotary.dims
+            heads = [y.reshape(*y.shape[:-1], y.shape[-1] // d, d).swapaxes(-2, -3) for y in ys]
+            return [mx.fast.rope(y, d, traditional=False, base=None, scale=1.0, offset=position, freqs=rotary.freqs)
+                    if i < rotary.rotated else y for i, y in enumerate(heads)]
 
         return launch
 
@@ -242,16 +273,27 @@ class CudaKernels:
             weights.append(block.norm[0])
         for w in block.weights:
             weights += [w.w] if not w.bits else [w.w, w.scales, w.biases]
+        rotary = block.rotary
+        if rotary is not None:
+            weights.append(rotary.freqs)
         kernel, rows = _kernel(_signature(block))
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
         grid, threads = (-(-rows // WARPS) * WARPS * 32, 1, 1), (WARPS * 32, 1, 1)
         scale_type = [("S", first.scales.dtype)] if first.bits else []
 
-        def launch(x, residual=None):
-            lead = x.shape[:-1]
-            return kernel(inputs=[x, *weights] if residual is None else [x, *weights, residual],
-                          template=[("T", x.dtype), *scale_type],
-                          output_shapes=[(*lead, n) for n in width], output_dtypes=[x.dtype] * len(width),
+        def shapes(lead):
+            if rotary is None:
+                return [(*lead, n) for n in width]
+            return [(*lead[:-1], n // rotary.dims, lead[-1], rotary.dims) for n in width]
+
+        def launch(x, residual=None, position=None):
+            inputs = [x, *weights]
+            if residual is not None:
+                inputs.append(residual)
+            if position is not None:
+                inputs.append(position)
+            return kernel(inputs=inputs, template=[("T", x.dtype), *scale_type],
+                          output_shapes=shapes(x.shape[:-1]), output_dtypes=[x.dtype] * len(width),
                           grid=grid, threadgroup=threads)
 
         return launch
@@ -264,27 +306,39 @@ class CudaKernels:
 def _signature(block: Block) -> tuple:
     first = block.weights[0]
     norm = None if block.norm is None else (block.norm[0] is not None, float(block.norm[1]))
-    return (tuple(w.rows for w in block.weights), first.k, first.bits, first.group, norm, block.epilogue)
+    rotary = None if block.rotary is None else (block.rotary.dims, block.rotary.rotated)
+    return (tuple(w.rows for w in block.weights), first.k, first.bits, first.group, norm, block.epilogue, rotary)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(signature: tuple):
-    """The kernel object for one block signature, and its output rows."""
-    rows, k, bits, group, norm, epilogue = signature
+    """The kernel object for one block signature, and the warps' work items
+    (output rows; a rotated pair of rows counts once)."""
+    rows, k, bits, group, norm, epilogue, rotary = signature
     names = ["x"] + (["norm_w"] if norm and norm[0] else [])
     for i in range(len(rows)):
         names += [f"w{i}"] if not bits else [f"w{i}", f"s{i}", f"b{i}"]
+    if rotary:
+        names.append("freqs")
     if epilogue == "add":
         names.append("residual")
+    if rotary:
+        names.append("position")
     outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
-    total = rows[0] if epilogue == "swiglu" else sum(rows)
-    source = _source(rows, k, bits, group, norm, epilogue)
+    total = rows[0] if epilogue == "swiglu" else sum(_items(rows, rotary))
+    source = _source(rows, k, bits, group, norm, epilogue, rotary)
     kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
                                  input_names=names, output_names=outputs, source=source, header=_HEADER)
     return kernel, total
 
 
-def _source(rows, k, bits, group, norm, epilogue) -> str:
+def _items(rows, rotary) -> list[int]:
+    """Each output's work items: its rows, or pairs of rows where rotated."""
+    rotated = rotary[1] if rotary else 0
+    return [n // 2 if i < rotated else n for i, n in enumerate(rows)]
+
+
+def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
     n = len(rows)
     # x as the products read it: in T for dense weights; for quantized ones as
     # floats in padded chunks, with each chunk's sum (dot_quantized)
@@ -296,7 +350,8 @@ def _source(rows, k, bits, group, norm, epilogue) -> str:
         "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
         "const int r = blockIdx.x * WARPS + warp;",
     ]
-    lines += _prefetch(rows, k, bits, group, epilogue)
+    if not rotary:  # a rotated output's warps read two rows: left to the loads themselves
+        lines += _prefetch(rows, k, bits, group, epilogue)
     if bits:
         lines += [
             f"constexpr int V = {chunk};",
@@ -338,7 +393,8 @@ def _source(rows, k, bits, group, norm, epilogue) -> str:
             "}",
             "__syncthreads();",
         ]
-    total = rows[0] if epilogue == "swiglu" else sum(rows)
+    items = _items(rows, rotary)
+    total = rows[0] if epilogue == "swiglu" else sum(items)
     lines.append(f"if (r >= {total}) return;")
 
     def dot(i, row):
@@ -362,15 +418,35 @@ def _source(rows, k, bits, group, norm, epilogue) -> str:
         ]
     else:
         start = 0
+        rotated = rotary[1] if rotary else 0
         for i in range(n):
             cond = "if" if i == 0 else "else if"
-            lines += [
-                f"{cond} (r < {start + rows[i]}) {{",
-                f"  const float y = {dot(i, f'(r - {start})')};",
-                f"  if (lane == 0) out{i}[r - {start}] = round_to<T>(y);",
-                "}",
-            ]
-            start += rows[i]
+            if i < rotated:
+                # one pair of a head's rows (j, j + half): rounded as the
+                # product's output, then rotated as mx.fast.rope rotates them
+                half = rotary[0] // 2
+                lines += [
+                    f"{cond} (r < {start + items[i]}) {{",
+                    f"  const int p = r - {start}, j = p % {half}, a = p / {half} * {rotary[0]} + j;",
+                    f"  const float x1 = static_cast<float>(round_to<T>({dot(i, 'a')}));",
+                    f"  const float x2 = static_cast<float>(round_to<T>({dot(i, f'(a + {half})')}));",
+                    "  if (lane == 0) {",
+                    "    const float inv_freq = 1.0 / freqs[j];",
+                    "    const float theta = static_cast<float>(position[0]) * inv_freq;",
+                    "    const float c = cos(theta), s = sin(theta);",
+                    f"    out{i}[a] = round_to<T>(x1 * c - x2 * s);",
+                    f"    out{i}[a + {half}] = round_to<T>(x1 * s + x2 * c);",
+                    "  }",
+                    "}",
+                ]
+            else:
+                lines += [
+                    f"{cond} (r < {start + items[i]}) {{",
+                    f"  const float y = {dot(i, f'(r - {start})')};",
+                    f"  if (lane == 0) out{i}[r - {start}] = round_to<T>(y);",
+                    "}",
+                ]
+            start += items[i]
     return "\n".join(lines)
 
 

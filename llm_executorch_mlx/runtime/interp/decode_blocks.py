@@ -13,6 +13,11 @@ patterns cover its four products:
 - **a product whose one reader is a residual add**: the attention output's
   and the MLP's down product.
 
+When q, k and v are each split into heads (reshape, transpose) and q's and
+k's heads go through RoPE (``fusion.plan_rope``'s group), the first kernel
+takes those nodes too (``_heads_after``): it writes the rotated heads where
+the RoPE groups would, at the position array made as the call starts.
+
 The group's first node decides, each call, from the row it gets: one row
 the kernel takes runs the whole group there, and each later node of the
 group hands on its part (or does nothing: the parts only the group read);
@@ -29,11 +34,16 @@ call, when the init chain has filled them.
 
 from __future__ import annotations
 
-from ..gpu.decode import Block, Weight, fits
+from typing import NamedTuple
+
+import mlx.core as mx
+
+from ..gpu.decode import Block, Rotary, Weight, fits
 from ..pte.graph import node_name, tensor_fields
-from .fusion import kept_slots, plan_swiglu
+from .fusion import GROUP, kept_slots, plan_rope, plan_swiglu
 from .grouping import dense_weight
-from .ops.shape import text
+from .ops.shape import int_list, text
+from .pairs import try_fuse_pair
 from .ops.table import BUILDERS
 
 PRODUCTS = ("AddmmNode", "QuantizedMatmulNode")
@@ -42,7 +52,9 @@ _OPAQUE = ("IfNode", "ScanNode")  # sub-chains may read anything
 
 
 def plan_decode_block(ctx, instructions: list, i: int, claimed) -> tuple | None:
-    """``(first_run, {j: later_run})`` for a group starting at ``i``, or None."""
+    """``(first_run, {j: later_run})`` for a group starting at ``i``, or
+    None; a later run of None: the node does nothing in either case (its
+    work is another node's of the group)."""
     name = node_name(instructions[i])
     if name != "RMSNormNode" and name not in PRODUCTS:
         return None
@@ -126,6 +138,7 @@ def _norm_block(ctx, runner, instructions, i, claimed):
     if kept & set(outs):
         return None  # the LM head keeps its own route (its last-row variant)
     swiglu = _swiglu_after(ctx, instructions, members, outs, kept, claimed) if len(members) == 2 else None
+    heads = None if swiglu else _heads_after(ctx, instructions, i, members, outs, kept, claimed)
     epilogue = "swiglu" if swiglu else ""
     reads = [w[1] for w in weights]
     own_norm = _own(ctx, instructions, i)
@@ -136,9 +149,12 @@ def _norm_block(ctx, runner, instructions, i, claimed):
 
     def block(f):
         if not made:
-            b = Block(tuple(read(f) for read in reads), (None if nw is None else f[nw], eps), epilogue)
+            rotary = None if heads is None else heads.rotary
+            b = Block(tuple(read(f) for read in reads), (None if nw is None else f[nw], eps), epilogue, rotary)
             made.append((b, runner.launcher(b)) if fits(b) else (None, None))
         return made[0]
+
+    position = None if heads is None else heads.position
 
     def first(f):
         xs = f[x]
@@ -148,7 +164,7 @@ def _norm_block(ctx, runner, instructions, i, claimed):
             own_norm(f)
             return
         f[fused] = True
-        for slot, y in zip(stashes, launch(xs)):
+        for slot, y in zip(stashes, launch(xs) if position is None else launch(xs, position=f[position])):
             f[slot] = y
 
     if swiglu:
@@ -156,9 +172,93 @@ def _norm_block(ctx, runner, instructions, i, claimed):
         later = {j: _unless_fused(fused, own[j]) for j in members}
         later[silu] = _unless_fused(fused, silu_run)
         later[multiply] = _hand_on(fused, stashes[0], instructions[multiply].op.out.idx, multiply_run)
+    elif heads is not None:
+        later = {j: _unless_fused(fused, own[j]) for j in members}
+        for stash, (j, out, run), between in zip(stashes, heads.ends, heads.between):
+            later.update({k: own_k and _unless_fused(fused, own_k) for k, own_k in between.items()})
+            later[j] = _hand_on(fused, stash, out, run)
     else:
         later = {j: _hand_on(fused, stash, o, own[j]) for j, stash, o in zip(members, stashes, outs)}
     return first, later
+
+
+class _Heads(NamedTuple):
+    """q, k and v split into heads, RoPE after the first ones: the kernel's
+    ``rotary``, the slot of the position array it reads, per product the
+    node that takes the kernel's output (``(index, out slot, its own
+    run)``) and the nodes between, each with its own run."""
+
+    rotary: Rotary
+    position: int
+    ends: list[tuple[int, int, object]]
+    between: list[dict[int, object]]
+
+
+def _heads_after(ctx, instructions, i, members, outs, kept, claimed) -> _Heads | None:
+    """Where each product's output is split into heads of one size (a
+    reshape to ``[B, T, H, D]`` then a transpose to ``[B, H, T, D]``,
+    nothing else reading either) and the first ones' heads then go through
+    RoPE (``fusion.plan_rope``'s group, whole heads, at an input's position,
+    unscaled, the same tables for each): the kernel writes what the last of
+    those nodes would. None otherwise."""
+    ends, between, ropes, sizes = [], [], [], []
+    for j, out in zip(members, outs):
+        split = _head_split(ctx, instructions, j, out, kept)
+        if split is None:
+            return None
+        r, heads, size = split
+        pair = try_fuse_pair(ctx, instructions, r)
+        runs = ({r: _own(ctx, instructions, r), r + 1: _own(ctx, instructions, r + 1)} if pair is None
+                else {r: pair[1], r + 1: _nothing})
+        g = _readers(instructions, r + 1, heads, kept)  # a RoPE group reads its x three times
+        rope = plan_rope(ctx, instructions, g[0]) if g else None
+        if rope is not None and rope.x == heads:
+            span = range(g[0], g[0] + len(GROUP))
+            if len(ropes) < len(ends) or not set(g) <= set(span) or claimed.keys() & set(span):
+                return None  # a rotated product after one that is not, or a group already claimed
+            ropes.append(rope)
+            runs.update({k: None for k in span[1:]})
+            ends.append((g[0], rope.out, rope.run))
+        else:
+            ends.append((r + 1, heads, runs.pop(r + 1)))
+        between.append(runs)
+        sizes.append(size)
+    if not ropes:
+        return None
+    first = ropes[0]
+    if first.freqs is None or any(size != first.dims for size in sizes):
+        return None
+    for rope, (g, _, _) in zip(ropes, ends):
+        if (rope.dims != first.dims or rope.positions != first.positions or rope.freqs is None
+                or rope.scale != 1.0 or not mx.array_equal(rope.freqs, first.freqs).item()
+                or any(_written_between(instructions, i, g, table) for table in rope.tables)):
+            return None
+    position = ctx.position_array_of(first.positions)
+    if position is None:
+        return None
+    return _Heads(Rotary(first.dims, first.freqs, len(ropes)), position, ends, between)
+
+
+def _head_split(ctx, instructions, j, out, kept) -> tuple[int, int, int] | None:
+    """``(reshape index, heads slot, head size)`` where product ``j``'s
+    output is split into heads by a reshape to ``[B, T, H, D]`` then a
+    transpose to ``[B, H, T, D]``, nothing else reading either; else None."""
+    readers = _readers(instructions, j, out, kept)
+    if not readers or len(readers) != 1 or node_name(instructions[readers[0]]) != "ReshapeNode":
+        return None
+    r = readers[0]
+    if r + 1 >= len(instructions) or node_name(instructions[r + 1]) != "TransposeNode":
+        return None
+    reshape, transpose = instructions[r].op, instructions[r + 1].op
+    if (transpose.x.idx != reshape.out.idx or int_list(transpose.perm) != [0, 2, 1, 3]
+            or len(reshape.shape or []) != 4 or _readers(instructions, r, reshape.out.idx, kept) != [r + 1]):
+        return None
+    size = ctx.static_int(reshape.shape[3])
+    return None if size is None else (r, transpose.out.idx, size)
+
+
+def _nothing(f):
+    """A node whose work the group's run or its first node did."""
 
 
 def _swiglu_after(ctx, instructions, members, outs, kept, claimed):

@@ -40,6 +40,8 @@ reader: another would run the product a second time.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import numpy as np
 
@@ -53,10 +55,35 @@ _VIEWS = ("ExpandDimsNode", "AsTypeNode", "ReshapeNode")  # keep values, change 
 _UNBOUNDED = 1 << 62  # a slice "to the end" is exported as INT64_MAX
 
 
+class Rope(NamedTuple):
+    """A proven RoPE group: ``out`` = ``x`` rotated over its last ``dims``
+    values at the step's positions (``positions``, an input's slot traced
+    to its source), by ``run``. On a GPU ``freqs`` are ``mx.fast.rope``'s
+    (``1 / inv_freq``) and ``scale`` the tables' own factor; ``tables``
+    are the cos and sin slots the group was proven from."""
+
+    run: object
+    x: int
+    out: int
+    dims: int
+    positions: int
+    freqs: mx.array | None
+    scale: float
+    tables: tuple[int, int]
+
+
 def try_fuse(ctx, instructions: list, i: int):
     """The fused ``(name, run)`` for a group starting at ``instructions[i]``, or
     None. Called by ``build_chain`` when it reaches ``i``, so the build
     context's write record holds exactly the nodes before the group."""
+    rope = plan_rope(ctx, instructions, i)
+    return None if rope is None else ("RopeFused", rope.run)
+
+
+def plan_rope(ctx, instructions: list, i: int) -> Rope | None:
+    """The group starting at ``instructions[i]`` as a ``Rope``, or None.
+    Traced as of the nodes built so far: a caller ahead of ``i`` must
+    check that nothing in between writes its ``tables``."""
     names = tuple(node_name(instr) for instr in instructions[i : i + len(GROUP)])
     if names != GROUP:
         return None
@@ -66,7 +93,7 @@ def try_fuse(ctx, instructions: list, i: int):
         return None  # a malformed node: its own builder will say what is wrong
 
 
-def _fuse(ctx, instructions: list, i: int):
+def _fuse(ctx, instructions: list, i: int) -> Rope | None:
     ops = [instructions[i + k].op for k in range(len(GROUP))]
     mul_cos, lo, hi, neg, cat, mul_sin, add = ops
     x = lo.x.idx
@@ -132,7 +159,7 @@ def _fuse(ctx, instructions: list, i: int):
             cos_t, sin_t = tables.get(f, position(f), seen[0][-2])
             f[out] = _rotate_half(X, cos_t, sin_t)
 
-        return "RopeFused", run
+        return Rope(run, x, out, dims, positions, None, scale, (cos, sin))
 
     freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
     mx.eval(freqs)
@@ -146,7 +173,7 @@ def _fuse(ctx, instructions: list, i: int):
         y = rope(X, dims, traditional=False, base=None, scale=1.0, offset=at, freqs=freqs)
         f[out] = y if scale == 1.0 else y * scale
 
-    return "RopeFused", run
+    return Rope(run, x, out, dims, positions, freqs, scale, (cos, sin))
 
 
 class _RopeTables:

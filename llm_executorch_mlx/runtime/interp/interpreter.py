@@ -385,7 +385,8 @@ def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
         elif rewriting:
             rewrite = _first_rewrite(ctx, instructions, i, claimed)
         if rewrite is not None:
-            ops.append(rewrite.op)
+            if rewrite.op[1] is not None:  # None: a claimed node whose work another node of its group does
+                ops.append(rewrite.op)
             claimed.update(rewrite.later)
             for done in instructions[i : i + rewrite.size]:
                 ctx.record_write(node_name(done), done.op)
