@@ -14,9 +14,9 @@ runtime does (step t+1 submitted before step t's token is read):
   as above;
 - ``kernels + attention``: the same with the cache writes and attention as
   one kernel (``runtime/gpu/attention.py``), RoPE still MLX's;
-- ``kernels + attention, no RoPE``: as if RoPE were folded into the q, k, v
-  kernel (what that would leave: five launches a layer); the numbers are
-  not the model's;
+- ``kernels, heads, RoPE + attention``: the q, k, v kernel writing rotated
+  heads (``decode.Rotary``) and the attention kernel: the runtime's opt-in
+  route (``LLM_PTE_GPU_KERNELS=1``), six launches a layer;
 - ``one launch a layer``: one custom kernel reading the layer's weights
   (a stand-in computing nothing useful): the floor of the host's share.
 
@@ -37,7 +37,7 @@ import time
 import mlx.core as mx
 
 from llm_executorch_mlx.runtime.gpu import attention
-from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, Weight
+from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, Rotary, Weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, VOCAB = 2048, 32, 8, 64, 8192, 16, 128256
 EPS, BASE, CONTEXT, CAPACITY = 1e-5, 500000.0, 512, 2048
@@ -77,6 +77,9 @@ class Layer:
             return
         kernels = CudaKernels()
         self.qkv = kernels.launcher(Block((self.q, self.k, self.v), (self.norms[0], EPS)))
+        freqs = BASE ** (mx.arange(0, HEAD_DIM, 2) / HEAD_DIM)
+        self.heads_rope = kernels.launcher(Block((self.q, self.k, self.v), (self.norms[0], EPS), "",
+                                                 Rotary(HEAD_DIM, freqs, 2)))
         self.out = kernels.launcher(Block((self.o,), None, "add"))
         self.mlp = kernels.launcher(Block((self.gate, self.up), (self.norms[1], EPS), "swiglu"))
         self.back = kernels.launcher(Block((self.down,), None, "add"))
@@ -119,9 +122,11 @@ class Layer:
         x = self.out(self.mlx_attention(q, k, v, pos), x)[0]
         return self.back(self.mlp(x)[0], x)[0]
 
-    def kernels_attention(self, x, pos, offset, rope=True):
-        q, k, v = self.heads(*self.qkv(x))
-        if rope:
+    def kernels_attention(self, x, pos, offset, fused=False):
+        if fused:
+            q, k, v = self.heads_rope(x, position=offset)
+        else:
+            q, k, v = self.heads(*self.qkv(x))
             q, k = self.rope(q, k, offset)
         y = attention.update_and_attend(q, k, v, self.kpool, self.vpool, offset, HEAD_DIM ** -0.5)
         x = self.out(y.reshape(1, 1, HIDDEN), x)[0]
@@ -173,7 +178,7 @@ def decode(layers, embed, design, steps) -> tuple[float, float]:
             elif design == "kernels":
                 x = layer.kernels(x, pos, offset)
             else:
-                x = layer.kernels_attention(x, pos, offset, rope=design == "kernels + attention")
+                x = layer.kernels_attention(x, pos, offset, fused=design != "kernels + attention")
         h = mx.fast.rms_norm(x, layers[0].norms[0], EPS)
         tok = mx.argmax(h[0] @ embed.T, axis=-1).astype(mx.uint32)
         build += time.perf_counter() - t0
@@ -185,7 +190,7 @@ def decode(layers, embed, design, steps) -> tuple[float, float]:
     return (time.perf_counter() - start) / steps, build / steps
 
 
-DESIGNS = ("mlx ops", "kernels", "kernels + attention", "kernels + attention, no RoPE", "one launch a layer")
+DESIGNS = ("mlx ops", "kernels", "kernels + attention", "kernels, heads, RoPE + attention", "one launch a layer")
 
 
 def copy_bandwidth() -> float:
