@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llm_executorch_mlx.runtime import cpu
-from llm_executorch_mlx.runtime.cpu import extension_ops
+from llm_executorch_mlx.runtime.cpu import extension, extension_ops
 from llm_executorch_mlx.runtime.kv_storage import storage
 from llm_executorch_mlx.runtime.plan import Plan
 from llm_executorch_mlx.runtime.quantized_kv import QuantizedKV
@@ -280,6 +280,34 @@ def test_a_failed_build_is_remembered_and_not_retried(tmp_path):
     assert "building the CPU kernels" not in runs[1].stderr  # not again
     assert all(r.stdout.startswith("False False False building it failed") for r in runs)
     assert len(list(tmp_path.glob("llm-executorch-mlx/cpu_kernels-*.failed"))) == 1
+
+
+def test_a_compiler_refusing_a_vector_flag_builds_the_next_narrower_vectors_once(kernel, tmp_path):
+    """A compiler older than the CPU (GCC 10 knows no AMX) refuses the widest
+    tier's newest flag: the next tier is built, and later processes go to it
+    without asking again. The stand-in compiler refuses that flag as GCC does
+    and otherwise hands over the library already built (a real build is ~30 s)."""
+    tiers = extension._vector_tiers()
+    assert len(tiers) > 1 and tiers[-1] == []  # x86: the CPU's vectors down to the default target
+    refused = tiers[0][-1]
+    compiler = tmp_path / "old-c++"
+    compiler.write_text(
+        "#!/bin/sh\n"
+        f'for a in "$@"; do [ "$a" = "{refused}" ] && echo "c++: error: unrecognized command-line option '
+        f"'$a'\" >&2 && exit 1; done\n"
+        'while [ "$1" != "-o" ]; do shift; done\n'
+        f'cp "{kernel.__file__}" "$2"\n')
+    compiler.chmod(0o755)
+    code = ("from llm_executorch_mlx.runtime.cpu import extension, selection; k = selection.kernels(build=True); "
+            "print(k.products.on, ' '.join(extension._plan()[3]))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": str(compiler)}
+    runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert [r.stdout.strip() for r in runs] == [f"True {' '.join(tiers[1])}"] * 2
+    assert runs[0].stderr.count("building the CPU kernels") == 2  # the widest tier, refused, then the next
+    assert "building" not in runs[1].stderr
+    assert [m.read_text() for m in tmp_path.glob("llm-executorch-mlx/cpu_kernels-*.refused")] == [
+        f"the compiler refused {refused}"]
 
 
 def test_a_failed_marker_does_not_hide_a_built_kernel(kernel, tmp_path):

@@ -23,8 +23,12 @@ RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
 SwiGLU          the extension's kernel      one compiled MLX kernel
 a decode step's the ops above               opt-in (CUDA): one kernel for a
 norm, products                              norm and the products reading
-and epilogues                               it (SwiGLU after), one for a
+and epilogues                               it (SwiGLU after; q, k, v in
+                                            heads, rotated), one for a
                                             product and its residual add
+a decode step's the extension's kernel      with those: one kernel
+cache write                                 (``gpu/attention.py``)
+and attention
 ==============  ==========================  ================================
 
 On either device a short step (decode) replays the ops between two layers'

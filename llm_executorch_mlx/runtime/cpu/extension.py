@@ -12,8 +12,10 @@ sources (the ``cpu`` extra installs nanobind) and MLX's headers from its
 wheel, then checked against MLX's ops on small cases.
 
 ``find()`` only loads a build already in the cache; ``build()`` compiles it
-first when it is missing (~30 s, once, with a notice on stderr). Anything
-missing or wrong (no C++ compiler, no nanobind, a nanobind whose ABI differs
+first when it is missing (~30 s, once, with a notice on stderr). A compiler
+that refuses a vector flag of this CPU's (one older than the CPU) builds
+with the next narrower vectors (``_vector_tiers``), and that refusal is
+remembered beside the build. Anything missing or wrong (no C++ compiler, no nanobind, a nanobind whose ABI differs
 from the one MLX was built with, a failed build or check) leaves no module,
 and the caller runs MLX ops and BLAS instead. Which part is used where is
 ``selection.py``'s decision.
@@ -85,7 +87,7 @@ def _look(build: bool) -> Extension:
     plan = _plan()
     if isinstance(plan, str):
         return Extension(None, plan)
-    command, target, failed = plan
+    command, target, failed, flags = plan
     if not target.exists() and failed.exists():  # a compile error: not retried every command
         return Extension(None, f"{failed.read_text()} (remove {failed} to retry)")
     if not target.exists() and not build:
@@ -96,7 +98,13 @@ def _look(build: bool) -> Extension:
                 native.compile_to(command, target, timeout=300,
                                   notice="building the CPU kernels (attention, gemv; once, ~30 s)")
             except subprocess.CalledProcessError as exc:
-                why = f"building it failed: {exc.stderr.decode(errors='replace').strip()[-300:]}"
+                stderr = exc.stderr.decode(errors="replace").strip()
+                why = f"building it failed: {stderr[-300:]}"
+                refused = [flag for flag in flags if flag in stderr]
+                if exc.returncode > 0 and refused:
+                    # a compiler older than the CPU: the next narrower vectors
+                    _refused(target).write_text(f"the compiler refused {' '.join(refused)}")
+                    return _look(build)
                 if exc.returncode > 0 and "No space left" not in why:
                     failed.write_text(why)  # a compile error, not a passing condition
                 return Extension(None, why)
@@ -111,19 +119,36 @@ def _look(build: bool) -> Extension:
     return Extension(module, str(target))
 
 
-def _vector_flags() -> list[str]:
+def _vector_tiers() -> list[list[str]]:
+    """The vector flags to build with, widest first: ``_vector_flags`` as
+    this CPU and ``LLM_PTE_CPU_VECTORS`` allow, then each narrower cap down
+    to the compiler's default target. A compiler that refuses a tier's flag
+    (one older than the CPU: GCC before 11 knows no AMX) gets the next."""
+    cap = os.environ.get(VECTORS_FLAG, "native")
+    caps = CAPS[CAPS.index(cap):] if cap in CAPS else CAPS
+    tiers = []
+    for narrower in caps:
+        flags = _vector_flags(narrower)
+        if flags not in tiers:
+            tiers.append(flags)
+    return tiers
+
+
+CAPS = ("native", "avx512_vnni", "avx512", "avx2", "portable")  # LLM_PTE_CPU_VECTORS, widest first
+
+
+def _vector_flags(cap: str) -> list[str]:
     """The x86 vector extensions this CPU has that the kernels use: AVX2, FMA
     and F16C (the exp and dot loops vectorise 8 wide, the quantized products
     use integer dot products, an fp16 cache widens in one instruction),
     AVX-512BW (those 16 wide), VNNI and BF16 (bf16 products with
     ``vdpbf16ps``), and AMX (the int8 and bf16 products 16 rows of x at a
     time, where Linux lends the tiles); other machines get the compiler's
-    default target. ``LLM_PTE_CPU_VECTORS`` caps them: ``avx512_vnni``
-    (AVX-512 with VNNI and BF16, no AMX), ``avx512`` (AVX-512 without VNNI
-    or BF16), ``avx2`` (AVX2, FMA and F16C only) or ``portable`` (the default
-    target: the kernels other CPUs run), which the tests use to run every
-    variant here."""
-    cap = os.environ.get(VECTORS_FLAG, "native")
+    default target. ``cap`` (``LLM_PTE_CPU_VECTORS``'s values) caps them:
+    ``avx512_vnni`` (AVX-512 with VNNI and BF16, no AMX), ``avx512``
+    (AVX-512 without VNNI or BF16), ``avx2`` (AVX2, FMA and F16C only) or
+    ``portable`` (the default target: the kernels other CPUs run), which
+    the tests use to run every variant here."""
     if platform.machine() not in ("x86_64", "AMD64") or cap == "portable":
         return []
     try:
@@ -148,13 +173,13 @@ def _vector_flags() -> list[str]:
     return wanted
 
 
-def _command(cxx: str, nanobind) -> list[str]:
-    """The compile command, less its output path."""
+def _command(cxx: str, nanobind, flags: list[str]) -> list[str]:
+    """The compile command with these vector flags, less its output path."""
     nb_root = pathlib.Path(nanobind.__file__).parent
     mlx_root = pathlib.Path(mx.__file__).parent
     command = [
         cxx, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
-        *_vector_flags(), "-DNB_DOMAIN=mlx", "-DNDEBUG",
+        *flags, "-DNB_DOMAIN=mlx", "-DNDEBUG",
         f"-I{nanobind.include_dir()}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}",
         *map(str, SOURCES), str(nb_root / "src" / "nb_combined.cpp"),
@@ -166,8 +191,9 @@ def _command(cxx: str, nanobind) -> list[str]:
 
 
 def _plan():
-    """``(command, library, failure marker)`` for this machine, or why there
-    is no extension to build here."""
+    """``(command, library, failure marker, vector flags)`` for this machine:
+    the widest vectors whose flags the compiler has not refused; or why
+    there is no extension to build here."""
     cxx = native.find_compiler(native.CXX_COMPILERS)
     try:
         import nanobind
@@ -175,16 +201,25 @@ def _plan():
         nanobind = None
     if cxx is None or nanobind is None:
         return "no C++ compiler" if cxx is None else "nanobind is not installed"
-    command = _command(cxx, nanobind)
-    # The command names MLX's directory (the library links that libmlx), the
-    # include paths and flags; the versions cover what the paths do not.
-    key = hashlib.sha256(b"\0".join(
-        part.encode() if isinstance(part, str) else part
-        for part in (*(f.read_bytes() for f in SOURCES + HEADERS), *command, mx.__version__,
-                     importlib.metadata.version("nanobind"), platform.machine())
-    )).hexdigest()[:16]
-    target = native.cache_dir() / f"{MODULE}-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
-    return command, target, target.with_name(f"{MODULE}-{key}.failed")
+    sources = [f.read_bytes() for f in SOURCES + HEADERS]
+    for flags in _vector_tiers():
+        command = _command(cxx, nanobind, flags)
+        # The command names MLX's directory (the library links that libmlx),
+        # the include paths and flags; the versions cover what the paths do not.
+        key = hashlib.sha256(b"\0".join(
+            part.encode() if isinstance(part, str) else part
+            for part in (*sources, *command, mx.__version__, importlib.metadata.version("nanobind"),
+                         platform.machine())
+        )).hexdigest()[:16]
+        target = native.cache_dir() / f"{MODULE}-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
+        if target.exists() or not _refused(target).exists():
+            return command, target, target.with_name(f"{MODULE}-{key}.failed"), flags
+    return "the compiler refused every vector flag, the default target's none among them"
+
+
+def _refused(target: pathlib.Path) -> pathlib.Path:
+    """The marker of a build whose vector flags the compiler refused."""
+    return target.with_name(target.name.split(".")[0] + ".refused")
 
 
 def _import(path: pathlib.Path) -> ModuleType:
