@@ -37,24 +37,19 @@ import time
 import mlx.core as mx
 
 from llm_executorch_mlx.runtime.gpu import attention
-from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, Rotary, Weight
+import gpu_decode_kernels
+from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, VOCAB = 2048, 32, 8, 64, 8192, 16, 128256
 EPS, BASE, CONTEXT, CAPACITY = 1e-5, 500000.0, 512, 2048
 
 
 def weight(rows, k, bits, key) -> Weight:
-    w = (mx.random.normal((rows, k), key=key) * 0.02).astype(mx.bfloat16)
-    if not bits:
-        return Weight(w)
-    wq, scales, biases = mx.quantize(w, group_size=32, bits=bits)
-    return Weight(wq, scales, biases, bits, 32)
+    return gpu_decode_kernels.weight(rows, k, mx.bfloat16, bits, 32, key)
 
 
 def product(x, w: Weight):
-    if w.bits:
-        return mx.quantized_matmul(x, w.w, w.scales, w.biases, True, w.group, w.bits)
-    return x @ w.w.T
+    return MlxOps().launcher(Block((w,)))(x)[0]
 
 
 @mx.compile
@@ -220,7 +215,8 @@ def check_attention() -> None:
                 kpool = mx.random.normal((1, kv_heads, 1024, d), key=keys[3]).astype(dtype)
                 vpool = mx.random.normal((1, kv_heads, 1024, d), key=keys[4]).astype(dtype)
                 mx.eval(q, k, v, kpool, vpool)
-                ref = attention.reference(q, k, v, kpool, vpool, position, d ** -0.5)
+                # MLX's ops on copies of the pools (they write them too)
+                ref, _, _ = attention.mlx_op(d ** -0.5)(q, k, v, [kpool + 0], [vpool + 0], position, None)
                 mx.eval(ref)
                 at = mx.array([position], mx.int32)
                 y = attention.update_and_attend(q, k, v, kpool, vpool, at, d ** -0.5)

@@ -299,7 +299,7 @@ def test_a_compiler_refusing_a_vector_flag_builds_the_next_narrower_vectors_once
         f'cp "{kernel.__file__}" "$2"\n')
     compiler.chmod(0o755)
     code = ("from llm_executorch_mlx.runtime.cpu import extension, selection; k = selection.kernels(build=True); "
-            "print(k.products.on, ' '.join(extension._plan()[3]))")
+            "print(k.products.on, ' '.join(extension._plan()[4]))")
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": str(compiler)}
     runs = [subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
             for _ in range(2)]

@@ -87,7 +87,7 @@ def _look(build: bool) -> Extension:
     plan = _plan()
     if isinstance(plan, str):
         return Extension(None, plan)
-    command, target, failed, flags = plan
+    command, target, failed, refused_marker, flags = plan
     if not target.exists() and failed.exists():  # a compile error: not retried every command
         return Extension(None, f"{failed.read_text()} (remove {failed} to retry)")
     if not target.exists() and not build:
@@ -103,7 +103,7 @@ def _look(build: bool) -> Extension:
                 refused = [flag for flag in flags if flag in stderr]
                 if exc.returncode > 0 and refused:
                     # a compiler older than the CPU: the next narrower vectors
-                    _refused(target).write_text(f"the compiler refused {' '.join(refused)}")
+                    refused_marker.write_text(f"the compiler refused {' '.join(refused)}")
                     return _look(build)
                 if exc.returncode > 0 and "No space left" not in why:
                     failed.write_text(why)  # a compile error, not a passing condition
@@ -191,9 +191,9 @@ def _command(cxx: str, nanobind, flags: list[str]) -> list[str]:
 
 
 def _plan():
-    """``(command, library, failure marker, vector flags)`` for this machine:
-    the widest vectors whose flags the compiler has not refused; or why
-    there is no extension to build here."""
+    """``(command, library, failure marker, refused-flags marker, vector
+    flags)`` for this machine: the widest vectors whose flags the compiler
+    has not refused; or why there is no extension to build here."""
     cxx = native.find_compiler(native.CXX_COMPILERS)
     try:
         import nanobind
@@ -212,14 +212,10 @@ def _plan():
                          platform.machine())
         )).hexdigest()[:16]
         target = native.cache_dir() / f"{MODULE}-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
-        if target.exists() or not _refused(target).exists():
-            return command, target, target.with_name(f"{MODULE}-{key}.failed"), flags
+        failed, refused = (target.with_name(f"{MODULE}-{key}.{why}") for why in ("failed", "refused"))
+        if target.exists() or not refused.exists():
+            return command, target, failed, refused, flags
     return "the compiler refused every vector flag, the default target's none among them"
-
-
-def _refused(target: pathlib.Path) -> pathlib.Path:
-    """The marker of a build whose vector flags the compiler refused."""
-    return target.with_name(target.name.split(".")[0] + ".refused")
 
 
 def _import(path: pathlib.Path) -> ModuleType:

@@ -178,10 +178,3 @@ def update_and_attend(q, k, v, kpool, vpool, position, scale: float) -> mx.array
                   output_shapes=[q.shape], output_dtypes=[q.dtype],
                   grid=(heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))[0]
 
-
-def reference(q, k, v, kpool, vpool, position: int, scale: float) -> mx.array:
-    """The same step in MLX's ops: the pools' first ``position`` keys and this
-    step's, through ``mx.fast.scaled_dot_product_attention``."""
-    keys = mx.concatenate([kpool[:, :, :position], k], axis=2)
-    values = mx.concatenate([vpool[:, :, :position], v], axis=2)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
