@@ -412,6 +412,79 @@ def test_update_and_attend_writes_the_step_and_attends_the_history(kernel, dtype
     np.testing.assert_allclose(np.array(out), reference, atol=2e-6, rtol=1e-5)
 
 
+def rope_tables(position, T, D, base=10000.0, scale=1.0):
+    """RoPE's cos and sin rows for positions position .. position + T as
+    the op takes them ([2, T, D/2]), and as transformers' apply_rotary_pos_emb
+    takes them ([1, T, D] each, halves repeated)."""
+    inv_freq = 1.0 / base ** (np.arange(0, D, 2, dtype=np.float32) / D)
+    angles = np.outer(np.arange(position, position + T, dtype=np.float32), inv_freq)
+    cos, sin = (np.float32(scale) * f(angles).astype(np.float32) for f in (np.cos, np.sin))
+    halves = [torch.from_numpy(np.concatenate([t, t], axis=-1))[None] for t in (cos, sin)]
+    return mx.array(np.stack([cos, sin])), halves
+
+
+def transformers_rotated(x, halves):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    t = torch.from_numpy(np.array(x))
+    return apply_rotary_pos_emb(t, t, *halves)[0].numpy()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("Hq, Hkv, T, D, position", [
+    (9, 3, 1, 64, 37),  # a SmolLM-shaped decode step
+    (9, 3, 6, 64, 300),  # a speculative call's six rows
+    (6, 2, 64, 32, 5),  # a prefill chunk: the tiled path
+    (4, 1, 2, 12, 9),  # D not a multiple of 8
+])
+def test_update_and_attend_rotates_q_and_k_first_as_transformers_does(kernel, dtype, Hq, Hkv, T, D, position):
+    rng = np.random.default_rng(T * 10 + D)
+    slots = position + T + 3
+    K, V = (mx.array(rng.standard_normal((1, Hkv, slots, D)).astype(np.float32)).astype(MX_DTYPES[dtype])
+            for _ in range(2))
+    # q, k and v as the projections hand them over: transposed views
+    q, k, v = (mx.array(rng.standard_normal((1, T, H, D)).astype(np.float32)).transpose(0, 2, 1, 3)
+               for H in (Hq, Hkv, Hkv))
+    tables, halves = rope_tables(position, T, D, scale=1.25)
+    out, K2, V2 = kernel.update_and_attend(q, k, v, K, V, position, D**-0.5, rope=tables)
+    q_rot, k_rot = transformers_rotated(q, halves), transformers_rotated(k, halves)
+    want_K = np.array(K.astype(mx.float32)).copy()
+    want_K[:, :, position : position + T] = np.array(mx.array(k_rot).astype(MX_DTYPES[dtype]).astype(mx.float32))
+    np.testing.assert_array_equal(np.array(K2.astype(mx.float32)), want_K)  # each product rounded, as torch's
+    want_V = np.array(V.astype(mx.float32)).copy()
+    want_V[:, :, position : position + T] = np.array(v.astype(MX_DTYPES[dtype]).astype(mx.float32))
+    np.testing.assert_array_equal(np.array(V2.astype(mx.float32)), want_V)  # values are not rotated
+    end = position + T
+    reference = torch_attention(q_rot, want_K[:, :, :end], want_V[:, :, :end], D**-0.5, T > 1)
+    np.testing.assert_allclose(np.array(out), reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_quantized_update_and_attend_rotates_q_and_k_first_as_transformers_does(kernel, T):
+    rng = np.random.default_rng(T)
+    Hq, Hkv, D, group, position, bits = 9, 3, 64, 32, 20, 8
+    K = quantized_layer_pool(rng, Hkv, position + T + 2, D, bits, group)
+    V = quantized_layer_pool(rng, Hkv, position + T + 2, D, bits, group)
+    q, k, v = (mx.array(rng.standard_normal((1, T, H, D)).astype(np.float32) * 3).transpose(0, 2, 1, 3)
+               for H in (Hq, Hkv, Hkv))
+    tables, halves = rope_tables(position, T, D)
+    y, *pools = kernel.quantized_update_and_attend(q, k, v, *K, *V, position, D**-0.5, bits, bits, group,
+                                                   rotated=True, rope=tables)
+    k_rot = transformers_rotated(k, halves)
+    assert_same_bits(pools, written(K, position, k_rot, bits, group) + written(V, position, v, bits, group))
+    assert_close_to_scale(y, history_reference(mx.array(transformers_rotated(q, halves)), pools, bits, bits, group,
+                                               position + T))
+
+
+def test_update_and_attend_refuses_tables_that_are_not_the_step_s(kernel):
+    q, k = mx.zeros((1, 4, 2, 8)), mx.zeros((1, 2, 2, 8))
+    pool = mx.zeros((1, 2, 6, 8))
+    with pytest.raises(ValueError, match=r"RoPE tables must be contiguous float32 \(2,2,4\)"):
+        kernel.update_and_attend(q, k, k, pool, pool, 0, 1.0, rope=mx.zeros((2, 1, 4)))
+    with pytest.raises(ValueError, match="RoPE tables"):
+        kernel.update_and_attend(q, k, k, pool, pool, 0, 1.0, rope=mx.zeros((2, 2, 4), dtype=mx.float16))
+
+
 def test_update_and_attend_writes_in_place_unless_the_pool_is_held(kernel):
     rng = np.random.default_rng(7)
     K, V = (mx.array(rng.standard_normal((1, 2, 16, 8)).astype(np.float32)) for _ in range(2))

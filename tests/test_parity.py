@@ -41,11 +41,13 @@ def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto", int8_activati
         pos = np.array([len(tokens) - 1], dtype=np.int64)
         rows.append(np.array(forward.execute([np.array([[nxt]]), pos])[0].astype(mx.float32))[0])
     assert cache.length == len(tokens)
-    # every layer's query and key RoPE ran as one mx.fast.rope (fusion.py);
-    # llama and qwen3 gate their MLPs with silu, gemma with gelu. A GPU's
-    # decode blocks take both in (test_gpu_branches counts them there).
+    # every layer's query and key RoPE ran as one op (fusion.py), or in the
+    # op that writes the cache and attends (ops/attention.py); llama and
+    # qwen3 gate their MLPs with silu, gemma with gelu. A GPU's decode blocks
+    # take both in (test_gpu_branches counts them there).
     if "DecodeBlock" not in forward.op_names:
-        assert forward.op_names.count("RopeFused") == 2 * program.metadata.n_caches
+        ropes = forward.op_names.count("RopeFused") + 2 * forward.op_names.count("RotatedUpdateAndAttend")
+        assert ropes == 2 * program.metadata.n_caches
         if "gemma" not in str(pte):
             assert forward.op_names.count("SwiGLUFused") == program.metadata.n_caches
     return tokens, np.concatenate(rows)[: len(tokens)]

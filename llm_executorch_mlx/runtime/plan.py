@@ -26,9 +26,9 @@ norm, products                              norm and the products reading
 and epilogues                               it (SwiGLU after; q, k, v in
                                             heads, rotated), one for a
                                             product and its residual add
-a decode step's the extension's kernel      with those: one kernel
-cache write                                 (``gpu/attention.py``)
-and attention
+a decode step's the extension's kernel,     with those: one kernel
+cache write     q's and k's RoPE its first  (``gpu/attention.py``)
+and attention   step (any step's rows)
 ==============  ==========================  ================================
 
 On either device a short step (decode) replays the ops between two layers'
@@ -83,6 +83,10 @@ class InOp(NamedTuple):
     run: Callable
     takes: Callable
     on_device: bool = False  # a GPU's: the position read from an array
+    # run also takes ``rope=``: the step's RoPE tables (cos and sin rows,
+    # [2, T, D / 2]), applied to Q and Kn first (a layer's q and k RoPE
+    # groups as the op's own first step: ops/attention.py)
+    rotates: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,8 +242,10 @@ class Plan:
             return None
         if keys.quantized and values.quantized:
             return InOp(extension_ops.quantized_update_and_attend(self.extension, scale, keys, values),
-                        extension_ops.in_op_takes)
-        return InOp(extension_ops.update_and_attend(self.extension, scale), extension_ops.in_op_takes) if alike else None
+                        extension_ops.in_op_takes, rotates=True)
+        if not alike:
+            return None
+        return InOp(extension_ops.update_and_attend(self.extension, scale), extension_ops.in_op_takes, rotates=True)
 
     @property
     def compiles_steps(self) -> bool:

@@ -861,6 +861,50 @@ struct PoolCopy {
   }
 };
 
+// A step's rows x [1, H, T, D] (fp32, any strides) with the rotary embedding
+// applied as transformers' rotate_half does it, into y (contiguous): row t's
+// pairs (j, j + D/2) turned by cos[t][j] and sin[t][j] of `tables` (cos
+// [T, D/2] then sin [T, D/2]), each product rounded before the sum (x * cos
+// + rotate_half(x) * sin, where rotate_half(x) = [-x2, x1]): no FMA
+// contraction, which would round the sum once.
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void rope_rows(const float* x, const mx::Strides& xs, int H, int T, int D, const float* tables, float* y) {
+  const int half = D / 2;
+  const float* cos = tables;
+  const float* sin = tables + int64_t(T) * half;
+  for (int h = 0; h < H; ++h)
+    for (int t = 0; t < T; ++t) {
+      const float* row = x + h * xs[1] + t * xs[2];
+      float* out = y + (int64_t(h) * T + t) * D;
+      const float *c = cos + int64_t(t) * half, *s = sin + int64_t(t) * half;
+      for (int j = 0; j < half; ++j) {
+        const float x1 = row[j * xs[3]], x2 = row[(j + half) * xs[3]];
+        const float a = x1 * c[j], b = x2 * s[j], e = x2 * c[j], f = x1 * s[j];
+        out[j] = a - b, out[j + half] = e + f;
+      }
+    }
+}
+
+// Where a step op rotates its queries and keys (a `rope` input): their rows
+// rotated once as the task starts, read from there (contiguous).
+struct RotatedRows {
+  std::vector<float> q, k;
+  mx::Strides q_strides, k_strides;
+
+  RotatedRows(const float* tables, const float*& qp, mx::Strides& qs, int Hq, const float*& kp, mx::Strides& ks,
+              int Hkv, int T, int D) {
+    if (!tables) return;
+    q.resize(int64_t(Hq) * T * D), k.resize(int64_t(Hkv) * T * D);
+    rope_rows(qp, qs, Hq, T, D, tables, q.data());
+    rope_rows(kp, ks, Hkv, T, D, tables, k.data());
+    qp = q.data(), kp = k.data();
+    qs = {int64_t(Hq) * T * D, int64_t(T) * D, D, 1};
+    ks = {int64_t(Hkv) * T * D, int64_t(T) * D, D, 1};
+  }
+};
+
 // A step op's eval_cpu up to its task: the output's buffer, the N pools'
 // (take_pools), the encoder with every input and output bound. Returns the
 // copies the task runs first.
@@ -886,9 +930,9 @@ std::array<PoolCopy, N> bind_step(mx::Stream stream, const std::vector<mx::array
 class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
  public:
   static constexpr const char* kName = "UpdateAndAttend";
-  UpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries)
-      : CpuPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries) {}
-  auto params() const { return std::tuple(scale_, position_, few_queries_); }
+  UpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries, bool rotary)
+      : CpuPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries), rotary_(rotary) {}
+  auto params() const { return std::tuple(scale_, position_, few_queries_, rotary_); }
 
   bool shares_work() const override { return few_queries_; }  // as FusedAttention's
 
@@ -901,13 +945,15 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
     const int T = q.shape(2);
     const Geometry g{q.shape(0), q.shape(1), kp.shape(1), T, position_ + T, q.shape(3), T > 1, 0, scale_, q.strides()};
     const Strides4 k_stride = strides4(kout), v_stride = strides4(vout);
+    const float* tables = rotary_ ? inputs[5].data<float>() : nullptr;
     with_kv_type(kp, [&](auto* type) {
       using KV = std::remove_const_t<std::remove_pointer_t<decltype(type)>>;
       encoder.dispatch([=, q = q.data<float>(), k = k.data<float>(), v = v.data<float>(), ks = k.strides(),
                         vs = v.strides(), kd = kout.data<KV>(), vd = vout.data<KV>(), o = out.data<float>(),
-                        position = position_]() {
+                        position = position_, g = g]() mutable {
         started->store(true, std::memory_order_relaxed);
         for (const auto& c : copies) c.run();
+        const RotatedRows rope(tables, q, g.q, g.Hq, k, ks, g.Hkv, g.T, g.D);
         for (int h = 0; h < g.Hkv; ++h)
           for (int t = 0; t < g.T; ++t)
             for (int d = 0; d < g.D; ++d) {
@@ -927,6 +973,7 @@ class UpdateAndAttend : public CpuPrimitive<UpdateAndAttend, SharedPrimitive> {
   float scale_;
   int position_;
   bool few_queries_;
+  bool rotary_;  // a sixth input: the step's RoPE tables (rope_rows), applied to q and k first
 };
 
 // rotate_groups's transform of one group of n values, in double: a step's
@@ -1024,11 +1071,11 @@ class QuantizedUpdateAndAttend : public CpuPrimitive<QuantizedUpdateAndAttend, S
  public:
   static constexpr const char* kName = "QuantizedUpdateAndAttend";
   QuantizedUpdateAndAttend(mx::Stream stream, float scale, int position, bool few_queries, int k_bits, int v_bits,
-                           int group_size, bool rotated)
+                           int group_size, bool rotated, bool rotary)
       : CpuPrimitive(stream), scale_(scale), position_(position), few_queries_(few_queries), k_bits_(k_bits),
-        v_bits_(v_bits), group_size_(group_size), rotated_(rotated) {}
+        v_bits_(v_bits), group_size_(group_size), rotated_(rotated), rotary_(rotary) {}
   auto params() const {
-    return std::tuple(scale_, position_, few_queries_, k_bits_, v_bits_, group_size_, rotated_);
+    return std::tuple(scale_, position_, few_queries_, k_bits_, v_bits_, group_size_, rotated_, rotary_);
   }
 
   bool shares_work() const override { return few_queries_; }  // as FusedAttention's
@@ -1044,14 +1091,17 @@ class QuantizedUpdateAndAttend : public CpuPrimitive<QuantizedUpdateAndAttend, S
                      q.shape(3), T > 1,      0,          scale_,      q.strides(),
                      rotated_ ? group : 0};
     const QuantizedPool kp(outputs[1], outputs[2], outputs[3]), vp(outputs[4], outputs[5], outputs[6]);
+    const float* tables = rotary_ ? inputs[9].data<float>() : nullptr;
     with_bits(k_bits_, v_bits_, [&](auto k_bits, auto v_bits) {
       constexpr int KB = decltype(k_bits)::value, VB = decltype(v_bits)::value;
       const auto kr = quantized_rows<KB>(outputs[1], outputs[2], outputs[3], group);
       const auto vr = quantized_rows<VB>(outputs[4], outputs[5], outputs[6], group);
       encoder.dispatch([=, q = q.data<float>(), k = k.data<float>(), v = v.data<float>(), ks = k.strides(),
-                        vs = v.strides(), o = out.data<float>(), position = position_, rotated = rotated_]() {
+                        vs = v.strides(), o = out.data<float>(), position = position_, rotated = rotated_,
+                        g = g]() mutable {
         started->store(true, std::memory_order_relaxed);
         for (const auto& c : copies) c.run();
+        const RotatedRows rope(tables, q, g.q, g.Hq, k, ks, g.Hkv, g.T, g.D);
         quantize_step<KB>(k, ks, kp, position, g.Hkv, g.T, g.D, group, rotated);
         quantize_step<VB>(v, vs, vp, position, g.Hkv, g.T, g.D, group, rotated);
         attend(q, kr, vr, o, g);
@@ -1071,6 +1121,7 @@ class QuantizedUpdateAndAttend : public CpuPrimitive<QuantizedUpdateAndAttend, S
   bool few_queries_;
   int k_bits_, v_bits_, group_size_;
   bool rotated_;
+  bool rotary_;  // a tenth input: the step's RoPE tables, as UpdateAndAttend's
 };
 
 }  // namespace
@@ -1152,9 +1203,25 @@ mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::
                    {q, k, k_scales, k_biases, v, v_scales, v_biases});
 }
 
+// "" where `rope` is none or the RoPE tables of q's T rows (rope_rows), else why not.
+std::string check_rope(const std::optional<mx::array>& rope, const mx::array& q) {
+  if (!rope) return "";
+  const mx::Shape tables{2, q.shape(2), q.shape(3) / 2};
+  if (q.shape(3) % 2 != 0) return "a rotary embedding needs an even head size, not " + std::to_string(q.shape(3));
+  if (rope->dtype() != mx::float32 || rope->shape() != tables || !rope->flags().row_contiguous)
+    return "the RoPE tables must be contiguous float32 " + text(tables) + ", got " + text(rope->shape());
+  return "";
+}
+
+// q, k, v, the pools, and the RoPE tables where given.
+std::vector<mx::array> step_inputs(std::vector<mx::array> inputs, const std::optional<mx::array>& rope) {
+  if (rope) inputs.push_back(*rope);
+  return inputs;
+}
+
 std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
                                          const mx::array& k_pool, const mx::array& v_pool, int position, float scale,
-                                         mx::StreamOrDevice s) {
+                                         const std::optional<mx::array>& rope, mx::StreamOrDevice s) {
   std::string err;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4 || k_pool.ndim() != 4 || v_pool.ndim() != 4) {
     err = "q, k, v and the pools must be 4-D";
@@ -1171,11 +1238,14 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
   } else if (position < 0 || int64_t(position) + q.shape(2) > k_pool.shape(2)) {
     err = "writing " + std::to_string(q.shape(2)) + " positions at " + std::to_string(position) + " overruns a pool of " +
           std::to_string(k_pool.shape(2));
+  } else {
+    err = check_rope(rope, q);
   }
   const auto stream = cpu_stream("update_and_attend", err, s);
-  return mx::array::make_arrays({q.shape(), k_pool.shape(), v_pool.shape()},
-                                {mx::float32, k_pool.dtype(), v_pool.dtype()},
-                                std::make_shared<UpdateAndAttend>(stream, scale, position, q.shape(2) < kTiledMinQueries), {q, k, v, k_pool, v_pool});
+  return mx::array::make_arrays(
+      {q.shape(), k_pool.shape(), v_pool.shape()}, {mx::float32, k_pool.dtype(), v_pool.dtype()},
+      std::make_shared<UpdateAndAttend>(stream, scale, position, q.shape(2) < kTiledMinQueries, rope.has_value()),
+      step_inputs({q, k, v, k_pool, v_pool}, rope));
 }
 
 std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
@@ -1183,7 +1253,7 @@ std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx:
                                                    const mx::array& k_biases, const mx::array& v_words,
                                                    const mx::array& v_scales, const mx::array& v_biases, int position,
                                                    float scale, int k_bits, int v_bits, int group_size, bool rotated,
-                                                   mx::StreamOrDevice s) {
+                                                   const std::optional<mx::array>& rope, mx::StreamOrDevice s) {
   std::string err;
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4) {
     err = "q, k and v must be 4-D";
@@ -1206,6 +1276,7 @@ std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx:
       err = "writing " + std::to_string(q.shape(2)) + " positions at " + std::to_string(position) +
             " overruns a pool of " + std::to_string(rows[2]);
     }
+    if (err.empty()) err = check_rope(rope, q);
   }
   const auto stream = cpu_stream("quantized_update_and_attend", err, s);
   std::vector<mx::Shape> shapes{q.shape()};
@@ -1217,8 +1288,9 @@ std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx:
   return mx::array::make_arrays(std::move(shapes), std::move(dtypes),
                                 std::make_shared<QuantizedUpdateAndAttend>(stream, scale, position,
                                                                            q.shape(2) < kTiledMinQueries, k_bits,
-                                                                           v_bits, group_size, rotated),
-                                std::move(inputs));
+                                                                           v_bits, group_size, rotated,
+                                                                           rope.has_value()),
+                                step_inputs(std::move(inputs), rope));
 }
 
 }  // namespace llm_pte

@@ -90,8 +90,8 @@ def update_and_attend(extension, scale: float):
     nodes a layer fewer than writing the pools with ``__setitem__``, slicing
     them and attending."""
 
-    def in_op(Q, Kn, Vn, K, V, position, position_array):
-        y, k_pool, v_pool = extension.update_and_attend(Q, Kn, Vn, *K, *V, position, scale, stream=mx.cpu)
+    def in_op(Q, Kn, Vn, K, V, position, position_array, rope=None):
+        y, k_pool, v_pool = extension.update_and_attend(Q, Kn, Vn, *K, *V, position, scale, rope=rope, stream=mx.cpu)
         return y, [k_pool], [v_pool]
 
     return in_op
@@ -105,10 +105,10 @@ def quantized_update_and_attend(extension, scale: float, keys: Storage, values: 
     value's fp16 differently about once in 1,500): a few hundred MLX nodes a
     step fewer than encoding, writing and slicing three arrays a pool."""
 
-    def in_op(Q, Kn, Vn, K, V, position, position_array):
+    def in_op(Q, Kn, Vn, K, V, position, position_array, rope=None):
         y, *pools = extension.quantized_update_and_attend(
             Q, Kn, Vn, *K, *V, position, scale, keys.bits, values.bits, keys.group_size(Q.shape[-1]),
-            rotated=keys.rotated, stream=mx.cpu)
+            rotated=keys.rotated, rope=rope, stream=mx.cpu)
         return y, pools[:3], pools[3:]
 
     return in_op

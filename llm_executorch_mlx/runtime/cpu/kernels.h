@@ -39,10 +39,12 @@ mx::array quantized_attention(const mx::array& q, const mx::array& k, const mx::
 // into the pools [1, Hkv, slots, D] (fp32, bf16 or fp16) at `position`, then
 // attention(q, the pools' first position + T slots, causal when T > 1).
 // Returns [out, the pools written]: their input buffers where nothing else
-// holds them.
+// holds them. `rope`: the RoPE tables of the step's positions (cos [T, D/2]
+// then sin, float32 [2, T, D/2]), applied to q and k first (x * cos +
+// rotate_half(x) * sin, as transformers does).
 std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
                                          const mx::array& k_pool, const mx::array& v_pool, int position, float scale,
-                                         mx::StreamOrDevice s);
+                                         const std::optional<mx::array>& rope, mx::StreamOrDevice s);
 
 // update_and_attend over a quantized cache: the T rows of k and v [1, Hkv,
 // T, D] (fp32), each group of group_size rotated where `rotated` (as
@@ -52,13 +54,14 @@ std::vector<mx::array> update_and_attend(const mx::array& q, const mx::array& k,
 // quantized_attention takes them, [1, Hkv, slots, ...]), then
 // quantized_attention over the pools' first position + T rows, causal when
 // T > 1. Returns [out, the six pool arrays written], each its input's
-// buffer where nothing else holds it.
+// buffer where nothing else holds it. `rope`: as update_and_attend's, the
+// keys rotated so before they are stored.
 std::vector<mx::array> quantized_update_and_attend(const mx::array& q, const mx::array& k, const mx::array& v,
                                                    const mx::array& k_words, const mx::array& k_scales,
                                                    const mx::array& k_biases, const mx::array& v_words,
                                                    const mx::array& v_scales, const mx::array& v_biases, int position,
                                                    float scale, int k_bits, int v_bits, int group_size, bool rotated,
-                                                   mx::StreamOrDevice s);
+                                                   const std::optional<mx::array>& rope, mx::StreamOrDevice s);
 
 // x @ w for x [..., M, K] fp32 with M <= 128 rows (a decode step's one, a
 // short chunk's, a prefill chunk's) and w [K, N] fp32 or bf16, read as stored; unless not

@@ -27,19 +27,23 @@ NB_MODULE(cpu_kernels, m) {
         "rotated: K and V quantized from rotate(x, group_size) (quantized_kv.py); the queries' groups are\n"
         "rotated before scoring and the output's after, so the result is attention over x.");
   m.def("update_and_attend", &llm_pte::update_and_attend, "q"_a, "k"_a, "v"_a, "k_pool"_a, "v_pool"_a,
-        "position"_a, "scale"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "position"_a, "scale"_a, nb::kw_only(), "rope"_a = nb::none(), "stream"_a = nb::none(),
         "A flat cache layer's step as one op on the CPU: k and v [1, Hkv, T, D] (fp32) written into\n"
         "the pools [1, Hkv, slots, D] (fp32, bf16 or fp16) at position, then attention of q [1, Hq, T, D]\n"
-        "over the pools' first position + T slots, causal when T > 1. Returns [out, k_pool', v_pool'].");
+        "over the pools' first position + T slots, causal when T > 1. Returns [out, k_pool', v_pool'].\n"
+        "rope: the step's RoPE tables, float32 [2, T, D / 2] (cos rows, then sin rows), applied to q\n"
+        "and k first as transformers does (x * cos + rotate_half(x) * sin).");
   m.def("quantized_update_and_attend", &llm_pte::quantized_update_and_attend, "q"_a, "k"_a, "v"_a, "k_words"_a,
         "k_scales"_a, "k_biases"_a, "v_words"_a, "v_scales"_a, "v_biases"_a, "position"_a, "scale"_a, "k_bits"_a,
-        "v_bits"_a, "group_size"_a, nb::kw_only(), "rotated"_a = false, "stream"_a = nb::none(),
+        "v_bits"_a, "group_size"_a, nb::kw_only(), "rotated"_a = false, "rope"_a = nb::none(),
+        "stream"_a = nb::none(),
         "update_and_attend over a quantized cache: k and v [1, Hkv, T, D] (fp32) stored as\n"
         "mx.quantize(x.astype(float16), group_size, bits) stores them (rotated: x's groups first rotated,\n"
         "quantized_kv.rotate), at k_bits / v_bits, into rows position .. position + T of the pools\n"
         "(quantized_attention's words, scales and biases, [1, Hkv, slots, ...]),\n"
         "then quantized_attention of q over their first position + T rows, causal when T > 1.\n"
-        "Returns [out, k_words', k_scales', k_biases', v_words', v_scales', v_biases'].");
+        "Returns [out, k_words', k_scales', k_biases', v_words', v_scales', v_biases'].\n"
+        "rope: as update_and_attend's (the keys rotated before they are stored).");
   m.def("gemv", &llm_pte::gemv, "x"_a, "w"_a, nb::kw_only(), "helped"_a = true, "bf16_x"_a = false,
         "stream"_a = nb::none(),
         "x @ w for x [..., M, K] fp32 (M <= limits()['dense_rows']) and w [K, N] fp32 or bf16 on the CPU;\n"

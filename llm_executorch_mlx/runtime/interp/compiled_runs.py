@@ -35,8 +35,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import PteError
+from .ops.attention import ROTATED
 
-HOST_OPS = frozenset({"UpdateAndAttendNode", "AllSum"})  # they act beyond the frame: the cache, a collective
+# they act beyond the frame: the cache (its attention, with or without its
+# RoPE: ops/attention.py), a collective
+HOST_OPS = frozenset({"UpdateAndAttendNode", ROTATED, "AllSum"})
 # compiled: steps whose every input holds at most this many entries: decode. A
 # speculative try's steps come in many lengths, each costing a recording and
 # traces (and RoPE's tables for several positions are read on the host): with

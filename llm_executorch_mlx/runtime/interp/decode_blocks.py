@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from ..gpu.decode import Block, Rotary, Weight, fits
 from ..pte.graph import node_name, tensor_fields
-from .fusion import GROUP, kept_slots, plan_rope, plan_swiglu
+from .fusion import GROUP, kept_slots, plan_rope, plan_swiglu, readers_after
 from .grouping import dense_weight
 from .ops.shape import int_list, text
 from .pairs import try_fuse_pair
@@ -48,7 +48,6 @@ from .ops.table import BUILDERS
 
 PRODUCTS = ("AddmmNode", "QuantizedMatmulNode")
 WINDOW = 12  # nodes after the norm a product may be (q, k, v and their views; gate, up)
-_OPAQUE = ("IfNode", "ScanNode")  # sub-chains may read anything
 
 
 def plan_decode_block(ctx, instructions: list, i: int, claimed) -> tuple | None:
@@ -69,21 +68,6 @@ def plan_decode_block(ctx, instructions: list, i: int, claimed) -> tuple | None:
     except (AttributeError, TypeError):
         return None  # malformed: each node's own builder reports it
     return None
-
-
-def _readers(instructions: list, start: int, slot: int, kept: set[int]) -> list[int] | None:
-    """The nodes after ``start`` that read ``slot`` before it is written
-    again; None if a sub-chain may read it or the caller does."""
-    found = []
-    for j in range(start + 1, len(instructions)):
-        if node_name(instructions[j]) in _OPAQUE:
-            return None
-        reads, writes = tensor_fields(instructions[j].op)
-        if slot in reads:
-            found.append(j)
-        if slot in writes:
-            return found
-    return None if slot in kept else found
 
 
 def _written_between(instructions: list, start: int, end: int, slot: int) -> bool:
@@ -128,7 +112,7 @@ def _norm_block(ctx, runner, instructions, i, claimed):
     if nw is not None and nw >= ctx.num_constants:
         return None
     kept = kept_slots(ctx)
-    members = _readers(instructions, i, out, kept)
+    members = readers_after(instructions, i, out, kept)
     if not members or any(j in claimed or j > i + WINDOW for j in members):
         return None
     weights = [_weight(ctx, instructions, j) for j in members]
@@ -210,7 +194,7 @@ def _heads_after(ctx, instructions, i, members, outs, kept, claimed) -> _Heads |
         pair = try_fuse_pair(ctx, instructions, r)
         runs = ({r: _own(ctx, instructions, r), r + 1: _own(ctx, instructions, r + 1)} if pair is None
                 else {r: pair[1], r + 1: _nothing})
-        g = _readers(instructions, r + 1, heads, kept)  # a RoPE group reads its x three times
+        g = readers_after(instructions, r + 1, heads, kept)  # a RoPE group reads its x three times
         rope = plan_rope(ctx, instructions, g[0]) if g else None
         if rope is not None and rope.x == heads:
             span = range(g[0], g[0] + len(GROUP))
@@ -243,7 +227,7 @@ def _head_split(ctx, instructions, j, out, kept) -> tuple[int, int, int] | None:
     """``(reshape index, heads slot, head size)`` where product ``j``'s
     output is split into heads by a reshape to ``[B, T, H, D]`` then a
     transpose to ``[B, H, T, D]``, nothing else reading either; else None."""
-    readers = _readers(instructions, j, out, kept)
+    readers = readers_after(instructions, j, out, kept)
     if not readers or len(readers) != 1 or node_name(instructions[readers[0]]) != "ReshapeNode":
         return None
     r = readers[0]
@@ -251,7 +235,7 @@ def _head_split(ctx, instructions, j, out, kept) -> tuple[int, int, int] | None:
         return None
     reshape, transpose = instructions[r].op, instructions[r + 1].op
     if (transpose.x.idx != reshape.out.idx or int_list(transpose.perm) != [0, 2, 1, 3]
-            or len(reshape.shape or []) != 4 or _readers(instructions, r, reshape.out.idx, kept) != [r + 1]):
+            or len(reshape.shape or []) != 4 or readers_after(instructions, r, reshape.out.idx, kept) != [r + 1]):
         return None
     size = ctx.static_int(reshape.shape[3])
     return None if size is None else (r, transpose.out.idx, size)
@@ -266,7 +250,7 @@ def _swiglu_after(ctx, instructions, members, outs, kept, claimed):
     outputs feed ``silu(a) * b`` alone (``fusion.plan_swiglu``'s pattern),
     else None."""
     for a, b in ((0, 1), (1, 0)):
-        readers = _readers(instructions, members[a], outs[a], kept)
+        readers = readers_after(instructions, members[a], outs[a], kept)
         if not readers or len(readers) != 1 or node_name(instructions[readers[0]]) != "SiluNode":
             continue
         silu = readers[0]
@@ -277,7 +261,7 @@ def _swiglu_after(ctx, instructions, members, outs, kept, claimed):
         mul = instructions[multiply].op
         if {mul.a.idx, mul.b.idx} != {instructions[silu].op.out.idx, outs[b]}:
             return None
-        if _readers(instructions, members[b], outs[b], kept) != [multiply] or {silu, multiply} & claimed.keys():
+        if readers_after(instructions, members[b], outs[b], kept) != [multiply] or {silu, multiply} & claimed.keys():
             return None
         return silu, multiply, silu_run, multiply_run
     return None
@@ -289,7 +273,7 @@ def _product_add(ctx, runner, instructions, i, claimed):
         return None
     x, read = weight
     out = instructions[i].op.out.idx
-    readers = _readers(instructions, i, out, kept_slots(ctx))
+    readers = readers_after(instructions, i, out, kept_slots(ctx))
     if not readers or len(readers) != 1 or readers[0] in claimed:
         return None
     a = readers[0]

@@ -20,7 +20,11 @@ intermediates. Then ``y = fast.rope(x, offset=positions[0], freqs=1/inv_freq)
 * scale``; positions must be consecutive, which the off-graph cache already
 requires of every forward call. On the CPU, where ``mx.fast.rope`` is a
 dozen small ops, the group is ``_rotate_half`` with tables made on the host,
-and for a decode step's single position one product with a rotation matrix.
+and for a decode step's single position one product with a rotation matrix;
+where the extension's op writes the cache and attends (``plan.py``), a
+layer's q and k groups are that op's own first step instead (its tables made
+on the host as each call starts: ``ops/attention.py``), two MLX ops a group
+fewer.
 
 **SwiGLU.** ``silu(gate)`` then, a few nodes later, ``silu_out * up``: two
 kernels for the silu (sigmoid, multiply) and one for the product. When the
@@ -40,7 +44,7 @@ reader: another would run the product a second time.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +57,7 @@ from .layout import read_before_written
 GROUP = ("MultiplyNode", "SliceNode", "SliceNode", "NegNode", "ConcatenateNode", "MultiplyNode", "AddNode")
 _VIEWS = ("ExpandDimsNode", "AsTypeNode", "ReshapeNode")  # keep values, change layout or dtype
 _UNBOUNDED = 1 << 62  # a slice "to the end" is exported as INT64_MAX
+_OPAQUE = ("IfNode", "ScanNode")  # sub-chains may read anything
 
 
 class Rope(NamedTuple):
@@ -70,6 +75,9 @@ class Rope(NamedTuple):
     freqs: mx.array | None
     scale: float
     tables: tuple[int, int]
+    # CPU: the slot of a host array holding each call's cos and sin rows
+    # ([2, T, dims / 2], scaled), registered on the first ask
+    host_tables: Callable[[], int] | None = None
 
 
 def try_fuse(ctx, instructions: list, i: int):
@@ -159,7 +167,10 @@ def _fuse(ctx, instructions: list, i: int) -> Rope | None:
             cos_t, sin_t = tables.get(f, position(f), seen[0][-2])
             f[out] = _rotate_half(X, cos_t, sin_t)
 
-        return Rope(run, x, out, dims, positions, None, scale, (cos, sin))
+        def host_tables() -> int:
+            return ctx.host_array(("rope tables",) + key, lambda f: tables.stacked(position(f), f[positions].size))
+
+        return Rope(run, x, out, dims, positions, None, scale, (cos, sin), host_tables if rotation is not None else None)
 
     freqs = (1.0 / inv_freq.astype(mx.float32)).reshape(-1)
     mx.eval(freqs)
@@ -200,6 +211,11 @@ class _RopeTables:
             (np.cos(angles) * self.scale).astype(np.float32),
             (np.sin(angles) * self.scale).astype(np.float32),
         )
+
+    def stacked(self, start: int, length: int) -> mx.array:
+        """cos and sin rows for ``length`` positions from ``start``, as one
+        float32 array [2, length, half]."""
+        return mx.array(np.stack(self._cos_sin(start, length)))
 
     def get(self, f, start: int, length: int):
         cached = f[self.slot]
@@ -303,6 +319,21 @@ def _table(ctx, tid: int, step: int, trig: str):
             if source in ctx.input_tids:
                 return source, inv_freq, scale
     return None
+
+
+def readers_after(instructions: list, start: int, slot: int, kept: set[int]) -> list[int] | None:
+    """The nodes after ``start`` that read ``slot`` before it is written
+    again; None if a sub-chain may read it or the caller does (``kept``)."""
+    found = []
+    for j in range(start + 1, len(instructions)):
+        if node_name(instructions[j]) in _OPAQUE:
+            return None
+        reads, writes = tensor_fields(instructions[j].op)
+        if slot in reads:
+            found.append(j)
+        if slot in writes:
+            return found
+    return None if slot in kept else found
 
 
 def kept_slots(ctx) -> set[int]:

@@ -30,6 +30,7 @@ from .fusion import GROUP, plan_residual_add, plan_swiglu, try_fuse
 from .grouping import plan_group
 from .int32 import clamp_int32
 from .ops import BUILDERS
+from .ops.attention import ROTATED, plan_rotated_attention
 from .ops.nn import build_addmm_last_row
 from .layout import GATHER
 from .ops.quant import build_quantized_matmul_last_row, plan_quantized_gather
@@ -317,6 +318,14 @@ def _quantized_lookup(ctx, instructions, i, claimed):
     return None if found is None else Rewrite(found, len(GATHER))
 
 
+def _rotated_attention(ctx, instructions, i, claimed):
+    found = plan_rotated_attention(ctx, instructions, i)
+    if found is None:
+        return None
+    j, run = found
+    return None if j in claimed else Rewrite(("RopeFused", None), 2 * len(GROUP), later={j: (ROTATED, run)})
+
+
 def _rope(ctx, instructions, i, claimed):
     found = try_fuse(ctx, instructions, i)
     return None if found is None else Rewrite(found, len(GROUP))
@@ -359,12 +368,13 @@ def _shared_x_products(ctx, instructions, i, claimed):
 # The main chain's load-time rewrites, tried at each node in this order, each
 # ``(ctx, instructions, i, claimed) -> Rewrite | None``; the first that
 # applies wins. Runs of several nodes come first (an embedding's
-# quantized lookup, RoPE's seven nodes, a head split or merge), then
+# quantized lookup, a layer's q and k RoPE groups its attention applies,
+# RoPE's seven nodes, a head split or merge), then
 # rewrites of one node that may claim later ones (a GPU's decode blocks,
 # SwiGLU's multiply, the products that read the same x); a node an earlier rewrite claimed runs as
 # claimed. None changes what the chain computes beyond rounding (fusion.py,
 # pairs.py, grouping.py say where).
-REWRITES = (_quantized_lookup, _rope, _head_pair, _decode_block, _swiglu, _residual_add, _shared_x_products)
+REWRITES = (_quantized_lookup, _rotated_attention, _rope, _head_pair, _decode_block, _swiglu, _residual_add, _shared_x_products)
 
 
 def build_chain(ctx: BuildContext, index: int) -> list[tuple[str, Run]]:
