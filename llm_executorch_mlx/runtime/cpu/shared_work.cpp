@@ -190,12 +190,17 @@ std::shared_ptr<std::atomic<bool>> read_ahead_later(const mx::array& weight, con
   return started;
 }
 
-// Wait until `a` is computed, helping while a job is posted or any op queued
-// from this thread has not started; then sleep in MLX's wait.
+// Wait until `a` is computed, helping: to the end where the host helps with
+// the graph (a decode step's: a host asleep in MLX's wait is woken late, and
+// the stream thread meanwhile runs a posted job alone, as it did the LM head
+// of a small model's step), else while a job is posted or any op queued from
+// this thread has not started; then sleep in MLX's wait.
 void wait_helping(const mx::array& a) {
   if (a.status() == mx::array::Status::unscheduled) return;  // nothing queued: .item() evaluates it
   nb::gil_scoped_release release;
-  help_while([&] { return !a.is_available() && (posted_job.load() != nullptr || any_unstarted()); });
+  help_while([&] {
+    return !a.is_available() && (host_helps() || posted_job.load() != nullptr || any_unstarted());
+  });
   mx::array(a).wait();
   drop_started();  // what the read-ahead list still holds is done
 }

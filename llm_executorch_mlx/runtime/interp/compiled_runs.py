@@ -42,8 +42,8 @@ from .ops.attention import ROTATED
 HOST_OPS = frozenset({"UpdateAndAttendNode", ROTATED, "AllSum"})
 # compiled: steps whose every input holds at most this many entries: decode. A
 # speculative try's steps come in many lengths, each costing a recording and
-# traces (and RoPE's tables for several positions are read on the host): with
-# them compiled, prompt lookup on the 135M model lost its gain.
+# traces that a reply's few calls of that length do not pay back: with them
+# compiled, prompt lookup on the 135M model gained less (docs/design.md).
 MOST_ENTRIES = 1
 
 
