@@ -5,11 +5,10 @@ A transformers export rotates q and k (two RoPE groups, ``fusion.py``) right
 before the layer's attention. Where the plan writes the cache and attends in
 one op that can rotate too (``InOp.rotates``: the CPU extension's),
 ``plan_rotated_attention`` claims both groups and the attention node
-(``ROTATED``) applies them as its op's first step, from cos and sin rows made on the host as each
-call starts: a decode step's four MLX ops a layer fewer, and nothing read on
-the host between calls, so a few-row call's runs compile as a decode step's
-do (``compiled_runs.py``). Where the op does not take a step (its dtypes,
-its shapes), the groups run as they would have, first.
+(``ROTATED``) applies them as its op's first step, from cos and sin rows
+made on the host once per call for every layer: four MLX ops a layer fewer
+on every step. Where the op does not take a step (its dtypes, its shapes),
+the groups run as they would have, first.
 """
 
 from __future__ import annotations
