@@ -86,6 +86,7 @@ def test_register_list_info_remove(tiny, compiler):
     assert "decode steps: the ops between two layers' attention replayed as one compiled call" in info
     if compiler:
         assert "attention: compiled kernel" in info and info_json["runtime"]["attention"].startswith("compiled kernel")
+        assert "cache write and its q and k RoPE in the same op" in info
         assert "decode products: the compiled kernel's products" in info
         # int8 activations for the widths this CPU's integer dot products take (8 bits need VNNI)
         if platform.machine() in ("x86_64", "AMD64"):

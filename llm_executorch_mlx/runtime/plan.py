@@ -268,7 +268,8 @@ class Plan:
         k = self.kernels
         if k is None:
             return {"attention": "MLX ops", "decode_products": "BLAS", "quantized_products": _mlx_quantized("")}
-        facts = {"attention": (f"compiled kernel ({k.attention.why})" if k.attention.on
+        facts = {"attention": (f"compiled kernel ({k.attention.why}); a flat layer's cache write and its q and k "
+                               "RoPE in the same op" if k.attention.on
                                else f"compiled kernel, {k.attention.why}" if k.attention.needs_build
                                else f"MLX ops ({k.attention.why})")}
         if k.products.needs_build:
