@@ -891,7 +891,6 @@ void rope_rows(const float* x, const mx::Strides& xs, int H, int T, int D, const
 // rotated once as the task starts, read from there (contiguous).
 struct RotatedRows {
   std::vector<float> q, k;
-  mx::Strides q_strides, k_strides;
 
   RotatedRows(const float* tables, const float*& qp, mx::Strides& qs, int Hq, const float*& kp, mx::Strides& ks,
               int Hkv, int T, int D) {

@@ -111,7 +111,7 @@ def _build(n, ctx, rotated: RotatedAttention | None) -> Run:
                 rope = None
         if rope is None:
             Q, Kn = f[q], f[k]
-        if in_op is not None and in_op.takes(Q, Kn, Vn):
+        if rope is not None or (in_op is not None and in_op.takes(Q, Kn, Vn)):  # rope: taken above
             held = None if at_array is None else f[at_array]
             extra = {} if rope is None else {"rope": rope}
             y = cache.update_in_op(layer, at, Kn, lambda K, V: in_op.run(Q, Kn, Vn, K, V, at, held, **extra))
