@@ -31,7 +31,7 @@ from llm_executorch_mlx.runtime.cpu import extension, selection
 found = selection.kernels(build=True)
 assert found.products.on and found.attention.on, (found.products.why, found.attention.why)
 ext = found.extension
-command = extension._plan()[0]
+command = extension._plan()[0].compile
 rng = np.random.default_rng(0)
 
 def by_hand(q, scales, biases, bits, group):

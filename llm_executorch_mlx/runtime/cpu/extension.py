@@ -87,7 +87,7 @@ def _look(build: bool) -> Extension:
     plan = _plan()
     if isinstance(plan, str):
         return Extension(None, plan)
-    command, target, failed, refused_marker, flags = plan
+    recipe, target, failed, refused_marker, flags = plan
     if not target.exists() and failed.exists():  # a compile error: not retried every command
         return Extension(None, f"{failed.read_text()} (remove {failed} to retry)")
     if not target.exists() and not build:
@@ -95,7 +95,7 @@ def _look(build: bool) -> Extension:
     try:
         if not target.exists():
             try:
-                native.compile_to(command, target, timeout=300,
+                native.compile_to(recipe, target, timeout=300,
                                   notice="building the CPU kernels (attention, gemv; once, ~30 s)")
             except subprocess.CalledProcessError as exc:
                 stderr = exc.stderr.decode(errors="replace").strip()
@@ -173,25 +173,28 @@ def _vector_flags(cap: str) -> list[str]:
     return wanted
 
 
-def _command(cxx: str, nanobind, flags: list[str]) -> list[str]:
-    """The compile command with these vector flags, less its output path."""
+def _recipe(cxx: str, nanobind, flags: list[str]) -> native.Recipe:
+    """How to build it with these vector flags: nanobind's own sources
+    third, after the two longest of ours (``native.compile_to`` compiles
+    several at once, in this order)."""
     nb_root = pathlib.Path(nanobind.__file__).parent
     mlx_root = pathlib.Path(mx.__file__).parent
     command = [
-        cxx, "-std=c++20", "-O3", "-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp-simd",
+        cxx, "-std=c++20", "-O3", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd",
         *flags, "-DNB_DOMAIN=mlx", "-DNDEBUG",
         f"-I{nanobind.include_dir()}", f"-I{nb_root / 'ext' / 'robin_map' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", f"-I{mlx_root / 'include'}",
-        *map(str, SOURCES), str(nb_root / "src" / "nb_combined.cpp"),
-        f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}",
     ]
+    ours = list(map(str, SOURCES))
+    sources = [*ours[:2], str(nb_root / "src" / "nb_combined.cpp"), *ours[2:]]
+    link = ["-shared", f"-L{mlx_root / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_root / 'lib'}"]
     if sys.platform == "darwin":
-        command.append("-Wl,-undefined,dynamic_lookup")  # Python's symbols come from the interpreter
-    return command
+        link.append("-Wl,-undefined,dynamic_lookup")  # Python's symbols come from the interpreter
+    return native.Recipe(command, sources, link)
 
 
 def _plan():
-    """``(command, library, failure marker, refused-flags marker, vector
+    """``(recipe, library, failure marker, refused-flags marker, vector
     flags)`` for this machine: the widest vectors whose flags the compiler
     has not refused; or why there is no extension to build here."""
     cxx = native.find_compiler(native.CXX_COMPILERS)
@@ -203,18 +206,18 @@ def _plan():
         return "no C++ compiler" if cxx is None else "nanobind is not installed"
     sources = [f.read_bytes() for f in SOURCES + HEADERS]
     for flags in _vector_tiers():
-        command = _command(cxx, nanobind, flags)
-        # The command names MLX's directory (the library links that libmlx),
+        recipe = _recipe(cxx, nanobind, flags)
+        # The recipe names MLX's directory (the library links that libmlx),
         # the include paths and flags; the versions cover what the paths do not.
         key = hashlib.sha256(b"\0".join(
             part.encode() if isinstance(part, str) else part
-            for part in (*sources, *command, mx.__version__, importlib.metadata.version("nanobind"),
+            for part in (*sources, *recipe.key(), mx.__version__, importlib.metadata.version("nanobind"),
                          platform.machine())
         )).hexdigest()[:16]
         target = native.cache_dir() / f"{MODULE}-{key}{sysconfig.get_config_var('EXT_SUFFIX')}"
         failed, refused = (target.with_name(f"{MODULE}-{key}.{why}") for why in ("failed", "refused"))
         if target.exists() or not refused.exists():
-            return command, target, failed, refused, flags
+            return recipe, target, failed, refused, flags
     return "the compiler refused every vector flag, the default target's none among them"
 
 

@@ -33,7 +33,7 @@ def build() -> tuple[pathlib.Path | None, str]:
     if target.exists():
         return target, "cached"
     try:
-        native.compile_to([cc, "-O2", "-shared", "-fPIC", str(SOURCE)], target, timeout=120)
+        native.compile_to(native.Recipe([cc, "-O2", "-fPIC"], [str(SOURCE)], ["-shared"]), target, timeout=120)
     except (OSError, subprocess.SubprocessError) as exc:
         return None, f"building the one-row route failed ({type(exc).__name__})"
     return target, "built"
