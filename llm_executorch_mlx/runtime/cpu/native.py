@@ -38,6 +38,11 @@ def find_compiler(kind: tuple[str, tuple[str, ...]]) -> str | None:
     return None
 
 
+def _cores() -> int:
+    """The cores this process may run on (a container's or taskset's share)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class Recipe(NamedTuple):
     """How a library is built: ``compile`` (the compiler and its flags) makes an
     object of each of ``sources``; the compiler links them with ``link``."""
@@ -68,7 +73,7 @@ def compile_to(recipe: Recipe, target: pathlib.Path, timeout: float, notice: str
         def run(command: list[str]) -> None:
             subprocess.run(command, check=True, capture_output=True, timeout=timeout)
 
-        with ThreadPoolExecutor(max_workers=min(len(objects), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(objects), _cores())) as pool:
             compiled = [pool.submit(run, [*recipe.compile, "-c", source, "-o", obj])
                         for source, obj in zip(recipe.sources, objects)]
         for done in compiled:
