@@ -106,6 +106,8 @@ def timing(args) -> list[dict]:
         mk = lambda rows, kk, i: weight(rows, kk, mx.bfloat16, bits, 32, keys[i])  # noqa: E731
         blocks = {
             "norm+q,k,v": (Block((mk(q, k, 0), mk(kv, k, 1), mk(kv, k, 2)), (mx.ones((k,), mx.bfloat16), 1e-5)), k),
+            "norm+q,k,v+rope": (Block((mk(q, k, 0), mk(kv, k, 1), mk(kv, k, 2)), (mx.ones((k,), mx.bfloat16), 1e-5),
+                                      "", Rotary(64, 500000.0 ** (mx.arange(0, 64, 2) / 64), 2)), k),
             "o+add": (Block((mk(k, q, 3),), None, "add"), q),
             "norm+gate,up+swiglu": (Block((mk(inter, k, 4), mk(inter, k, 5)), (mx.ones((k,), mx.bfloat16), 1e-5),
                                           "swiglu"), k),
@@ -114,16 +116,17 @@ def timing(args) -> list[dict]:
         for name, (block, kk) in blocks.items():
             x = mx.random.normal((1, 1, kk)).astype(mx.bfloat16)
             residual = mx.random.normal((1, 1, block.rows)).astype(mx.bfloat16) if block.epilogue == "add" else None
+            position = mx.array(517, mx.int32) if block.rotary else None
             nbytes = sum(w.w.nbytes + (w.scales.nbytes + w.biases.nbytes if w.bits else 0) for w in block.weights)
             row = {"weights": label, "block": name, "bytes": nbytes}
             for engine, runner in (("kernel", CudaKernels()), ("mlx_ops", MlxOps())):
                 launch = runner.launcher(block)
-                mx.eval(launch(x, residual))
+                mx.eval(launch(x, residual, position))
                 best = float("inf")
                 for _ in range(args.reps):
                     mx.synchronize()
                     t0 = time.perf_counter()
-                    ys = [launch(x, residual) for _ in range(args.iters)]
+                    ys = [launch(x, residual, position) for _ in range(args.iters)]
                     mx.eval(ys)
                     mx.synchronize()
                     best = min(best, (time.perf_counter() - t0) / args.iters)

@@ -14,12 +14,16 @@ pool's old contents lazily; the cache owns its pools and reads them after a
 step only through later steps' launches, which MLX orders on its stream
 behind this one (each reads the residual stream this one's output feeds).
 
-Each block is one query head: its warps split the keys, a lane takes one key
-at a time (the whole dot product over ``D``), the softmax runs online per
-warp in fp32 and the warps' partial results are joined at the end in a fixed
-order, so two runs give the same bits. The query is scaled in fp32 as
-MLX's SDPA scales it; probabilities and the weighted sum stay in fp32, and
-the output is rounded once to the query's dtype.
+Each block is one query head, and each of its lanes takes every
+``WARPS * 32``-th key: the whole dot product over ``D`` and the whole value
+row, each row read in 16-byte loads that are all in flight at once, with a
+softmax of its own kept online in fp32 (its running max, sum and weighted
+values). So no lane waits on another while it reads. A warp then joins its
+lanes' sums (rescaled to the warp's max, then summed in halves that each
+lane passes on, five shuffles deep) and the block its warps', in a fixed
+order, so two runs give the same bits. The query is scaled in fp32 as MLX's
+SDPA scales it; probabilities and the weighted sum stay in fp32, and the
+output is rounded once to the query's dtype.
 """
 
 from __future__ import annotations
@@ -28,12 +32,31 @@ import functools
 
 import mlx.core as mx
 
-WARPS = 8  # warps a block; each walks every WARPS-th run of 32 keys
+WARPS = 8  # warps a block; a lane takes every (WARPS * 32)-th key
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 HEAD_DIMS = (64, 128)
 
+_HEADER = r"""
+// One of a warp's five halvings: a lane keeps the upper or lower HALF of
+// acc[0, 2 HALF) (lane bit `o` says which), adds its partner's copy of that
+// half, and leaves it in acc[0, HALF); returns where its half began.
+template <int D, int HALF>
+__device__ inline int halve(float (&acc)[D], int lane, int o) {
+  const bool upper = lane & o;
+  #pragma unroll
+  for (int i = 0; i < HALF; ++i) {
+    const float mine = upper ? acc[i + HALF] : acc[i], theirs = upper ? acc[i] : acc[i + HALF];
+    acc[i] = mine + __shfl_xor_sync(0xffffffffu, theirs, o);
+  }
+  return upper ? HALF : 0;
+}
+"""
+
 _SOURCE = r"""
 constexpr int WARPS = {warps};
+constexpr int E = 16 / sizeof(T);                  // values a 16-byte load brings
+constexpr int LOADS = D / E;                       // loads a key's or a value's row takes
+constexpr unsigned FULL = 0xffffffffu;
 const float NEG_INF = -__int_as_float(0x7f800000);
 const int h = blockIdx.x, kvh = h / (H / HKV);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -53,60 +76,66 @@ __shared__ float qs[D];
 for (int d = tid; d < D; d += blockDim.x) qs[d] = static_cast<float>(q[h * D + d]) * {scale!r}f;
 __syncthreads();
 
-constexpr int PER = D / 32;                        // output dims a lane sums
-float m = NEG_INF, l = 0.f, acc[PER];
+// this lane's keys, each read whole (key n, this step's own, from k and v:
+// another block may be writing it into the pool)
+float m = NEG_INF, l = 0.f, acc[D];
 #pragma unroll
-for (int i = 0; i < PER; ++i) acc[i] = 0.f;
-for (int base = warp * 32; base <= n; base += WARPS * 32) {{
-  const int j = base + lane;
-  float s = NEG_INF;
-  if (j <= n) {{
-    const uint4* kr = reinterpret_cast<const uint4*>(j == n ? kn : K + size_t(j) * D);
-    constexpr int E = 16 / sizeof(T);                // values a 16-byte load brings
-    float t = 0.f;
+for (int i = 0; i < D; ++i) acc[i] = 0.f;
+for (int j = tid; j <= n; j += WARPS * 32) {{
+  const uint4* kr = reinterpret_cast<const uint4*>(j == n ? kn : K + size_t(j) * D);
+  const uint4* vr = reinterpret_cast<const uint4*>(j == n ? vn : V + size_t(j) * D);
+  float s = 0.f;
+  #pragma unroll
+  for (int c = 0; c < LOADS; ++c) {{
+    const uint4 packed = kr[c];
+    const T* kv = reinterpret_cast<const T*>(&packed);
     #pragma unroll
-    for (int c = 0; c < D / E; ++c) {{
-      const uint4 packed = kr[c];
-      const T* kv = reinterpret_cast<const T*>(&packed);
-      #pragma unroll
-      for (int e = 0; e < E; ++e) t += qs[c * E + e] * static_cast<float>(kv[e]);
-    }}
-    s = t;
+    for (int e = 0; e < E; ++e) s += qs[c * E + e] * static_cast<float>(kv[e]);
   }}
-  float top = s;
+  const float m_new = fmaxf(m, s);
+  const float keep = expf(m - m_new), p = expf(s - m_new);
+  l = l * keep + p;
   #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-  const float m_new = fmaxf(m, top);
-  const float keep = expf(m - m_new);
-  const float p = j <= n ? expf(s - m_new) : 0.f;
-  float psum = p;
-  #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
-  l = l * keep + psum;
-  #pragma unroll
-  for (int i = 0; i < PER; ++i) acc[i] *= keep;
-  const int last = min(32, n + 1 - base);
-  for (int r = 0; r < last; ++r) {{
-    const float pr = __shfl_sync(0xffffffffu, p, r);
-    const T* vr = base + r == n ? vn : V + size_t(base + r) * D;
+  for (int c = 0; c < LOADS; ++c) {{
+    const uint4 packed = vr[c];
+    const T* vv = reinterpret_cast<const T*>(&packed);
     #pragma unroll
-    for (int i = 0; i < PER; ++i) acc[i] += pr * static_cast<float>(vr[lane * PER + i]);
+    for (int e = 0; e < E; ++e) acc[c * E + e] = acc[c * E + e] * keep + p * static_cast<float>(vv[e]);
   }}
   m = m_new;
 }}
 
-__shared__ float ms[WARPS], ls[WARPS], accs[WARPS][D];
-if (lane == 0) {{ ms[warp] = m; ls[warp] = l; }}
+// the warp's lanes joined: rescaled to the warp's max, then summed in
+// halves: at each of five shuffles a lane keeps one half of what it holds
+// and adds its partner's copy of that half, so each lane ends with D / 32
+// of the sums, from dim `base` on
+float top = m;
 #pragma unroll
-for (int i = 0; i < PER; ++i) accs[warp][lane * PER + i] = acc[i];
+for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL, top, o));
+const float rescale = m == NEG_INF ? 0.f : expf(m - top);
+l *= rescale;
+#pragma unroll
+for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL, l, o);
+#pragma unroll
+for (int i = 0; i < D; ++i) acc[i] *= rescale;
+int base = halve<D, D / 2>(acc, lane, 16);
+base += halve<D, D / 4>(acc, lane, 8);
+base += halve<D, D / 8>(acc, lane, 4);
+base += halve<D, D / 16>(acc, lane, 2);
+base += halve<D, D / 32>(acc, lane, 1);
+
+__shared__ float ms[WARPS], ls[WARPS], accs[WARPS][D];
+if (lane == 0) {{ ms[warp] = top; ls[warp] = l; }}
+#pragma unroll
+for (int i = 0; i < D / 32; ++i) accs[warp][base + i] = acc[i];
 __syncthreads();
 if (tid < D) {{
-  float top = NEG_INF;
-  for (int w = 0; w < WARPS; ++w) top = fmaxf(top, ms[w]);
+  float most = NEG_INF;
+  for (int w = 0; w < WARPS; ++w) most = fmaxf(most, ms[w]);
   float total = 0.f, y = 0.f;
   for (int w = 0; w < WARPS; ++w) {{
     if (ms[w] == NEG_INF) continue;              // a warp that had no keys
-    const float c = expf(ms[w] - top);
+    const float c = expf(ms[w] - most);
     total += ls[w] * c;
     y += accs[w][tid] * c;
   }}
@@ -162,10 +191,10 @@ def mlx_op(scale: float):
 @functools.lru_cache(maxsize=None)
 def _kernel(heads: int, kv_heads: int, head_dim: int, scale: float):
     source = _SOURCE.format(warps=WARPS, scale=float(scale))
-    header = f"constexpr int H = {heads}, HKV = {kv_heads}, D = {head_dim};\n"
+    constants = f"constexpr int H = {heads}, HKV = {kv_heads}, D = {head_dim};\n"
     return mx.fast.cuda_kernel(name=f"pte_decode_attention_{heads}_{kv_heads}_{head_dim}",
                                input_names=["q", "k", "v", "kpool", "vpool", "position"],
-                               output_names=["out"], source=header + source)
+                               output_names=["out"], source=source, header=_HEADER + constants)
 
 
 def update_and_attend(q, k, v, kpool, vpool, position, scale: float) -> mx.array:

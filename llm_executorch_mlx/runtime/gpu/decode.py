@@ -105,6 +105,62 @@ __device__ inline float dot_quantized(const uint32_t* w, const S* scales, const 
   return warp_sum(acc);
 }
 
+// Two rows of a weight against x at once (a rotated pair of rows): both
+// rows' loads in flight together, then each row's sum.
+template <typename T, int K>
+__device__ inline float2 dot_dense_pair(const T* w0, const T* w1, const T* xs, int lane) {
+  constexpr int V = 16 / sizeof(T);
+  const uint4* wv0 = reinterpret_cast<const uint4*>(w0);
+  const uint4* wv1 = reinterpret_cast<const uint4*>(w1);
+  float acc0 = 0.f, acc1 = 0.f;
+  #pragma unroll 4
+  for (int v = lane; v < K / V; v += 32) {
+    uint4 packed0 = wv0[v], packed1 = wv1[v];
+    const T* wp0 = reinterpret_cast<const T*>(&packed0);
+    const T* wp1 = reinterpret_cast<const T*>(&packed1);
+    #pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float x = static_cast<float>(xs[v * V + j]);
+      acc0 += static_cast<float>(wp0[j]) * x;
+      acc1 += static_cast<float>(wp1[j]) * x;
+    }
+  }
+  return make_float2(warp_sum(acc0), warp_sum(acc1));
+}
+
+template <typename S, int K, int BITS, int GROUP>
+__device__ inline float2 dot_quantized_pair(const uint32_t* w0, const S* scales0, const S* biases0,
+                                            const uint32_t* w1, const S* scales1, const S* biases1,
+                                            const float* xs, const float* xsum, int lane) {
+  constexpr int V = 128 / BITS, PER = 32 / BITS;
+  const uint4* wv0 = reinterpret_cast<const uint4*>(w0);
+  const uint4* wv1 = reinterpret_cast<const uint4*>(w1);
+  float acc0 = 0.f, acc1 = 0.f;
+  #pragma unroll 2
+  for (int v = lane; v < K / V; v += 32) {
+    const uint4 packed0 = wv0[v], packed1 = wv1[v];
+    const uint32_t words0[4] = {packed0.x, packed0.y, packed0.z, packed0.w};
+    const uint32_t words1[4] = {packed1.x, packed1.y, packed1.z, packed1.w};
+    const float4* x4 = reinterpret_cast<const float4*>(xs + v * (V + 4));
+    float qx0 = 0.f, qx1 = 0.f;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      #pragma unroll
+      for (int j = 0; j < PER; j += 4) {
+        const float4 xv = x4[(i * PER + j) / 4];
+        qx0 += unpack<BITS>(words0[i], j) * xv.x + unpack<BITS>(words0[i], j + 1) * xv.y
+             + unpack<BITS>(words0[i], j + 2) * xv.z + unpack<BITS>(words0[i], j + 3) * xv.w;
+        qx1 += unpack<BITS>(words1[i], j) * xv.x + unpack<BITS>(words1[i], j + 1) * xv.y
+             + unpack<BITS>(words1[i], j + 2) * xv.z + unpack<BITS>(words1[i], j + 3) * xv.w;
+      }
+    }
+    const int g = v * V / GROUP;
+    acc0 += static_cast<float>(scales0[g]) * qx0 + static_cast<float>(biases0[g]) * xsum[v];
+    acc1 += static_cast<float>(scales1[g]) * qx1 + static_cast<float>(biases1[g]) * xsum[v];
+  }
+  return make_float2(warp_sum(acc0), warp_sum(acc1));
+}
+
 // Start a warp's weight row on its way to L2 while the block stages x.
 template <int BYTES>
 __device__ inline void prefetch_row(const void* row, int lane) {
@@ -404,6 +460,14 @@ def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
                     f"s{i} + size_t({row}) * {groups}, b{i} + size_t({row}) * {groups}, xs, xsum, lane)")
         return f"dot_dense<T, K>(w{i} + size_t({row}) * K, xs, lane)"
 
+    def dot_pair(i, row0, row1):
+        if bits:
+            per_row, groups = k * bits // 32, k // group
+            rows = ", ".join(f"w{i} + size_t({r}) * {per_row}, s{i} + size_t({r}) * {groups}, "
+                             f"b{i} + size_t({r}) * {groups}" for r in (row0, row1))
+            return f"dot_quantized_pair<S, K, {bits}, {group}>({rows}, xs, xsum, lane)"
+        return f"dot_dense_pair<T, K>(w{i} + size_t({row0}) * K, w{i} + size_t({row1}) * K, xs, lane)"
+
     if epilogue == "swiglu":
         lines += [
             f"const float gate = static_cast<float>(round_to<T>({dot(0, 'r')}));",
@@ -428,8 +492,9 @@ def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
                 lines += [
                     f"{cond} (r < {start + items[i]}) {{",
                     f"  const int p = r - {start}, j = p % {half}, a = p / {half} * {rotary[0]} + j;",
-                    f"  const float x1 = static_cast<float>(round_to<T>({dot(i, 'a')}));",
-                    f"  const float x2 = static_cast<float>(round_to<T>({dot(i, f'(a + {half})')}));",
+                    f"  const float2 pair = {dot_pair(i, 'a', f'(a + {half})')};",
+                    "  const float x1 = static_cast<float>(round_to<T>(pair.x));",
+                    "  const float x2 = static_cast<float>(round_to<T>(pair.y));",
                     "  if (lane == 0) {",
                     "    const float inv_freq = 1.0 / freqs[j];",
                     "    const float theta = static_cast<float>(position[0]) * inv_freq;",
