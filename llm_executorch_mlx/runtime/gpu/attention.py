@@ -14,16 +14,16 @@ pool's old contents lazily; the cache owns its pools and reads them after a
 step only through later steps' launches, which MLX orders on its stream
 behind this one (each reads the residual stream this one's output feeds).
 
-Each block is one query head, and each of its lanes takes every
-``WARPS * 32``-th key: the whole dot product over ``D`` and the whole value
-row, each row read in 16-byte loads that are all in flight at once, with a
-softmax of its own kept online in fp32 (its running max, sum and weighted
-values). So no lane waits on another while it reads. A warp then joins its
-lanes' sums (rescaled to the warp's max, then summed in halves that each
-lane passes on, five shuffles deep) and the block its warps', in a fixed
-order, so two runs give the same bits. The query is scaled in fp32 as MLX's
-SDPA scales it; probabilities and the weighted sum stay in fp32, and the
-output is rounded once to the query's dtype.
+Each block is one query head. A key's row, and its value's, is read by
+``D / 8`` (half precision) or ``D / 4`` (fp32) lanes, 16 bytes each, so a
+warp's load brings a few whole rows; each warp takes every few keys, with
+``BATCH`` rounds of loads in flight before any is used. The lanes of a key
+sum its score with shuffles, and each keeps the softmax of its keys online
+in fp32 (running max, sum, and its slice of the weighted values). A warp
+then joins its keys' sums (rescaled to the warp's max) and the block its
+warps', in a fixed order, so two runs give the same bits. The query is
+scaled in fp32 as MLX's SDPA scales it; probabilities and the weighted sum
+stay in fp32, and the output is rounded once to the query's dtype.
 """
 
 from __future__ import annotations
@@ -32,34 +32,22 @@ import functools
 
 import mlx.core as mx
 
-WARPS = 8  # warps a block; a lane takes every (WARPS * 32)-th key
+WARPS = 16  # warps a block
+BATCH = 8  # rounds of a warp's loads in flight at once
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 HEAD_DIMS = (64, 128)
 
-_HEADER = r"""
-// One of a warp's five halvings: a lane keeps the upper or lower HALF of
-// acc[0, 2 HALF) (lane bit `o` says which), adds its partner's copy of that
-// half, and leaves it in acc[0, HALF); returns where its half began.
-template <int D, int HALF>
-__device__ inline int halve(float (&acc)[D], int lane, int o) {
-  const bool upper = lane & o;
-  #pragma unroll
-  for (int i = 0; i < HALF; ++i) {
-    const float mine = upper ? acc[i + HALF] : acc[i], theirs = upper ? acc[i] : acc[i + HALF];
-    acc[i] = mine + __shfl_xor_sync(0xffffffffu, theirs, o);
-  }
-  return upper ? HALF : 0;
-}
-"""
-
 _SOURCE = r"""
-constexpr int WARPS = {warps};
+constexpr int WARPS = {warps}, BATCH = {batch};
 constexpr int E = 16 / sizeof(T);                  // values a 16-byte load brings
-constexpr int LOADS = D / E;                       // loads a key's or a value's row takes
+constexpr int LANES = D / E;                       // lanes that read one key's row
+constexpr int KEYS = 32 / LANES;                   // keys a warp reads at once
+constexpr int STRIDE = WARPS * KEYS;               // keys the block reads at once
 constexpr unsigned FULL = 0xffffffffu;
 const float NEG_INF = -__int_as_float(0x7f800000);
 const int h = blockIdx.x, kvh = h / (H / HKV);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+const int sub = lane % LANES, slot = lane / LANES;  // this lane's 16 bytes of its key's row, and its key
 const int n = position[0];                         // keys already in the pool
 const size_t cap = kpool_shape[2];
 const T* K = kpool + size_t(kvh) * cap * D;
@@ -75,59 +63,69 @@ if (h % (H / HKV) == 0 && tid < D) {{              // this step's key and value 
 __shared__ float qs[D];
 for (int d = tid; d < D; d += blockDim.x) qs[d] = static_cast<float>(q[h * D + d]) * {scale!r}f;
 __syncthreads();
-
-// this lane's keys, each read whole (key n, this step's own, from k and v:
-// another block may be writing it into the pool)
-float m = NEG_INF, l = 0.f, acc[D];
+float qv[E];
 #pragma unroll
-for (int i = 0; i < D; ++i) acc[i] = 0.f;
-for (int j = tid; j <= n; j += WARPS * 32) {{
-  const uint4* kr = reinterpret_cast<const uint4*>(j == n ? kn : K + size_t(j) * D);
-  const uint4* vr = reinterpret_cast<const uint4*>(j == n ? vn : V + size_t(j) * D);
-  float s = 0.f;
+for (int e = 0; e < E; ++e) qv[e] = qs[sub * E + e];
+
+// key n, this step's own, is read from k and v: another block may be
+// writing it into the pool. The loop's bounds are the warp's (its lanes
+// shuffle together); a lane past the last key computes nothing of use.
+float m = NEG_INF, l = 0.f, acc[E];
+#pragma unroll
+for (int e = 0; e < E; ++e) acc[e] = 0.f;
+for (int first = warp * KEYS; first <= n; first += BATCH * STRIDE) {{
+  uint4 kb[BATCH], vb[BATCH];
   #pragma unroll
-  for (int c = 0; c < LOADS; ++c) {{
-    const uint4 packed = kr[c];
-    const T* kv = reinterpret_cast<const T*>(&packed);
-    #pragma unroll
-    for (int e = 0; e < E; ++e) s += qs[c * E + e] * static_cast<float>(kv[e]);
+  for (int b = 0; b < BATCH; ++b) {{
+    const int j = first + b * STRIDE + slot;
+    kb[b] = vb[b] = make_uint4(0, 0, 0, 0);
+    if (j <= n) {{
+      kb[b] = reinterpret_cast<const uint4*>(j == n ? kn : K + size_t(j) * D)[sub];
+      vb[b] = reinterpret_cast<const uint4*>(j == n ? vn : V + size_t(j) * D)[sub];
+    }}
   }}
-  const float m_new = fmaxf(m, s);
-  const float keep = expf(m - m_new), p = expf(s - m_new);
-  l = l * keep + p;
   #pragma unroll
-  for (int c = 0; c < LOADS; ++c) {{
-    const uint4 packed = vr[c];
-    const T* vv = reinterpret_cast<const T*>(&packed);
+  for (int b = 0; b < BATCH; ++b) {{
+    const T* kv = reinterpret_cast<const T*>(&kb[b]);
+    float s = 0.f;
     #pragma unroll
-    for (int e = 0; e < E; ++e) acc[c * E + e] = acc[c * E + e] * keep + p * static_cast<float>(vv[e]);
+    for (int e = 0; e < E; ++e) s += qv[e] * static_cast<float>(kv[e]);
+    #pragma unroll
+    for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(FULL, s, o);
+    if (first + b * STRIDE + slot <= n) {{
+      const float m_new = fmaxf(m, s);
+      const float keep = expf(m - m_new), p = expf(s - m_new);
+      l = l * keep + p;
+      const T* vv = reinterpret_cast<const T*>(&vb[b]);
+      #pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = acc[e] * keep + p * static_cast<float>(vv[e]);
+      m = m_new;
+    }}
   }}
-  m = m_new;
 }}
 
-// the warp's lanes joined: rescaled to the warp's max, then summed in
-// halves: at each of five shuffles a lane keeps one half of what it holds
-// and adds its partner's copy of that half, so each lane ends with D / 32
-// of the sums, from dim `base` on
+// the warp's keys joined, lanes of one slice of the value together:
+// rescaled to the warp's max, then summed
 float top = m;
 #pragma unroll
-for (int o = 16; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL, top, o));
+for (int o = 16; o >= LANES; o >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL, top, o));
 const float rescale = m == NEG_INF ? 0.f : expf(m - top);
 l *= rescale;
 #pragma unroll
-for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL, l, o);
+for (int e = 0; e < E; ++e) acc[e] *= rescale;
 #pragma unroll
-for (int i = 0; i < D; ++i) acc[i] *= rescale;
-int base = halve<D, D / 2>(acc, lane, 16);
-base += halve<D, D / 4>(acc, lane, 8);
-base += halve<D, D / 8>(acc, lane, 4);
-base += halve<D, D / 16>(acc, lane, 2);
-base += halve<D, D / 32>(acc, lane, 1);
+for (int o = 16; o >= LANES; o >>= 1) {{
+  l += __shfl_xor_sync(FULL, l, o);
+  #pragma unroll
+  for (int e = 0; e < E; ++e) acc[e] += __shfl_xor_sync(FULL, acc[e], o);
+}}
 
 __shared__ float ms[WARPS], ls[WARPS], accs[WARPS][D];
 if (lane == 0) {{ ms[warp] = top; ls[warp] = l; }}
-#pragma unroll
-for (int i = 0; i < D / 32; ++i) accs[warp][base + i] = acc[i];
+if (slot == 0) {{
+  #pragma unroll
+  for (int e = 0; e < E; ++e) accs[warp][sub * E + e] = acc[e];
+}}
 __syncthreads();
 if (tid < D) {{
   float most = NEG_INF;
@@ -190,11 +188,11 @@ def mlx_op(scale: float):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(heads: int, kv_heads: int, head_dim: int, scale: float):
-    source = _SOURCE.format(warps=WARPS, scale=float(scale))
+    source = _SOURCE.format(warps=WARPS, batch=BATCH, scale=float(scale))
     constants = f"constexpr int H = {heads}, HKV = {kv_heads}, D = {head_dim};\n"
     return mx.fast.cuda_kernel(name=f"pte_decode_attention_{heads}_{kv_heads}_{head_dim}",
                                input_names=["q", "k", "v", "kpool", "vpool", "position"],
-                               output_names=["out"], source=source, header=_HEADER + constants)
+                               output_names=["out"], source=source, header=constants)
 
 
 def update_and_attend(q, k, v, kpool, vpool, position, scale: float) -> mx.array:

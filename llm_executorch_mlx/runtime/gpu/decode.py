@@ -406,8 +406,7 @@ def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
         "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
         "const int r = blockIdx.x * WARPS + warp;",
     ]
-    if not rotary:  # a rotated output's warps read two rows: left to the loads themselves
-        lines += _prefetch(rows, k, bits, group, epilogue)
+    lines += _prefetch(rows, k, bits, group, epilogue, rotary)
     if bits:
         lines += [
             f"constexpr int V = {chunk};",
@@ -518,8 +517,9 @@ def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
 PREFETCH_BYTES = 16 * 1024  # most of a row prefetched
 
 
-def _prefetch(rows, k, bits, group, epilogue) -> list[str]:
-    """Lines prefetching warp ``r``'s weight rows (both of SwiGLU's)."""
+def _prefetch(rows, k, bits, group, epilogue, rotary) -> list[str]:
+    """Lines prefetching warp ``r``'s weight rows (both of SwiGLU's, both
+    of a rotated pair's), before the block stages ``x``."""
     row_bytes = k * bits // 8 if bits else None
     per_row = k * bits // 32 if bits else "K"
 
@@ -530,8 +530,15 @@ def _prefetch(rows, k, bits, group, epilogue) -> list[str]:
     if epilogue == "swiglu":
         return [f"if (r < {rows[0]}) {{ {fetch(0, 'r')} {fetch(1, 'r')} }}"]
     lines, start = [], 0
-    for i, n in enumerate(rows):
-        lines.append(f"{'if' if i == 0 else 'else if'} (r < {start + n}) {fetch(i, f'(r - {start})')}")
+    rotated = rotary[1] if rotary else 0
+    for i, n in enumerate(_items(rows, rotary)):
+        cond = f"{'if' if i == 0 else 'else if'} (r < {start + n})"
+        if i < rotated:  # the pair (a, a + half) of a head's rows, as the products read them
+            dims, half = rotary[0], rotary[0] // 2
+            lines.append(f"{cond} {{ const int a = (r - {start}) / {half} * {dims} + (r - {start}) % {half}; "
+                         f"{fetch(i, 'a')} {fetch(i, f'(a + {half})')} }}")
+        else:
+            lines.append(f"{cond} {fetch(i, f'(r - {start})')}")
         start += n
     return lines
 
