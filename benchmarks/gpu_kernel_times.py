@@ -54,6 +54,7 @@ class ProfiledSteps:
     def __init__(self, forward, mx, steps: int):
         self.forward, self.mx, self.steps = forward, mx, steps
         self.n_inputs, self.wait, self.submit = forward.n_inputs, forward.wait, forward.submit
+        self.queue_on_build = forward.queue_on_build
         self.decode_steps = 0
         self.cuda = ctypes.CDLL("libcuda.so.1")
 

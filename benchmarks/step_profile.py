@@ -62,7 +62,7 @@ class StepClock:
     def __init__(self, forward, mx):
         self.forward, self.mx = forward, mx
         self.n_inputs = forward.n_inputs
-        self.wait = forward.wait
+        self.wait, self.queue_on_build = forward.wait, forward.queue_on_build
         self.build = self.submit_seconds = 0.0
         self.builds = self.submits = 0
         self._decoding = False

@@ -46,10 +46,11 @@ from test_parity import (BF16_REL_TOL, NEW_TOKENS, PROMPT_LEN, Q4_REL_TOL, asser
 
 from llm_executorch_mlx.runtime import dtypes, load_program
 from llm_executorch_mlx.runtime import plan as plan_module
+from llm_executorch_mlx.runtime import steps as steps_module
 from llm_executorch_mlx.runtime.cpu import extension_ops, fastmath
 from llm_executorch_mlx.runtime.gpu import decode
 from llm_executorch_mlx.runtime.interp import fusion
-from llm_executorch_mlx.text import store
+from llm_executorch_mlx.text import generate, store
 
 
 def cpu_branch(name):
@@ -172,6 +173,47 @@ def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monk
     second.text()
     assert second.response_json["cache_path"] == "hit"
     assert calls["sdpa"] and calls["swiglu"]
+
+
+def test_a_decode_step_is_queued_before_the_token_it_feeds_on_is_read(exported, calls, monkeypatch):
+    """On a GPU queuing only hands the device work: each decode step is
+    queued as soon as it is built, so the device computes it while the host
+    reads the token before it and samples; the tokens are those of reading
+    first (the transformers greedy reply)."""
+    model_dir, pte = exported("llama")
+    events = []
+    real = plan_module.ON_BUILD
+
+    def submit(*arrays):
+        events.append("submit")
+        real.submit(*arrays)
+
+    def wait(array):
+        events.append("wait")
+        real.wait(array)
+
+    monkeypatch.setattr(plan_module, "ON_BUILD", steps_module.Steps(submit, wait, True))
+    program = load_program(pte)
+    cache = program.new_cache(capacity=128, dtype="fp32")
+    forward = program.load_method("forward", cache=cache)
+    execute = forward.execute
+
+    def traced(inputs, last_position_only=False):
+        events.append("decode" if isinstance(inputs[0], mx.array) else "prefill")
+        return execute(inputs, last_position_only)
+
+    forward.execute = traced
+    prompt = prompt_for()
+    steps = generate.generate_tokens(forward, cache, prompt, 0, program.metadata.prefill_chunk,
+                                     lambda logits, history: mx.argmax(logits, axis=-1), NEW_TOKENS, generate.Timings())
+    tokens = [s.token for s in steps]
+    ref = reference_logits(model_dir, prompt + tokens[:-1])
+    assert tokens == ref[len(prompt) - 1:].argmax(-1).tolist()
+    decodes = [i for i, e in enumerate(events) if e == "decode"]
+    assert len(decodes) == NEW_TOKENS - 1
+    # the first decode step feeds a token already read; each later one is
+    # queued before the wait for the token it feeds on
+    assert all(events[i + 1:i + 3] == ["submit", "wait"] for i in decodes[1:])
 
 
 @pytest.fixture

@@ -52,7 +52,7 @@ import mlx.core as mx
 from . import quantized_kv
 from .cpu import CpuKernels, Limits, extension_ops, fastmath
 from .gpu import attention, decode
-from .steps import PLAIN, Steps, helped
+from .steps import ON_BUILD, PLAIN, Steps, helped
 
 if TYPE_CHECKING:
     from .kv_storage import Storage
@@ -257,8 +257,11 @@ class Plan:
 
     @property
     def steps(self) -> Steps:
-        """How a step is submitted: with the host thread helping the
-        extension's products, or plainly."""
+        """How a step is submitted: on a GPU as soon as it is built; on a
+        CPU with the host thread helping the extension's products, or
+        plainly (``steps.py``)."""
+        if not self.cpu:
+            return ON_BUILD
         return PLAIN if self.products is None else helped(self.products)
 
     # -- what llm pte info says --------------------------------------------

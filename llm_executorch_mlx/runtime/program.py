@@ -72,7 +72,8 @@ class Method:
     ``submit(*arrays)`` queues arrays computed from its outputs (as
     ``mx.async_eval``) and ``wait(array)`` returns once one is computed: on
     the CPU with the shared GEMV, the host thread helps run the step
-    meanwhile (``steps.py``).
+    meanwhile; ``queue_on_build``: whether a decode step is queued as soon
+    as it is built (``steps.py``).
     """
 
     def __init__(self, name: str, run, n_inputs: int, op_names: tuple[str, ...] = (), steps: Steps = PLAIN):
@@ -80,7 +81,7 @@ class Method:
         self._run = run
         self.n_inputs = n_inputs
         self.op_names = op_names  # the ops one call runs, after load-time fusion
-        self.submit, self.wait = steps
+        self.submit, self.wait, self.queue_on_build = steps
 
     def execute(self, inputs: list | tuple = (), last_position_only: bool = False) -> list:
         """Run once. Inputs may be numpy arrays, mx arrays, torch tensors or

@@ -142,9 +142,11 @@ def generate_tokens(
         return
     for produced in range(2, max_tokens + 1):
         fed = produced < max_tokens and cache.can_extend(1)
-        if fed:  # queue the step that feeds y before reading y on the host
+        if fed:  # build the step that feeds y before reading y on the host
             logits = step(forward, y.reshape(1, 1), np.array([position], np.int64))
             position += 1
+            if forward.queue_on_build:  # a GPU's: it computes the step while y is read and sampled from
+                forward.submit(logits)
         forward.wait(y)
         token = y.item()
         if constraint is not None:
@@ -273,6 +275,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             if ahead:
                 queued = step(forward, y.reshape(1, 1), np.array([position], np.int64))
                 position += 1
+                if forward.queue_on_build:
+                    forward.submit(queued)
             forward.wait(y)
             y = y.item()
             if read is not None and ahead:  # token to token: all a plain step's host and device work
