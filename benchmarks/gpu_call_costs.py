@@ -56,11 +56,15 @@ def blocks() -> None:
     import mlx.core as mx
 
     from gpu_decode_kernels import weight
+    from llm_executorch_mlx.runtime.gpu import decode
     from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps
 
     k, rows = 2048, (2048, 512, 512)
-    copy = mx.fast.cuda_kernel(name="copy_only", input_names=["x"], output_names=["out0"],
-                               source="const int i = threadIdx.x + blockIdx.x * blockDim.x; out0[i] = x[i];")
+    source = "const int i = threadIdx.x + blockIdx.x * blockDim.x; out0[i] = x[i];"
+    copy = mx.fast.cuda_kernel(name="copy_only", input_names=["x"], output_names=["out0"], source=source)
+    # the same with the decode kernels' header: what a kernel's source size costs a call
+    copy_long = mx.fast.cuda_kernel(name="copy_long", input_names=["x"], output_names=["out0"], source=source,
+                                    header=decode._HEADER)
     print("| weights | route | build µs | evaluate µs |\n|---|---|---|---|")
     for label, bits in (("bf16", 0), ("4-bit g32", 4)):
         keys = mx.random.split(mx.random.key(0), 4)
@@ -74,6 +78,9 @@ def blocks() -> None:
             "a custom kernel that copies": lambda x: [copy(inputs=[x], output_shapes=[x.shape],
                                                            output_dtypes=[x.dtype], grid=(k, 1, 1),
                                                            threadgroup=(256, 1, 1))[0]],
+            f"the same, its source {len(decode._HEADER) // 1024} KB longer": lambda x: [copy_long(
+                inputs=[x], output_shapes=[x.shape], output_dtypes=[x.dtype], grid=(k, 1, 1),
+                threadgroup=(256, 1, 1))[0]],
         }
         x0 = mx.random.normal((1, 1, k)).astype(mx.bfloat16)
         for name, f in routes.items():
