@@ -11,8 +11,8 @@ interleaved (ours, [ours-native,] mlx-lm, xnnpack, ours, ...):
   computes in fp32 on a CPU) and a fresh off-graph cache per repetition;
 - ours-native (bf16/fp16 files only): the same with ``compute="native"``,
   i.e. in the file's dtype;
-- ours-gpu-kernels: ours with a CUDA GPU's decode-step kernels
-  (``LLM_PTE_GPU_KERNELS=1``, ``runtime/gpu/decode.py``);
+- ours-mlx-ops: ours without a CUDA GPU's decode-step kernels
+  (``LLM_PTE_GPU_KERNELS=0``, ``runtime/gpu/decode.py``): MLX's own ops;
 - ours-uncompiled: ours with every op of a decode step built from Python
   (``LLM_PTE_COMPILED_STEPS=0``, ``runtime/interp/compiled_runs.py``);
 - mlx-lm: ``mlx_lm.generate.generate_step`` on the same weights cast with
@@ -52,7 +52,7 @@ from harness.models import DTYPE_BYTES, DTYPES, in_child, model_shape, pte_info
 from harness.report import fmt, log, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle, timed
 
-ENGINES = ("ours", "ours-native", "ours-gpu-kernels", "ours-uncompiled", "mlx-lm", "xnnpack")
+ENGINES = ("ours", "ours-native", "ours-mlx-ops", "ours-uncompiled", "mlx-lm", "xnnpack")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     cli.add_model_arguments(p)
     cli.add_ptes_by_dtype(p)
     p.add_argument("--engines", default=",".join(e for e in ENGINES if e != "ours-uncompiled"),
-                   help="comma-separated engines among ours,ours-native,ours-gpu-kernels,ours-uncompiled,mlx-lm,xnnpack "
+                   help="comma-separated engines among ours,ours-native,ours-mlx-ops,ours-uncompiled,mlx-lm,xnnpack "
                         f"(default: all but ours-uncompiled; ours is always run; ours-native only for bf16/fp16; "
-                        f"ours-gpu-kernels: with a CUDA GPU's decode-step kernels; ours-uncompiled: every op of a "
+                        f"ours-mlx-ops: MLX's own ops for a CUDA GPU's decode steps; ours-uncompiled: every op of a "
                         f"decode step built from Python; "
                         f"xnnpack only for {'/'.join(xnnpack_peer.XNNPACK_DTYPES)})")
     p.add_argument("--blas", default="auto",
@@ -188,8 +188,8 @@ def make_engines(dtype: str, art: Artifacts, args, meta) -> list:
     engines = [Ours(art.ptes[dtype], "auto")]
     if "ours-native" in args.engines and dtype != "fp32":
         engines.append(Ours(art.ptes[dtype], "native", name="ours-native"))
-    if "ours-gpu-kernels" in args.engines:
-        engines.append(Ours(art.ptes[dtype], "auto", name="ours-gpu-kernels", gpu_kernels=True))
+    if "ours-mlx-ops" in args.engines:
+        engines.append(Ours(art.ptes[dtype], "auto", name="ours-mlx-ops", gpu_kernels=False))
     if "ours-uncompiled" in args.engines:
         engines.append(Ours(art.ptes[dtype], "auto", name="ours-uncompiled", compiled_steps=False))
     if "mlx-lm" in args.engines:

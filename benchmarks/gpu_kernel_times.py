@@ -13,7 +13,7 @@ ncu runs one kernel at a time, so launch gaps vanish here: the total is the
 GPU's own work, not the step's wall time.
 
     python benchmarks/gpu_kernel_times.py --pte model.pte     # on the GPU machine
-    LLM_PTE_GPU_KERNELS=1 python benchmarks/gpu_kernel_times.py --pte model.pte
+    LLM_PTE_GPU_KERNELS=0 python benchmarks/gpu_kernel_times.py --pte model.pte   # MLX's own ops
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ def main(argv=None) -> int:
     if not times:
         print("ncu profiled no kernels; its log:\n" + text[-4000:])
         return 1
-    kernels = os.environ.get("LLM_PTE_GPU_KERNELS", "0")
-    print(f"# GPU kernel time a decode step: {args.pte.name}, LLM_PTE_GPU_KERNELS={kernels}, "
+    route = "MLX's own ops" if os.environ.get("LLM_PTE_GPU_KERNELS") == "0" else "the decode-step kernels"
+    print(f"# GPU kernel time a decode step: {args.pte.name}, {route}, "
           f"{args.steps} steps after {WARM_STEPS}\n")
     print("| kernel | launches a step | µs a step | share |\n|---|---|---|---|")
     total = sum(times.values())

@@ -3,7 +3,7 @@
 A decode step on a GPU is bound by the host's work per op (``step_profile.py``).
 This builds a Llama-3.2-1B-shaped step (random weights, a 512-token cache)
 directly in MLX, in several designs, and decodes with each the way the
-runtime does (step t+1 submitted before step t's token is read):
+runtime does (step t+1 queued before step t's token is read):
 
 - ``mlx ops``: a layer in MLX's own ops (the runtime's default route):
   norm, three products, head layouts, two RoPEs, the cache writes, SDPA
@@ -15,8 +15,8 @@ runtime does (step t+1 submitted before step t's token is read):
 - ``kernels + attention``: the same with the cache writes and attention as
   one kernel (``runtime/gpu/attention.py``), RoPE still MLX's;
 - ``kernels, heads, RoPE + attention``: the q, k, v kernel writing rotated
-  heads (``decode.Rotary``) and the attention kernel: the runtime's opt-in
-  route (``LLM_PTE_GPU_KERNELS=1``), six launches a layer;
+  heads (``decode.Rotary``) and the attention kernel: the runtime's route
+  on a CUDA GPU, six launches a layer;
 - ``one launch a layer``: one custom kernel reading the layer's weights
   (a stand-in computing nothing useful): the floor of the host's share.
 

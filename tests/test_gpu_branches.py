@@ -175,6 +175,16 @@ def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monk
     assert calls["sdpa"] and calls["swiglu"]
 
 
+def test_a_cuda_gpu_runs_the_decode_kernels_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(decode.KERNELS_FLAG, raising=False)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
+    assert decode.for_device() is None  # no CUDA GPU: MLX's own ops
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert isinstance(decode.for_device(), decode.CudaKernels)
+    monkeypatch.setenv(decode.KERNELS_FLAG, "0")
+    assert decode.for_device() is None
+
+
 def test_a_decode_step_is_queued_before_the_token_it_feeds_on_is_read(exported, calls, monkeypatch):
     """On a GPU queuing only hands the device work: each decode step is
     queued as soon as it is built, so the device computes it while the host

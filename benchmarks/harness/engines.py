@@ -56,14 +56,14 @@ class Ours:
 
     def __init__(self, pte: pathlib.Path, compute: str = "auto", name: str = "ours",
                  int8_activations: bool = True, kv_dtype: str | None = None, bf16_activations: bool = True,
-                 kv_value_dtype: str | None = None, gpu_kernels: bool = False, compiled_steps: bool = True):
+                 kv_value_dtype: str | None = None, gpu_kernels: bool = True, compiled_steps: bool = True):
         from llm_executorch_mlx.runtime import load_program
         from llm_executorch_mlx.text.sampling import Sampler
 
         self.name = name
         self.route = compute
         # chosen when a method is loaded: a CUDA GPU's decode-step kernels
-        # (runtime/gpu/decode.py, opt-in), short steps' compiled runs (interp/compiled_runs.py)
+        # (runtime/gpu/decode.py), short steps' compiled runs (interp/compiled_runs.py)
         self.flags = {"LLM_PTE_GPU_KERNELS": "1" if gpu_kernels else "0",
                       "LLM_PTE_COMPILED_STEPS": "1" if compiled_steps else "0"}
         self.program = load_program(pte, compute=compute, int8_activations=int8_activations,

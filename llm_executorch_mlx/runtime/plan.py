@@ -21,7 +21,7 @@ quantized KV    the extension's kernel      ``quantized_kv``'s, the
                                             history widened per layer
 RMSNorm         the extension's kernel      ``mx.fast.rms_norm``
 SwiGLU          the extension's kernel      one compiled MLX kernel
-a decode step's the ops above               opt-in (CUDA): one kernel for a
+a decode step's the ops above               on CUDA: one kernel for a
 norm, products                              norm and the products reading
 and epilogues                               it (SwiGLU after; q, k, v in
                                             heads, rotated), one for a
@@ -193,7 +193,7 @@ class Plan:
     def decode_blocks(self):
         """What runs a decode step's norm, products and epilogue as one
         kernel (``interp/decode_blocks.py``): ``gpu/decode.py``'s CUDA
-        kernels on a CUDA GPU where asked for (opt-in); None elsewhere
+        kernels on a CUDA GPU unless turned off; None elsewhere
         (each node its own op)."""
         return None if self.cpu else decode.for_device()
 
