@@ -307,7 +307,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             yield Step(token, True)
             continue
         read = None  # the step after this token verifies proposals
-        if ahead:
+        if ahead and not forward.queue_on_build:  # queued when built otherwise
             # y's step runs first, submitted on its own: in one submission
             # with the proposals' call the two took far longer than apart
             forward.submit(queued)
