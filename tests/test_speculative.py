@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_plugin import hf_greedy, register, tiny, user_dir  # noqa: F401 (fixtures: the registered tiny model)
 
+from llm_executorch_mlx.runtime import plan as plan_module
 from llm_executorch_mlx.text import store
 from llm_executorch_mlx.text.drafting import FEWEST, MOST, NgramDrafter
 from llm_executorch_mlx.text.sampling import Sampler
@@ -66,6 +67,25 @@ def test_a_speculative_reply_is_transformers_greedy_and_its_cache_continues_the_
     cold.prompt(prompt, max_tokens=30).text()
     store.POOL.clear()
     assert cold.prompt("And again?", max_tokens=8).text() == text
+
+
+def test_a_speculative_reply_is_the_same_with_steps_queued_when_built(tiny, monkeypatch):
+    """A GPU's steps are queued as soon as they are built (``steps.ON_BUILD``):
+    here on the CPU with that order, the look-ahead step queued before its
+    token is read and its proposals' call after it, the reply is still
+    transformers' greedy one."""
+    real = plan_module.Plan.steps
+    monkeypatch.setattr(plan_module.Plan, "steps", property(lambda plan: real.fget(plan)._replace(queue_on_build=True)))
+    store.POOL.clear()
+    store._programs.clear()
+    register(tiny)
+    prompt = "the cat sat on the mat, the cat sat on the mat"
+    _, expected = hf_greedy(tiny, [{"role": "user", "content": prompt}], 30)
+    r = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=30, draft="ngram", draft_tokens=4)
+    assert r.text() == expected
+    assert 0 < r.response_json["accepted_tokens"] <= r.response_json["drafted_tokens"]
+    store.POOL.clear()
+    store._programs.clear()
 
 
 @pytest.mark.parametrize("top_k", [0, 2])
