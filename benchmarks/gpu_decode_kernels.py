@@ -45,13 +45,15 @@ def weight(rows: int, k: int, dtype, bits: int, group: int, key) -> Weight:
 
 KINDS = ((0, 0), (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128))  # (bits, group); 0 bits: dense
 REAL, ODD = (2048, (2048, 512, 512)), (1536, (100, 36, 36))  # (K, rows): Llama-3.2-1B's q, k, v; odd rows
+LONG = (8192, (300,))  # Llama-3.2-1B's down product's K (a row split between warps), odd rows
 
 
 def cases():
     """``(name, dtype, bits, group, k, rows, norm, epilogue, head size)``:
     every weight kind in bf16 (a GPU's dtype for half-precision files) at a
     real and an odd shape, the real one also split into heads of 64 with
-    the first two rotated; fp16 and fp32 at the odd one."""
+    the first two rotated; fp16 and fp32 at the odd one; every kind in bf16
+    at a long K (a product and its add, SwiGLU's pair of rows)."""
     chosen = [(mx.bfloat16, kind, shape) for kind in KINDS for shape in (REAL, ODD)]
     chosen += [(mx.float16, kind, ODD) for kind in ((0, 0), (4, 32))]
     chosen += [(mx.float32, kind, ODD) for kind in ((0, 0), (8, 128))]
@@ -62,6 +64,11 @@ def cases():
             yield f"{label} norm+{len(rows)}+rope", dtype, bits, group, k, rows, True, "", 64
         yield f"{label} norm+2+swiglu", dtype, bits, group, k, (rows[0],) * 2, True, "swiglu", 0
         yield f"{label} 1+add", dtype, bits, group, k, rows[:1], False, "add", 0
+    for bits, group in KINDS:
+        k, rows = LONG
+        label = f"bf16 {f'q{bits}g{group}' if bits else 'dense'} K={k}"
+        yield f"{label} 1+add", mx.bfloat16, bits, group, k, rows, False, "add", 0
+        yield f"{label} norm+2+swiglu", mx.bfloat16, bits, group, k, rows * 2, True, "swiglu", 0
     yield "bf16 dense K=576 2 products", mx.bfloat16, 0, 0, 576, (192, 192), False, "", 0
     yield "fp16 dense K=576 2 products+rope D=128", mx.float16, 0, 0, 576, (256, 128), False, "", 128
 

@@ -13,6 +13,7 @@ ncu runs one kernel at a time, so launch gaps vanish here: the total is the
 GPU's own work, not the step's wall time.
 
     python benchmarks/gpu_kernel_times.py --pte model.pte     # on the GPU machine
+    python benchmarks/gpu_kernel_times.py --pte model.pte --details 'pte_decode' --count 5
     LLM_PTE_GPU_KERNELS=0 python benchmarks/gpu_kernel_times.py --pte model.pte   # MLX's own ops
 """
 
@@ -42,6 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="decode steps to profile (default: 3)")
     p.add_argument("--ncu", default=shutil.which("ncu") or "ncu", help="the ncu to run (default: on PATH)")
     p.add_argument("--top", type=int, default=25, help="kernels to list, longest first (default: 25)")
+    p.add_argument("--details", metavar="REGEX",
+                   help="instead: ncu's full report (throughput, occupancy, stalls) of the kernels "
+                        "whose names match, from the first profiled step")
+    p.add_argument("--count", type=int, default=5, help="with --details: kernels to report (default: 5)")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -98,11 +103,22 @@ def kernel_name(raw: str) -> str:
     return name.strip() or raw
 
 
+def details(args) -> int:
+    """ncu's own report, all sections, of ``--count`` matching kernels."""
+    cmd = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--set", "full",
+           "--kernel-name", f"regex:{args.details}", "--launch-count", str(args.count),
+           sys.executable, __file__, "--inner", "--pte", str(args.pte),
+           "--prompt-tokens", str(args.prompt_tokens), "--steps", "1"]
+    return subprocess.run(cmd, env=os.environ.copy()).returncode
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.inner:
         inner(args)
         return 0
+    if args.details:
+        return details(args)
     with tempfile.TemporaryDirectory() as tmp:
         log = pathlib.Path(tmp) / "ncu.csv"
         cmd = [args.ncu, "--clock-control", "none", "--cache-control", "none", "--profile-from-start", "off",

@@ -12,8 +12,8 @@ element-wise work on that row, so one kernel can take them along:
 - an epilogue: the residual add after a product, or SwiGLU over the gate
   and up products (one output, ``silu(gate) * up``);
 - or, for q, k and v: each output split into heads, and q's and k's heads
-  rotated as ``mx.fast.rope`` rotates them (``Rotary``; a warp sums the two
-  rows of a rotated pair), so the step's head split and its two RoPE ops
+  rotated as ``mx.fast.rope`` rotates them (``Rotary``; the same warps sum
+  both rows of a rotated pair), so the step's head split and its two RoPE ops
   are this kernel too.
 
 Weights are dense (``x``'s dtype) or MLX's affine 4/8-bit layout as the file
@@ -38,7 +38,10 @@ import mlx.core as mx
 
 from . import attention
 
-WARPS = 8  # warps a block: one output row each
+# 16-byte weight loads a lane has in flight at most, dense and quantized: about
+# what ptxas issues before the first multiply (more only as those are used)
+MOST_LOADS = {False: 4, True: 2}
+MOST_THREADS = 1024  # a block's
 SHARED_BYTES = 46 * 1024  # most a block stages of x (the static shared-memory limit is 48 KiB)
 DENSE = (mx.float32, mx.float16, mx.bfloat16)
 BITS = (4, 8)
@@ -51,20 +54,98 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
-// One row of a dense weight against x (K values in shared memory).
-template <typename T, int K>
-__device__ inline float dot_dense(const T* w, const T* xs, int lane) {
-  constexpr int V = 16 / sizeof(T);  // values a 16-byte load brings
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
-  float acc = 0.f;
-  #pragma unroll 4
-  for (int v = lane; v < K / V; v += 32) {
-    uint4 packed = wv[v];
-    const T* wp = reinterpret_cast<const T*>(&packed);
+// The sum of every thread's v, the same in every thread (a fixed order).
+template <int WARPS>
+__device__ inline float block_sum(float v, float* partial, int tid) {
+  v = warp_sum(v);
+  if ((tid & 31) == 0) partial[tid >> 5] = v;
+  __syncthreads();
+  float t = 0.f;
+  #pragma unroll
+  for (int w = 0; w < WARPS; ++w) t += partial[w];
+  return t;
+}
+
+// x's K values (T) as the products read them, each value rounded as the
+// MLX ops replaced round it: RMSNorm'd if NORM (2: and scaled by norm_w).
+// Each thread loads its 16-byte pieces of x at once; a piece of UNIT values
+// at a time is handed to put(unit, values) (the dense or quantized staging).
+template <typename T, int K, int THREADS, int UNIT, int NORM, typename NW, typename Put>
+__device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* partial, int tid, Put put) {
+  constexpr int V = 16 / sizeof(T), LOADS = UNIT / V, UNITS = K / UNIT;
+  constexpr int ITER = (UNITS + THREADS - 1) / THREADS;
+  uint4 xr[ITER][LOADS];
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int u = tid + i * THREADS;
     #pragma unroll
-    for (int j = 0; j < V; ++j) acc += static_cast<float>(wp[j]) * static_cast<float>(xs[v * V + j]);
+    for (int l = 0; l < LOADS; ++l) if (u < UNITS) xr[i][l] = reinterpret_cast<const uint4*>(x)[u * LOADS + l];
   }
-  return warp_sum(acc);
+  float inv = 1.f;
+  if (NORM) {
+    float squares = 0.f;
+    #pragma unroll
+    for (int i = 0; i < ITER; ++i) {
+      #pragma unroll
+      for (int l = 0; l < LOADS; ++l) {
+        const T* xv = reinterpret_cast<const T*>(&xr[i][l]);
+        #pragma unroll
+        for (int j = 0; j < V; ++j) if (tid + i * THREADS < UNITS) squares += static_cast<float>(xv[j]) * static_cast<float>(xv[j]);
+      }
+    }
+    inv = rsqrtf(block_sum<THREADS / 32>(squares, partial, tid) / K + eps);
+  }
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int u = tid + i * THREADS;
+    if (u >= UNITS) continue;
+    float values[UNIT];
+    #pragma unroll
+    for (int l = 0; l < LOADS; ++l) {
+      const T* xv = reinterpret_cast<const T*>(&xr[i][l]);
+      #pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float v = static_cast<float>(xv[j]);
+        if (NORM) v = static_cast<float>(static_cast<T>(v * inv));
+        if (NORM == 2) v *= static_cast<float>(norm_w[u * UNIT + l * V + j]);
+        values[l * V + j] = static_cast<float>(static_cast<T>(v));
+      }
+    }
+    put(u, values);
+  }
+}
+
+// The dot products of NR rows (w0, and w1 if NR is 2) of a dense weight
+// with x (staged as T) over one warp's part of K, of SPLIT warps a row:
+// 16-byte chunks part * 32 + lane, then every 32 * SPLIT on. Every load of
+// the part is issued before the first multiply, so a lane has its whole
+// share of the rows in flight at once.
+template <typename T, int K, int SPLIT, int NR>
+__device__ inline float2 dot_dense(const T* w0, const T* w1, const T* xs, int lane, int part) {
+  constexpr int V = 16 / sizeof(T), CHUNKS = K / V, ITER = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);
+  const uint4* wv[2] = {reinterpret_cast<const uint4*>(w0), reinterpret_cast<const uint4*>(w1)};
+  uint4 packed[NR][ITER];
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int v = (i * SPLIT + part) * 32 + lane;
+    #pragma unroll
+    for (int n = 0; n < NR; ++n) if (v < CHUNKS) packed[n][i] = wv[n][v];
+  }
+  float acc[2] = {0.f, 0.f};
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int v = (i * SPLIT + part) * 32 + lane;
+    if (v >= CHUNKS) continue;
+    const uint4 xp = reinterpret_cast<const uint4*>(xs)[v];
+    const T* xv = reinterpret_cast<const T*>(&xp);
+    #pragma unroll
+    for (int n = 0; n < NR; ++n) {
+      const T* wp = reinterpret_cast<const T*>(&packed[n][i]);
+      #pragma unroll
+      for (int j = 0; j < V; ++j) acc[n] += static_cast<float>(wp[j]) * static_cast<float>(xv[j]);
+    }
+  }
+  return make_float2(warp_sum(acc[0]), NR > 1 ? warp_sum(acc[1]) : 0.f);
 }
 
 // An affine-quantized value as a float without an integer conversion:
@@ -74,99 +155,67 @@ __device__ inline float unpack(uint32_t word, int j) {
   return __uint_as_float(0x4B000000u | ((word >> (BITS * j)) & ((1u << BITS) - 1u))) - 8388608.f;
 }
 
-// One row of an affine-quantized weight (MLX's layout) against x, staged as
-// floats in chunks of the V values a lane's 16-byte load brings, each chunk
-// padded by 4 floats (lanes' chunks then start in different banks), with
-// each chunk's sum in xsum.
-template <typename S, int K, int BITS, int GROUP>
-__device__ inline float dot_quantized(const uint32_t* w, const S* scales, const S* biases, const float* xs,
-                                      const float* xsum, int lane) {
-  constexpr int V = 128 / BITS, PER = 32 / BITS;
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
-  float acc = 0.f;
-  #pragma unroll 2
-  for (int v = lane; v < K / V; v += 32) {
-    const uint4 packed = wv[v];
-    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
-    const float4* x4 = reinterpret_cast<const float4*>(xs + v * (V + 4));
-    float qx = 0.f;
+// dot_dense for an affine-quantized weight (MLX's layout: uint32 words, low
+// bits first, a scale and a bias a group). x is staged as floats in chunks
+// of the V values a lane's 16-byte load brings, each chunk padded by 4
+// floats (lanes' chunks then start in different banks), with each chunk's
+// sum in xsum: a chunk's part of the dot is scale * (q . x) + bias * sum(x).
+template <typename S, int K, int BITS, int GROUP, int SPLIT, int NR>
+__device__ inline float2 dot_quantized(const uint32_t* w0, const S* s0, const S* b0, const uint32_t* w1,
+                                       const S* s1, const S* b1, const float* xs, const float* xsum,
+                                       int lane, int part) {
+  constexpr int V = 128 / BITS, PER = 32 / BITS, CHUNKS = K / V;
+  constexpr int ITER = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);
+  const uint4* wv[2] = {reinterpret_cast<const uint4*>(w0), reinterpret_cast<const uint4*>(w1)};
+  const S* scales[2] = {s0, s1};
+  const S* biases[2] = {b0, b1};
+  uint4 packed[NR][ITER];
+  float scale[NR][ITER], bias[NR][ITER];
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int v = (i * SPLIT + part) * 32 + lane, g = v * V / GROUP;
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      #pragma unroll
-      for (int j = 0; j < PER; j += 4) {
-        const float4 xv = x4[(i * PER + j) / 4];
-        qx += unpack<BITS>(words[i], j) * xv.x + unpack<BITS>(words[i], j + 1) * xv.y
-            + unpack<BITS>(words[i], j + 2) * xv.z + unpack<BITS>(words[i], j + 3) * xv.w;
+    for (int n = 0; n < NR; ++n) {
+      if (v < CHUNKS) {
+        packed[n][i] = wv[n][v];
+        scale[n][i] = static_cast<float>(scales[n][g]);
+        bias[n][i] = static_cast<float>(biases[n][g]);
       }
     }
-    const int g = v * V / GROUP;
-    acc += static_cast<float>(scales[g]) * qx + static_cast<float>(biases[g]) * xsum[v];
   }
-  return warp_sum(acc);
-}
-
-// Two rows of a weight against x at once (a rotated pair of rows): both
-// rows' loads in flight together, then each row's sum.
-template <typename T, int K>
-__device__ inline float2 dot_dense_pair(const T* w0, const T* w1, const T* xs, int lane) {
-  constexpr int V = 16 / sizeof(T);
-  const uint4* wv0 = reinterpret_cast<const uint4*>(w0);
-  const uint4* wv1 = reinterpret_cast<const uint4*>(w1);
-  float acc0 = 0.f, acc1 = 0.f;
-  #pragma unroll 4
-  for (int v = lane; v < K / V; v += 32) {
-    uint4 packed0 = wv0[v], packed1 = wv1[v];
-    const T* wp0 = reinterpret_cast<const T*>(&packed0);
-    const T* wp1 = reinterpret_cast<const T*>(&packed1);
-    #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const float x = static_cast<float>(xs[v * V + j]);
-      acc0 += static_cast<float>(wp0[j]) * x;
-      acc1 += static_cast<float>(wp1[j]) * x;
-    }
-  }
-  return make_float2(warp_sum(acc0), warp_sum(acc1));
-}
-
-template <typename S, int K, int BITS, int GROUP>
-__device__ inline float2 dot_quantized_pair(const uint32_t* w0, const S* scales0, const S* biases0,
-                                            const uint32_t* w1, const S* scales1, const S* biases1,
-                                            const float* xs, const float* xsum, int lane) {
-  constexpr int V = 128 / BITS, PER = 32 / BITS;
-  const uint4* wv0 = reinterpret_cast<const uint4*>(w0);
-  const uint4* wv1 = reinterpret_cast<const uint4*>(w1);
-  float acc0 = 0.f, acc1 = 0.f;
-  #pragma unroll 2
-  for (int v = lane; v < K / V; v += 32) {
-    const uint4 packed0 = wv0[v], packed1 = wv1[v];
-    const uint32_t words0[4] = {packed0.x, packed0.y, packed0.z, packed0.w};
-    const uint32_t words1[4] = {packed1.x, packed1.y, packed1.z, packed1.w};
+  float acc[2] = {0.f, 0.f};
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int v = (i * SPLIT + part) * 32 + lane;
+    if (v >= CHUNKS) continue;
     const float4* x4 = reinterpret_cast<const float4*>(xs + v * (V + 4));
-    float qx0 = 0.f, qx1 = 0.f;
     #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int n = 0; n < NR; ++n) {
+      const uint32_t words[4] = {packed[n][i].x, packed[n][i].y, packed[n][i].z, packed[n][i].w};
+      float qx = 0.f;
       #pragma unroll
-      for (int j = 0; j < PER; j += 4) {
-        const float4 xv = x4[(i * PER + j) / 4];
-        qx0 += unpack<BITS>(words0[i], j) * xv.x + unpack<BITS>(words0[i], j + 1) * xv.y
-             + unpack<BITS>(words0[i], j + 2) * xv.z + unpack<BITS>(words0[i], j + 3) * xv.w;
-        qx1 += unpack<BITS>(words1[i], j) * xv.x + unpack<BITS>(words1[i], j + 1) * xv.y
-             + unpack<BITS>(words1[i], j + 2) * xv.z + unpack<BITS>(words1[i], j + 3) * xv.w;
+      for (int q = 0; q < 4; ++q) {
+        #pragma unroll
+        for (int j = 0; j < PER; j += 4) {
+          const float4 xv = x4[(q * PER + j) / 4];
+          qx += unpack<BITS>(words[q], j) * xv.x + unpack<BITS>(words[q], j + 1) * xv.y
+              + unpack<BITS>(words[q], j + 2) * xv.z + unpack<BITS>(words[q], j + 3) * xv.w;
+        }
       }
+      acc[n] += scale[n][i] * qx + bias[n][i] * xsum[v];
     }
-    const int g = v * V / GROUP;
-    acc0 += static_cast<float>(scales0[g]) * qx0 + static_cast<float>(biases0[g]) * xsum[v];
-    acc1 += static_cast<float>(scales1[g]) * qx1 + static_cast<float>(biases1[g]) * xsum[v];
   }
-  return make_float2(warp_sum(acc0), warp_sum(acc1));
+  return make_float2(warp_sum(acc[0]), NR > 1 ? warp_sum(acc[1]) : 0.f);
 }
 
-// Start a warp's weight row on its way to L2 while the block stages x.
-template <int BYTES>
-__device__ inline void prefetch_row(const void* row, int lane) {
+// Start a warp's part of a weight row on its way to L2 while the block
+// stages x.
+template <int BYTES, int SPLIT>
+__device__ inline void prefetch_row(const void* row, int lane, int part) {
   const char* p = static_cast<const char*>(row);
   #pragma unroll
-  for (int o = lane * 128; o < BYTES; o += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+  for (int o = (part * 32 + lane) * 128; o < BYTES; o += SPLIT * 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
 }
 
 template <typename T>
@@ -332,9 +381,11 @@ class CudaKernels:
         rotary = block.rotary
         if rotary is not None:
             weights.append(rotary.freqs)
-        kernel, rows = _kernel(_signature(block))
+        kernel, items, split = _kernel(_signature(block))
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
-        grid, threads = (-(-rows // WARPS) * WARPS * 32, 1, 1), (WARPS * 32, 1, 1)
+        per_block = _rows_a_block(split)
+        threads = per_block * split * 32
+        grid, threads = (-(-items // per_block) * threads, 1, 1), (threads, 1, 1)
         scale_type = [("S", first.scales.dtype)] if first.bits else []
 
         def shapes(lead):
@@ -363,14 +414,33 @@ def _signature(block: Block) -> tuple:
     first = block.weights[0]
     norm = None if block.norm is None else (block.norm[0] is not None, float(block.norm[1]))
     rotary = None if block.rotary is None else (block.rotary.dims, block.rotary.rotated)
-    return (tuple(w.rows for w in block.weights), first.k, first.bits, first.group, norm, block.epilogue, rotary)
+    values = 128 // first.bits if first.bits else 16 // first.w.dtype.size  # a lane's 16-byte load
+    return (tuple(w.rows for w in block.weights), first.k, first.bits, first.group, norm, block.epilogue, rotary,
+            _split(first.k // values, 2 if block.epilogue == "swiglu" or rotary else 1, bool(first.bits)))
+
+
+def _split(chunks: int, rows: int, quantized: bool) -> int:
+    """Warps an item takes (1 to 8): the fewest that leave each lane at most
+    ``MOST_LOADS`` 16-byte loads of the item's ``rows`` rows of ``chunks``
+    loads each. A lane's loads are then all in flight at once, and a row's
+    bytes in flight grow with the warps it has."""
+    split = 1
+    while split < 8 and -(-chunks // (32 * split)) * rows > MOST_LOADS[quantized]:
+        split *= 2
+    return split
+
+
+def _rows_a_block(split: int) -> int:
+    """Items a block: 8, fewer where ``split`` warps each would pass the
+    block's thread limit."""
+    return min(8, MOST_THREADS // (32 * split))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(signature: tuple):
-    """The kernel object for one block signature, and the warps' work items
-    (output rows; a rotated pair of rows counts once)."""
-    rows, k, bits, group, norm, epilogue, rotary = signature
+    """The kernel object for one block signature, its work items (output
+    rows; a rotated pair of rows counts once) and the warps a row takes."""
+    rows, k, bits, group, norm, epilogue, rotary, split = signature
     names = ["x"] + (["norm_w"] if norm and norm[0] else [])
     for i in range(len(rows)):
         names += [f"w{i}"] if not bits else [f"w{i}", f"s{i}", f"b{i}"]
@@ -382,10 +452,10 @@ def _kernel(signature: tuple):
         names.append("position")
     outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
     total = rows[0] if epilogue == "swiglu" else sum(_items(rows, rotary))
-    source = _source(rows, k, bits, group, norm, epilogue, rotary)
+    source = _source(rows, k, bits, group, norm, epilogue, rotary, split)
     kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
                                  input_names=names, output_names=outputs, source=source, header=_HEADER)
-    return kernel, total
+    return kernel, total, split
 
 
 def _items(rows, rotary) -> list[int]:
@@ -394,122 +464,126 @@ def _items(rows, rotary) -> list[int]:
     return [n // 2 if i < rotated else n for i, n in enumerate(rows)]
 
 
-def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
+def _source(rows, k, bits, group, norm, epilogue, rotary, split) -> str:
+    """The kernel's body: ``_rows_a_block`` work items a block, ``split``
+    warps an item. The block stages x (``stage_x``), each warp takes its
+    part of its item's products, the parts are joined in a fixed order,
+    and the item's first warp writes it (the epilogue)."""
     n = len(rows)
-    # x as the products read it: in T for dense weights; for quantized ones as
-    # floats in padded chunks, with each chunk's sum (dot_quantized)
-    chunk = 128 // bits if bits else 0
+    has_weight = bool(norm and norm[0])
+    per_block = _rows_a_block(split)
     lines = [
-        f"constexpr int K = {k};",
-        f"constexpr int WARPS = {WARPS};",
-        "__shared__ float partial[WARPS];",
-        "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;",
-        "const int r = blockIdx.x * WARPS + warp;",
+        f"constexpr int K = {k}, SPLIT = {split}, THREADS = {per_block * split * 32};",
+        "__shared__ float partial[THREADS / 32];",
+        "__shared__ float2 parts[THREADS / 32];",
+        "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, part = warp % SPLIT;",
+        f"const int r = blockIdx.x * {per_block} + warp / SPLIT;",
     ]
-    lines += _prefetch(rows, k, bits, group, epilogue, rotary)
+    lines += _prefetch(rows, k, bits, epilogue, rotary)
+    stage = (f"stage_x<T, K, THREADS, V, {(2 if has_weight else 1) if norm else 0}>"
+             f"(x, {'norm_w' if has_weight else 'x'}, {float(norm[1]) if norm else 0.0!r}f, partial, tid, ")
     if bits:
+        # x as floats in padded chunks, each chunk's sum beside (dot_quantized)
         lines += [
-            f"constexpr int V = {chunk};",
+            f"constexpr int V = {128 // bits};",
             "__shared__ alignas(16) float xs[K + K / V * 4];",
             "__shared__ float xsum[K / V];",
-            "#define STAGE(k, value) xs[(k) + (k) / V * 4] = static_cast<float>(round_to<T>(value))",
+            stage + "[&](int c, const float* values) {",
+            "  float t = 0.f;",
+            "  #pragma unroll",
+            "  for (int j = 0; j < V; ++j) { xs[c * (V + 4) + j] = values[j]; t += values[j]; }",
+            "  xsum[c] = t;",
+            "});",
         ]
     else:
         lines += [
+            "constexpr int V = 16 / sizeof(T);",
             "__shared__ alignas(16) unsigned char staged[K * sizeof(T)];",
             "T* xs = reinterpret_cast<T*>(staged);",
-            "#define STAGE(k, value) xs[k] = round_to<T>(value)",
+            stage + "[&](int u, const float* values) {",
+            "  uint4 packed;",
+            "  T* out = reinterpret_cast<T*>(&packed);",
+            "  #pragma unroll",
+            "  for (int j = 0; j < V; ++j) out[j] = round_to<T>(values[j]);",
+            "  reinterpret_cast<uint4*>(xs)[u] = packed;",
+            "});",
         ]
-    if norm is not None:
-        has_weight, eps = norm
-        scaled = "static_cast<float>(norm_w[k]) * " if has_weight else ""
-        lines += [
-            "float squares = 0.f;",
-            "for (int k = tid; k < K; k += blockDim.x) { const float v = static_cast<float>(x[k]); squares += v * v; }",
-            "squares = warp_sum(squares);",
-            "if (lane == 0) partial[warp] = squares;",
-            "__syncthreads();",
-            "if (warp == 0) { float t = lane < WARPS ? partial[lane] : 0.f; t = warp_sum(t);"
-            " if (lane == 0) partial[0] = t; }",
-            "__syncthreads();",
-            f"const float inv = rsqrtf(partial[0] / K + {eps!r}f);",
-            "for (int k = tid; k < K; k += blockDim.x)",
-            f"  STAGE(k, {scaled}static_cast<float>(round_to<T>(static_cast<float>(x[k]) * inv)));",
-        ]
-    else:
-        lines.append("for (int k = tid; k < K; k += blockDim.x) STAGE(k, static_cast<float>(x[k]));")
     lines.append("__syncthreads();")
-    if bits:
-        lines += [
-            "for (int c = tid; c < K / V; c += blockDim.x) {",
-            "  float t = 0.f;",
-            "  for (int j = 0; j < V; ++j) t += xs[c * (V + 4) + j];",
-            "  xsum[c] = t;",
-            "}",
-            "__syncthreads();",
-        ]
     items = _items(rows, rotary)
     total = rows[0] if epilogue == "swiglu" else sum(items)
-    lines.append(f"if (r >= {total}) return;")
 
-    def dot(i, row):
+    def dot(nr, i, row0, j=None, row1=None):
+        j = i if j is None else j
+        row1 = row0 if row1 is None else row1
         if bits:
             per_row, groups = k * bits // 32, k // group
-            return (f"dot_quantized<S, K, {bits}, {group}>(w{i} + size_t({row}) * {per_row}, "
-                    f"s{i} + size_t({row}) * {groups}, b{i} + size_t({row}) * {groups}, xs, xsum, lane)")
-        return f"dot_dense<T, K>(w{i} + size_t({row}) * K, xs, lane)"
+            args = ", ".join(f"w{w} + size_t({r}) * {per_row}, s{w} + size_t({r}) * {groups}, "
+                             f"b{w} + size_t({r}) * {groups}" for w, r in ((i, row0), (j, row1)))
+            return f"dot_quantized<S, K, {bits}, {group}, SPLIT, {nr}>({args}, xs, xsum, lane, part)"
+        return f"dot_dense<T, K, SPLIT, {nr}>(w{i} + size_t({row0}) * K, w{j} + size_t({row1}) * K, xs, lane, part)"
 
-    def dot_pair(i, row0, row1):
-        if bits:
-            per_row, groups = k * bits // 32, k // group
-            rows = ", ".join(f"w{i} + size_t({r}) * {per_row}, s{i} + size_t({r}) * {groups}, "
-                             f"b{i} + size_t({r}) * {groups}" for r in (row0, row1))
-            return f"dot_quantized_pair<S, K, {bits}, {group}>({rows}, xs, xsum, lane)"
-        return f"dot_dense_pair<T, K>(w{i} + size_t({row0}) * K, w{i} + size_t({row1}) * K, xs, lane)"
-
+    # the products: acc holds one item's (two rows' where paired)
+    lines.append("float2 acc = make_float2(0.f, 0.f);")
+    rotated = rotary[1] if rotary else 0
+    half = rotary[0] // 2 if rotary else 0
+    pair_row = f"const int a = p / {half} * {rotary[0]} + p % {half};" if rotary else ""
+    if epilogue == "swiglu":
+        lines.append(f"if (r < {total}) acc = {dot(2, 0, 'r', 1, 'r')};")
+    elif epilogue == "add":
+        lines.append(f"if (r < {total}) acc = {dot(1, 0, 'r')};")
+    else:
+        start = 0
+        for i in range(n):
+            cond = "if" if i == 0 else "else if"
+            if i < rotated:  # a pair of a head's rows (a, a + half)
+                lines.append(f"{cond} (r < {start + items[i]}) {{ const int p = r - {start}; {pair_row} "
+                             f"acc = {dot(2, i, 'a', i, f'(a + {half})')}; }}")
+            else:
+                lines.append(f"{cond} (r < {start + items[i]}) acc = {dot(1, i, f'(r - {start})')};")
+            start += items[i]
+    lines += [
+        "if (SPLIT > 1) {  // join the parts, in order",
+        "  if (lane == 0) parts[warp] = acc;",
+        "  __syncthreads();",
+        "  acc = make_float2(0.f, 0.f);",
+        "  #pragma unroll",
+        "  for (int q = 0; q < SPLIT; ++q) { acc.x += parts[warp - part + q].x; acc.y += parts[warp - part + q].y; }",
+        "}",
+        f"if (r >= {total} || part != 0 || lane != 0) return;",
+    ]
+    # the epilogue, by the item's first lane
     if epilogue == "swiglu":
         lines += [
-            f"const float gate = static_cast<float>(round_to<T>({dot(0, 'r')}));",
-            f"const float up = static_cast<float>(round_to<T>({dot(1, 'r')}));",
+            "const float gate = static_cast<float>(round_to<T>(acc.x));",
+            "const float up = static_cast<float>(round_to<T>(acc.y));",
             "const float s = static_cast<float>(round_to<T>(1.f / (1.f + expf(-gate))));",
-            "if (lane == 0) out0[r] = round_to<T>(static_cast<float>(round_to<T>(gate * s)) * up);",
+            "out0[r] = round_to<T>(static_cast<float>(round_to<T>(gate * s)) * up);",
         ]
     elif epilogue == "add":
         lines += [
-            f"const float y = static_cast<float>(round_to<T>({dot(0, 'r')}));",
-            "if (lane == 0) out0[r] = round_to<T>(y + static_cast<float>(residual[r]));",
+            "const float y = static_cast<float>(round_to<T>(acc.x));",
+            "out0[r] = round_to<T>(y + static_cast<float>(residual[r]));",
         ]
     else:
         start = 0
-        rotated = rotary[1] if rotary else 0
         for i in range(n):
             cond = "if" if i == 0 else "else if"
             if i < rotated:
-                # one pair of a head's rows (j, j + half): rounded as the
-                # product's output, then rotated as mx.fast.rope rotates them
-                half = rotary[0] // 2
+                # rounded as the product's output, then rotated as mx.fast.rope rotates the pair
                 lines += [
                     f"{cond} (r < {start + items[i]}) {{",
-                    f"  const int p = r - {start}, j = p % {half}, a = p / {half} * {rotary[0]} + j;",
-                    f"  const float2 pair = {dot_pair(i, 'a', f'(a + {half})')};",
-                    "  const float x1 = static_cast<float>(round_to<T>(pair.x));",
-                    "  const float x2 = static_cast<float>(round_to<T>(pair.y));",
-                    "  if (lane == 0) {",
-                    "    const float inv_freq = 1.0 / freqs[j];",
-                    "    const float theta = static_cast<float>(position[0]) * inv_freq;",
-                    "    const float c = cos(theta), s = sin(theta);",
-                    f"    out{i}[a] = round_to<T>(x1 * c - x2 * s);",
-                    f"    out{i}[a + {half}] = round_to<T>(x1 * s + x2 * c);",
-                    "  }",
+                    f"  const int p = r - {start}, j = p % {half}; {pair_row}",
+                    "  const float x1 = static_cast<float>(round_to<T>(acc.x));",
+                    "  const float x2 = static_cast<float>(round_to<T>(acc.y));",
+                    "  const float inv_freq = 1.0 / freqs[j];",
+                    "  const float theta = static_cast<float>(position[0]) * inv_freq;",
+                    "  const float c = cos(theta), s = sin(theta);",
+                    f"  out{i}[a] = round_to<T>(x1 * c - x2 * s);",
+                    f"  out{i}[a + {half}] = round_to<T>(x1 * s + x2 * c);",
                     "}",
                 ]
             else:
-                lines += [
-                    f"{cond} (r < {start + items[i]}) {{",
-                    f"  const float y = {dot(i, f'(r - {start})')};",
-                    f"  if (lane == 0) out{i}[r - {start}] = round_to<T>(y);",
-                    "}",
-                ]
+                lines.append(f"{cond} (r < {start + items[i]}) out{i}[r - {start}] = round_to<T>(acc.x);")
             start += items[i]
     return "\n".join(lines)
 
@@ -517,15 +591,15 @@ def _source(rows, k, bits, group, norm, epilogue, rotary) -> str:
 PREFETCH_BYTES = 16 * 1024  # most of a row prefetched
 
 
-def _prefetch(rows, k, bits, group, epilogue, rotary) -> list[str]:
-    """Lines prefetching warp ``r``'s weight rows (both of SwiGLU's, both
-    of a rotated pair's), before the block stages ``x``."""
+def _prefetch(rows, k, bits, epilogue, rotary) -> list[str]:
+    """Lines prefetching the warp's part of its item's weight rows (both of
+    SwiGLU's, both of a rotated pair's), before the block stages ``x``."""
     row_bytes = k * bits // 8 if bits else None
     per_row = k * bits // 32 if bits else "K"
 
     def fetch(i, row):
         size = min(row_bytes or k * 2, PREFETCH_BYTES)  # dense: sizeof(T) is 2 or 4; 2 keeps to the row
-        return f"prefetch_row<{size}>(w{i} + size_t({row}) * {per_row}, lane);"
+        return f"prefetch_row<{size}, SPLIT>(w{i} + size_t({row}) * {per_row}, lane, part);"
 
     if epilogue == "swiglu":
         return [f"if (r < {rows[0]}) {{ {fetch(0, 'r')} {fetch(1, 'r')} }}"]
