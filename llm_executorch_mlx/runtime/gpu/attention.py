@@ -32,6 +32,8 @@ import functools
 
 import mlx.core as mx
 
+from .source import compact
+
 WARPS = 16  # warps a block
 BATCH = 8  # rounds of a warp's loads in flight at once
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -188,7 +190,7 @@ def mlx_op(scale: float):
 
 @functools.lru_cache(maxsize=None)
 def _kernel(heads: int, kv_heads: int, head_dim: int, scale: float):
-    source = _SOURCE.format(warps=WARPS, batch=BATCH, scale=float(scale))
+    source = compact(_SOURCE.format(warps=WARPS, batch=BATCH, scale=float(scale)))
     constants = f"constexpr int H = {heads}, HKV = {kv_heads}, D = {head_dim};\n"
     return mx.fast.cuda_kernel(name=f"pte_decode_attention_{heads}_{kv_heads}_{head_dim}",
                                input_names=["q", "k", "v", "kpool", "vpool", "position"],

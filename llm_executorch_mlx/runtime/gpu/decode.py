@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import attention
+from .source import compact
 
 # 16-byte weight loads a lane has in flight at most, dense and quantized: about
 # what ptxas issues before the first multiply (more only as those are used)
@@ -47,7 +48,20 @@ DENSE = (mx.float32, mx.float16, mx.bfloat16)
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
 
-_HEADER = r"""
+_COMMON = r"""
+// Start a warp's part of a weight row on its way to L2 while the block
+// stages x.
+template <int BYTES, int SPLIT>
+__device__ inline void prefetch_row(const void* row, int lane, int part) {
+  const char* p = static_cast<const char*>(row);
+  #pragma unroll
+  for (int o = (part * 32 + lane) * 128; o < BYTES; o += SPLIT * 32 * 128)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+}
+
+template <typename T>
+__device__ inline T round_to(float v) { return static_cast<T>(v); }
+
 __device__ inline float warp_sum(float v) {
   #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -114,7 +128,9 @@ __device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* p
     put(u, values);
   }
 }
+"""
 
+_DENSE = r"""
 // The dot products of NR rows (w0, and w1 if NR is 2) of a dense weight
 // with x (staged as T) over one warp's part of K, of SPLIT warps a row:
 // 16-byte chunks part * 32 + lane, then every 32 * SPLIT on. Every load of
@@ -148,6 +164,9 @@ __device__ inline float2 dot_dense(const T* w0, const T* w1, const T* xs, int la
   return make_float2(warp_sum(acc[0]), NR > 1 ? warp_sum(acc[1]) : 0.f);
 }
 
+"""
+
+_QUANTIZED = r"""
 // An affine-quantized value as a float without an integer conversion:
 // 2^23 + q has q in its low mantissa bits.
 template <int BITS>
@@ -207,20 +226,10 @@ __device__ inline float2 dot_quantized(const uint32_t* w0, const S* s0, const S*
   }
   return make_float2(warp_sum(acc[0]), NR > 1 ? warp_sum(acc[1]) : 0.f);
 }
-
-// Start a warp's part of a weight row on its way to L2 while the block
-// stages x.
-template <int BYTES, int SPLIT>
-__device__ inline void prefetch_row(const void* row, int lane, int part) {
-  const char* p = static_cast<const char*>(row);
-  #pragma unroll
-  for (int o = (part * 32 + lane) * 128; o < BYTES; o += SPLIT * 32 * 128)
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-}
-
-template <typename T>
-__device__ inline T round_to(float v) { return static_cast<T>(v); }
 """
+
+# a kernel's header as MLX gets it: the shared part and its weights' kind's
+_HEADERS = {quantized: compact(_COMMON + (_QUANTIZED if quantized else _DENSE)) for quantized in (False, True)}
 
 
 @dataclass(frozen=True)
@@ -454,7 +463,8 @@ def _kernel(signature: tuple):
     total = rows[0] if epilogue == "swiglu" else sum(_items(rows, rotary))
     source = _source(rows, k, bits, group, norm, epilogue, rotary, split)
     kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
-                                 input_names=names, output_names=outputs, source=source, header=_HEADER)
+                                 input_names=names, output_names=outputs, source=compact(source),
+                                 header=_HEADERS[bool(bits)])
     return kernel, total, split
 
 
