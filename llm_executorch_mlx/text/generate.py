@@ -23,6 +23,12 @@ from typing import Callable, Iterator
 import mlx.core as mx
 import numpy as np
 
+# a sampled token's dtype (mx.argmax's, mx.random.categorical's): tokens
+# known on the host go into a step in it, so a one-token step fed from the
+# host shares the compiled runs of one fed a sampled token
+# (interp/compiled_runs.py)
+TOKEN_IDS = np.uint32
+
 
 @dataclass
 class Step:
@@ -313,7 +319,7 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             forward.submit(queued)
         # one call: the proposals, after the token itself where it is not fed yet
         ids = draft if ahead else [token, *draft]
-        rows = forward.execute([np.asarray([ids], dtype=np.int64),
+        rows = forward.execute([np.asarray([ids], dtype=TOKEN_IDS),
                                 np.arange(position, position + len(ids), dtype=np.int64)])[0][0]
         each = ([queued] if ahead else []) + [rows[i] for i in range(len(ids))]
         position += 0 if ahead else 1

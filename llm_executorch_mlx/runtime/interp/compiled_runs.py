@@ -66,7 +66,10 @@ def step_shape(inputs: list) -> tuple | None:
             continue
         if math.prod(shape) > MOST_ENTRIES:
             return None
-        key.append((tuple(shape), str(x.dtype)))
+        # the dtype's name alone: a numpy input becomes an MLX array of the
+        # same name, so a step fed from the host shares the compiled runs of
+        # one fed with arrays ("uint32", not "mlx.core.uint32")
+        key.append((tuple(shape), str(x.dtype).rsplit(".", 1)[-1]))
     return tuple(key)
 
 

@@ -593,6 +593,7 @@ class GraphExecutor:
                 f"the program takes {len(self.input_slots)} inputs, got {len(inputs)}"
             )
         f = self._template.copy()
+        one_position = True  # every input array of one value at most: a one-token step
         for k, ((slot, host_slot), meta, x) in enumerate(
             zip(self._host_slots, self.input_meta, inputs)
         ):
@@ -601,6 +602,7 @@ class GraphExecutor:
                 continue
             arr, host = to_mlx(x, meta, k, self._ctx.dtype_map)
             f[slot] = arr
+            one_position = one_position and arr.size <= 1
             if host_slot is not None:
                 f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
                     arr.reshape(-1)[0].item()
@@ -608,7 +610,10 @@ class GraphExecutor:
         for slot, make in self._host_arrays:
             f[slot] = make(f)
         ops = self._main
-        if last_position_only and self._main_last_row is not None:
+        # a one-token step's last row is all of it: the last-row chain
+        # whether asked for or not, so every one-token step shares its
+        # compiled runs (a token verified on the host and one sampled)
+        if (last_position_only or one_position) and self._main_last_row is not None:
             ops = self._main_last_row
         run = self._runner(ops, inputs)
         cache = self._ctx.cache
