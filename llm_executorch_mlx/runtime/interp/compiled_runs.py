@@ -29,6 +29,7 @@ each new chunk length would cost a recording and traces.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -240,15 +241,15 @@ def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], cons
     by_slot: dict[int, list[tuple[int, bool]]] = {}
     for op, wrote, slot in log:
         by_slot.setdefault(slot, []).append((op, wrote))
+    order = [op for op, _, _ in log]  # the log is in op order: ops ran one after another
     runs = []
     for first, last in spans:
-        reads, captured, writes = [], [], set()
-        for op, wrote, slot in log:
-            if not first <= op <= last:
-                continue
+        reads, captured, writes, seen = [], [], set(), set()
+        for op, wrote, slot in log[bisect.bisect_left(order, first):bisect.bisect_right(order, last)]:
             if wrote:
                 writes.add(slot)
-            elif slot not in writes and slot not in reads and slot not in captured:
+            elif slot not in writes and slot not in seen:
+                seen.add(slot)
                 (reads if slot >= constants else captured).append(slot)
         outputs = sorted(s for s in writes if _read_after(by_slot[s], last, s in kept))
         runs.append(_Run(first, last, reads, captured, outputs))
