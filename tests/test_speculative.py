@@ -304,8 +304,8 @@ class ReplayDrafter:
 @pytest.mark.parametrize("rows_match_steps", [True, False])
 def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_on(tiny, monkeypatch,
                                                                                    rows_match_steps):
-    """On a clock where a plain step takes 1 and each proposal half a step
-    more (a draft model's), a reply whose proposals all miss decodes in at
+    """On a clock where a plain step takes 1 and each proposal a third of a
+    step more (a draft model's: SmolLM2-135M's for the 1B shape), a reply whose proposals all miss decodes in at
     most ``BUDGET`` more time than without them (its decoding counted as at
     least ``SHORTEST`` steps), beyond its first try of one proposal, made
     before a plain step is timed; proposals that are all kept go on to the
@@ -321,7 +321,7 @@ def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_o
     _, program = store.get_program(str(tiny[0]))
     clock = Clock()
     monkeypatch.setattr(generate, "time", clock)
-    prompt, tokens, cost, vocab = [5, 6, 7, 8], 5, 0.5, program.metadata.vocab_size
+    prompt, tokens, cost, vocab = [5, 6, 7, 8], 5, 1 / 3, program.metadata.vocab_size
     chunk = program.metadata.prefill_chunk
     room = program.metadata.max_context - len(prompt)
 

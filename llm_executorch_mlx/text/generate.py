@@ -169,7 +169,7 @@ def generate_tokens(
 
 
 MAX_BACKOFF = 6  # after proposals that all missed, up to 2**MAX_BACKOFF steps propose none
-BUDGET = 0.05  # the share of decoding's time proposals may cost beyond what they gave,
+BUDGET = 0.03  # the share of decoding's time proposals may cost beyond what they gave,
 SHORTEST = 128  # decoding counted as at least this many plain steps, so misses at a reply's start leave it some
 
 
