@@ -393,8 +393,8 @@ class CudaKernels:
         kernel, items, split = _kernel(_signature(block))
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
         per_block = _rows_a_block(split)
-        threads = per_block * split * 32
-        grid, threads = (-(-items // per_block) * threads, 1, 1), (threads, 1, 1)
+        block_threads = per_block * split * 32
+        grid, threads = (-(-items // per_block) * block_threads, 1, 1), (block_threads, 1, 1)
         scale_type = [("S", first.scales.dtype)] if first.bits else []
 
         def shapes(lead):
