@@ -174,6 +174,27 @@ __device__ inline float unpack(uint32_t word, int j) {
   return __uint_as_float(0x4B000000u | ((word >> (BITS * j)) & ((1u << BITS) - 1u))) - 8388608.f;
 }
 
+// Each chunk's sum of the staged x (V floats at c * (V + 4)): the V / XV
+// consecutive threads whose pieces make a chunk sum theirs, then join by
+// shuffles (every lane of a warp at every round, so the shuffles meet).
+template <int K, int THREADS, int V, int XV>
+__device__ inline void chunk_sums(const float* xs, float* xsum, int tid) {
+  constexpr int UNITS = K / XV, G = V / XV;
+  #pragma unroll
+  for (int base = 0; base < UNITS; base += THREADS) {
+    const int u = base + tid;
+    float t = 0.f;
+    if (u < UNITS) {
+      const float* from = xs + u * XV + u * XV / V * 4;
+      #pragma unroll
+      for (int j = 0; j < XV; ++j) t += from[j];
+    }
+    #pragma unroll
+    for (int o = G / 2; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    if (u < UNITS && u % G == 0) xsum[u / G] = t;
+  }
+}
+
 // dot_dense for an affine-quantized weight (MLX's layout: uint32 words, low
 // bits first, a scale and a bias a group). x is staged as floats in chunks
 // of the V values a lane's 16-byte load brings, each chunk padded by 4
@@ -493,17 +514,20 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split) -> str:
     stage = (f"stage_x<T, K, THREADS, V, {(2 if has_weight else 1) if norm else 0}>"
              f"(x, {'norm_w' if has_weight else 'x'}, {float(norm[1]) if norm else 0.0!r}f, partial, tid, ")
     if bits:
-        # x as floats in padded chunks, each chunk's sum beside (dot_quantized)
+        # x as floats in padded chunks, each chunk's sum beside (dot_quantized):
+        # staged 16 bytes of x a thread, as for dense weights, then each chunk
+        # summed by the threads of its pieces
         lines += [
-            f"constexpr int V = {128 // bits};",
+            f"constexpr int V = {128 // bits}, XV = 16 / sizeof(T);",
             "__shared__ alignas(16) float xs[K + K / V * 4];",
             "__shared__ float xsum[K / V];",
-            stage + "[&](int c, const float* values) {",
-            "  float t = 0.f;",
+            stage.replace("THREADS, V,", "THREADS, XV,") + "[&](int u, const float* values) {",
+            "  float* to = xs + u * XV + u * XV / V * 4;  // a piece lies in one chunk",
             "  #pragma unroll",
-            "  for (int j = 0; j < V; ++j) { xs[c * (V + 4) + j] = values[j]; t += values[j]; }",
-            "  xsum[c] = t;",
+            "  for (int j = 0; j < XV; ++j) to[j] = values[j];",
             "});",
+            "__syncthreads();",
+            "chunk_sums<K, THREADS, V, XV>(xs, xsum, tid);",
         ]
     else:
         lines += [
