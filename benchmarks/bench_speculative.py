@@ -122,8 +122,8 @@ def main():
     tokenizer = cli.tokenizer_of(args)
     model = f"{args.draft.parent.name}/{args.draft.stem}" if args.draft else None  # the draft model's route
     drafts = ["none", "ngram"] + ([model] if model else [])
-    for draft in drafts:  # load, build the kernels, warm
-        turn(args.pte, tokenizer, "Hello", draft, 4, args.draft_tokens, args.draft)
+    for draft in drafts:  # load, build the kernels (a verifying call's too: copying proposes), warm
+        turn(args.pte, tokenizer, PROMPTS["copy"], draft, 32, args.draft_tokens, args.draft)
     raw = {"machine": info, "pte": str(args.pte), "draft": str(args.draft), "reps": []}
     for rep in range(args.reps):
         runs = {}

@@ -12,9 +12,15 @@ real-model shapes:
   rotated), the largest difference relative to the largest output, within
   each dtype's rounding;
 - **determinism**: two launches give the same bits;
+- **a few rows**: a launch of ``FEW`` rows of ``x`` (a verifying call's)
+  agrees with MLX's ops as one row does, and each of its rows has the bits
+  a launch of that row alone gives (at its own position where rotated);
+  the attention kernel's rows likewise, against one-row launches at
+  successive positions and against MLX's SDPA with a causal mask;
 - **time** (``--time``): a decode step's four blocks at Llama-3.2-1B's shape,
   each launched ``--iters`` times and evaluated at once (GPU time with the
-  host's encoding overlapped), and the bandwidth the weights' bytes imply.
+  host's encoding overlapped), and the bandwidth the weights' bytes imply;
+  for one row of x and for ``FEW``.
 
     python benchmarks/gpu_decode_kernels.py --time     # on the GPU machine, with mlx-cuda
 """
@@ -23,12 +29,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 
-import mlx.core as mx
+# MLX's CUDA backend multiplies fp32 in TF32 unless told not to (read once,
+# at its first use); the reference for the kernels' fp32 sums is fp32
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
-from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight, fits
+import mlx.core as mx  # noqa: E402
+
+from llm_executorch_mlx.runtime.gpu import attention  # noqa: E402
+from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight, fits  # noqa: E402
 
 # largest |kernel - MLX| / largest |MLX output|: a few units in the last place of each dtype
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 2e-2}
@@ -46,6 +59,7 @@ def weight(rows: int, k: int, dtype, bits: int, group: int, key) -> Weight:
 KINDS = ((0, 0), (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128))  # (bits, group); 0 bits: dense
 REAL, ODD = (2048, (2048, 512, 512)), (1536, (100, 36, 36))  # (K, rows): Llama-3.2-1B's q, k, v; odd rows
 LONG = (8192, (300,))  # Llama-3.2-1B's down product's K (a row split between warps), odd rows
+FEW = 5  # rows of x in a few-row launch: more than some blocks stage at once (several passes)
 
 
 def cases():
@@ -80,6 +94,8 @@ def check(args) -> list[dict]:
     for name, dtype, bits, group, k, rows, norm, epilogue, head in cases():
         keys = mx.random.split(key, len(rows) + 4)
         key = keys[0]
+        if args.only and not re.search(args.only, name):
+            continue
         weights = tuple(weight(n, k, dtype, bits, group, keys[1 + i]) for i, n in enumerate(rows))
         norm_weight = (1 + 0.1 * mx.random.normal((k,), key=keys[-3])).astype(dtype) if norm else None
         # Llama-3's RoPE base; a position far enough on that the angles wrap
@@ -101,7 +117,72 @@ def check(args) -> list[dict]:
         results.append({"case": name, "relative_error": error / scale, "deterministic": same, "ok": ok})
         print(f"{'ok  ' if ok else 'FAIL'} {name:40s} error/scale {error / scale:.2e}"
               f"{'' if same else '  NOT DETERMINISTIC'}{'' if shapes else '  SHAPES DIFFER'}", flush=True)
+        results.append(check_rows(f"{name} x{FEW}", block, kernels, ops, dtype, position, keys[-2]))
+    if not args.only or re.search(args.only, "attention"):
+        results.append(check_attention(args.seed))
     return results
+
+
+def check_rows(name: str, block: Block, kernels, ops, dtype, position, key) -> dict:
+    """``FEW`` rows of x in one launch: against MLX's ops, and row by row
+    against one-row launches (bitwise)."""
+    x = mx.random.normal((1, FEW, block.k), key=key).astype(dtype)
+    residual = mx.random.normal((1, FEW, block.rows), key=key).astype(dtype) if block.epilogue == "add" else None
+    launch = kernels.launcher(block)
+    ours = launch(x, residual, position)
+    reference = ops.launcher(block)(x, residual, position)
+    axis = 2 if block.rotary else 1  # rows of an output in heads: [1, heads, rows, dims]
+    alone = [launch(x[:, m:m + 1], None if residual is None else residual[:, m:m + 1],
+                    None if position is None else position + m) for m in range(FEW)]
+    singles = [mx.concatenate([a[i] for a in alone], axis=axis) for i in range(len(ours))]
+    mx.eval(ours, reference, singles)
+    error = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in zip(ours, reference))
+    scale = max(float(mx.abs(b.astype(mx.float32)).max()) for b in reference)
+    same = all(a.shape == b.shape and bool(mx.array_equal(a, b)) for a, b in zip(ours, singles))
+    ok = same and error <= TOLERANCE[dtype] * scale
+    print(f"{'ok  ' if ok else 'FAIL'} {name:40s} error/scale {error / scale:.2e}"
+          f"{'' if same else '  ROWS DIFFER FROM ONE-ROW LAUNCHES'}", flush=True)
+    return {"case": name, "relative_error": error / scale, "rows_as_alone": same, "ok": ok}
+
+
+def check_attention(seed: int) -> dict:
+    """The attention kernel over ``FEW`` query rows after 300 cached keys
+    (Llama-3.2-1B's heads, bf16): against one-row launches at positions
+    300, 301, ... (bitwise) and MLX's SDPA with a causal mask."""
+    heads, kv_heads, d, cached, cap = 32, 8, 64, 300, 512
+    keys = mx.random.split(mx.random.key(seed + 1), 5)
+    q = mx.random.normal((1, heads, FEW, d), key=keys[0]).astype(mx.bfloat16)
+    k, v = (mx.random.normal((1, kv_heads, FEW, d), key=keys[i]).astype(mx.bfloat16) for i in (1, 2))
+
+    def pools():  # fresh buffers each time: the kernel writes them in place
+        return [mx.random.normal((1, kv_heads, cap, d), key=keys[i]).astype(mx.bfloat16) for i in (3, 4)]
+
+    at = mx.array([cached], mx.int32)
+    kp, vp = pools()
+    mx.eval(kp, vp)
+    ours = attention.update_and_attend(q, k, v, kp, vp, at, d ** -0.5)
+    mx.eval(ours)
+    kp1, vp1 = pools()
+    mx.eval(kp1, vp1)
+    alone = []
+    for t in range(FEW):
+        row = attention.update_and_attend(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], kp1, vp1,
+                                          mx.array([cached + t], mx.int32), d ** -0.5)
+        mx.eval(row)
+        alone.append(row)
+    kr, vr = pools()
+    reference, (kr,), _ = attention.mlx_op(d ** -0.5)(q, k, v, [kr], [vr], cached, None)
+    mx.eval(reference, kr)
+    same = bool(mx.array_equal(ours, mx.concatenate(alone, axis=2)))
+    written = bool(mx.array_equal(kp[:, :, :cached + FEW], kr[:, :, :cached + FEW]))
+    error = float(mx.abs(ours.astype(mx.float32) - reference.astype(mx.float32)).max())
+    scale = float(mx.abs(reference.astype(mx.float32)).max())
+    ok = same and written and error <= TOLERANCE[mx.bfloat16] * scale
+    name = f"attention bf16 {heads}/{kv_heads} heads D={d} x{FEW}"
+    print(f"{'ok  ' if ok else 'FAIL'} {name:40s} error/scale {error / scale:.2e}"
+          f"{'' if same else '  ROWS DIFFER FROM ONE-ROW LAUNCHES'}{'' if written else '  POOL WRITTEN WRONG'}",
+          flush=True)
+    return {"case": name, "relative_error": error / scale, "rows_as_alone": same, "ok": ok}
 
 
 def timing(args) -> list[dict]:
@@ -120,11 +201,13 @@ def timing(args) -> list[dict]:
                                           "swiglu"), k),
             "down+add": (Block((mk(k, inter, 6),), None, "add"), inter),
         }
-        for name, (block, kk) in blocks.items():
-            x = mx.random.normal((1, 1, kk)).astype(mx.bfloat16)
-            residual = mx.random.normal((1, 1, block.rows)).astype(mx.bfloat16) if block.epilogue == "add" else None
+        for (name, (block, kk)), rows in ((item, rows) for item in blocks.items() for rows in (1, FEW)):
+            x = mx.random.normal((1, rows, kk)).astype(mx.bfloat16)
+            residual = (mx.random.normal((1, rows, block.rows)).astype(mx.bfloat16) if block.epilogue == "add"
+                        else None)
             position = mx.array(517, mx.int32) if block.rotary else None
             nbytes = sum(w.w.nbytes + (w.scales.nbytes + w.biases.nbytes if w.bits else 0) for w in block.weights)
+            name = name if rows == 1 else f"{name} x{rows}"
             row = {"weights": label, "block": name, "bytes": nbytes}
             for engine, runner in (("kernel", CudaKernels()), ("mlx_ops", MlxOps())):
                 launch = runner.launcher(block)
@@ -140,7 +223,7 @@ def timing(args) -> list[dict]:
                 row[f"{engine}_us"] = best * 1e6
                 row[f"{engine}_gbps"] = nbytes / best / 1e9
             out.append(row)
-            print(f"{label:10s} {name:22s} {nbytes / 2**20:7.1f} MiB  kernel {row['kernel_us']:7.1f} us "
+            print(f"{label:10s} {name:25s} {nbytes / 2**20:7.1f} MiB  kernel {row['kernel_us']:7.1f} us "
                   f"({row['kernel_gbps']:6.0f} GB/s)  MLX ops {row['mlx_ops_us']:7.1f} us "
                   f"({row['mlx_ops_gbps']:6.0f} GB/s)", flush=True)
     return out
@@ -152,6 +235,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", help="check only the cases whose name matches this regex")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if not mx.cuda.is_available():

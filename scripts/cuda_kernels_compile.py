@@ -12,7 +12,8 @@ wrapper: ``mlx/backend/cuda/custom_kernel.cpp``, ``build_kernel``), and
 compiles it with ``nvcc -cubin`` against the device headers of an MLX
 source checkout of the installed version (``MLX_CHECKOUT/mlx/backend/cuda/
 device``), printing each kernel's registers and spills. Exit status 1 if
-any fails to compile. Nothing runs: a GPU still checks what they compute
+any fails to compile or needs more registers for its block than an SM has
+(MLX declares no launch bounds, so ptxas does not cap them). Nothing runs: a GPU still checks what they compute
 (``gpu_decode_kernels.py``, ``gpu_step_designs.py --check``).
 """
 
@@ -32,6 +33,7 @@ import mlx.core as mx  # noqa: E402
 
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
               mx.int32: "int32_t", mx.uint32: "uint32_t"}
+SM_REGISTERS = 65536  # a block's threads share an SM's register file (every arch since sm_50)
 HASH_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 
 
@@ -79,8 +81,10 @@ def record_all() -> list[tuple[str, str]]:
         weights = tuple(cases.weight(n, k, dtype, bits, group, key) for n in rows)
         rotary = Rotary(head, 500000.0 ** (mx.arange(0, head, 2) / head), 2) if head else None
         block = Block(weights, (mx.ones((k,), dtype), 1e-5) if norm else None, epilogue, rotary)
-        residual = mx.zeros((1, 1, rows[0]), dtype) if epilogue == "add" else None
-        CudaKernels().launcher(block)(mx.zeros((1, 1, k), dtype), residual, mx.array(5, mx.int32) if head else None)
+        launch = CudaKernels().launcher(block)
+        for rows_x in (1, cases.FEW):  # a one-row launch's kernel and a few rows'
+            residual = mx.zeros((1, rows_x, rows[0]), dtype) if epilogue == "add" else None
+            launch(mx.zeros((1, rows_x, k), dtype), residual, mx.array(5, mx.int32) if head else None)
     return Recorded.sources
 
 
@@ -90,12 +94,14 @@ def main(argv=None) -> int:
                    help="an MLX source checkout of the installed version (for its CUDA device headers)")
     p.add_argument("--nvcc", default="nvcc")
     p.add_argument("--arch", default="sm_90a", help="the GPU architecture to compile for (default: sm_90a, Hopper)")
+    p.add_argument("--only", help="compile only the kernels whose label (name, grid, block) matches this regex")
     args = p.parse_args(argv)
     if not (args.mlx_src / "mlx/backend/cuda/device/utils.cuh").exists():
         p.error(f"{args.mlx_src} holds no mlx/backend/cuda/device/utils.cuh: give an MLX source checkout")
     failed = 0
+    kernels = [(label, text) for label, text in record_all() if not args.only or re.search(args.only, label)]
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, text) in enumerate(record_all()):
+        for i, (label, text) in enumerate(kernels):
             source = pathlib.Path(tmp) / f"kernel{i}.cu"
             source.write_text(text)
             done = subprocess.run([args.nvcc, f"-arch={args.arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
@@ -107,8 +113,15 @@ def main(argv=None) -> int:
                 continue
             usage = " ".join(re.sub(r"^ptxas info\s*: ", "", line) for line in done.stderr.splitlines()
                              if "Used" in line or "spill" in line)
+            # MLX declares no launch bounds: a block whose threads need more
+            # registers than an SM has would fail at launch
+            threads, registers = int(re.search(r"block \((\d+)", label)[1]), int(re.search(r"Used (\d+) reg", usage)[1])
+            if threads * registers > SM_REGISTERS:
+                failed += 1
+                print(f"FAIL {label}: {usage} ({threads} threads x {registers} registers > {SM_REGISTERS})")
+                continue
             print(f"ok   {label}: {usage}")
-    print(f"{len(Recorded.sources) - failed} of {len(Recorded.sources)} kernels compile")
+    print(f"{len(kernels) - failed} of {len(kernels)} kernels compile and fit an SM's registers")
     return 1 if failed else 0
 
 

@@ -48,7 +48,7 @@ from llm_executorch_mlx.runtime import dtypes, load_program
 from llm_executorch_mlx.runtime import plan as plan_module
 from llm_executorch_mlx.runtime import steps as steps_module
 from llm_executorch_mlx.runtime.cpu import extension_ops, fastmath
-from llm_executorch_mlx.runtime.gpu import decode
+from llm_executorch_mlx.runtime.gpu import attention, decode
 from llm_executorch_mlx.runtime.interp import fusion
 from llm_executorch_mlx.text import generate, store
 
@@ -240,6 +240,7 @@ def blocks(monkeypatch):
 
             def launch(x, residual=None, position=None):
                 launched[kind] += 1
+                launched["rows", x.size // block.k] += 1
                 return inner(x, residual, position)
 
             return launch
@@ -262,19 +263,49 @@ def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, 
     """Per layer and decode step: the input norm with q, k, v, split into
     heads and rotated; the cache write with attention; the output product
     with its residual add; the second norm with gate, up and SwiGLU; the
-    down product with its add. Prefill chunks run node by node."""
+    down product with its add. A prompt's chunk of a few rows (up to
+    ``MOST_ROWS``: its last 8 tokens here) takes the same kernels; longer
+    chunks run node by node."""
     model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
     tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="auto")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
                            quantize=qlinear)
     assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL if dtype == "bf16" else Q4_REL_TOL)
-    layers = load_program(pte).metadata.n_caches
+    meta = load_program(pte).metadata
+    layers, chunk = meta.n_caches, meta.prefill_chunk
+    chunks = [min(chunk, PROMPT_LEN - start) for start in range(0, PROMPT_LEN, chunk)]
+    short = sum(rows <= attention.MOST_ROWS for rows in chunks)
+    assert short == 1 and len(chunks) == 2  # the case this test is for: one long chunk, one short
+    calls_taken = NEW_TOKENS + short
     # q, k and v leave the kernel in heads, q and k rotated, but in the first
     # layer: the export makes its RoPE tables' views after that layer's norm
-    assert blocks == {(3, True, "", bits, 2): NEW_TOKENS * (layers - 1), (3, True, "", bits, None): NEW_TOKENS,
-                      (1, False, "add", bits, None): 2 * NEW_TOKENS * layers,
-                      (2, True, "swiglu", bits, None): NEW_TOKENS * layers, "attention": NEW_TOKENS * layers}
-    assert calls.get("swiglu", 0) == -(-PROMPT_LEN // load_program(pte).metadata.prefill_chunk) * layers
+    kinds = {kind: n for kind, n in blocks.items() if kind[0] != "rows"}
+    assert kinds == {(3, True, "", bits, 2): calls_taken * (layers - 1), (3, True, "", bits, None): calls_taken,
+                     (1, False, "add", bits, None): 2 * calls_taken * layers,
+                     (2, True, "swiglu", bits, None): calls_taken * layers, "attention": calls_taken * layers}
+    assert blocks["rows", chunks[-1]] == 4 * layers  # the short chunk's rows in one launch a block
+    assert calls.get("swiglu", 0) == (len(chunks) - short) * layers
+
+
+def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exported, calls, blocks, tmp_path,
+                                                                        monkeypatch):
+    """Prompt lookup on a GPU: a call verifying proposals takes the decode
+    blocks with its few rows, as a step takes them with one, and the reply
+    is transformers' greedy one."""
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    model_dir, pte = exported("llama")
+    tok = make_tokenizer(tmp_path / "tok")
+    r = CliRunner().invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    prompt = "the cat sat on the mat, the cat sat on the mat"
+    _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 30)
+    reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=30, draft="ngram", draft_tokens=4)
+    assert reply.text() == expected
+    assert reply.response_json["accepted_tokens"] > 0
+    verifying = sum(n for kind, n in blocks.items() if kind[0] == "rows" and 1 < kind[1] <= 5)
+    # four blocks a layer a call; more calls than a prompt's short last chunk
+    assert verifying >= 2 * 4 * load_program(pte).metadata.n_caches
 
 
 def test_the_decode_kernels_refuse_blocks_they_cannot_read():

@@ -1,11 +1,13 @@
 """A decode step's attention over a flat cache layer as one kernel, on a CUDA GPU.
 
-One query row per head (``T`` = 1) against the keys and values already in
-the layer's pool (``[1, H_kv, capacity, D]``, the first ``position`` slots
-written) and this step's own key and value, passed apart. The kernel also
-writes this step's key and value into the pool at ``position``, so the
-step's cache write and its attention are one launch instead of two
-``slice_update``s, two reads and MLX's SDPA.
+A few query rows per head (``T`` up to ``MOST_ROWS``: a decode
+step's one, a verifying call's few) against the keys and values already
+in the layer's pool (``[1, H_kv, capacity, D]``, the first ``position``
+slots written) and the call's own keys and values, passed apart; row ``t``
+sees those up to its own, ``position + t``. The kernel also writes the
+call's keys and values into the pool from ``position`` on, so the cache
+write and the attention are one launch instead of two ``slice_update``s,
+two reads and MLX's SDPA.
 
 The pools are the kernel's inputs, and it writes them in place: MLX's
 custom kernels have no in-place outputs, and copying a pool per step would
@@ -14,8 +16,10 @@ pool's old contents lazily; the cache owns its pools and reads them after a
 step only through later steps' launches, which MLX orders on its stream
 behind this one (each reads the residual stream this one's output feeds).
 
-Each block is one query head. A key's row, and its value's, is read by
-``D / 8`` (half precision) or ``D / 4`` (fp32) lanes, 16 bytes each, so a
+Each block is one query row of one head, computed as a call of that row
+alone would compute it (the same keys in the same order: a row of a
+verifying call gets a decode step's bits). A key's row, and its value's,
+is read by ``D / 8`` (half precision) or ``D / 4`` (fp32) lanes, 16 bytes each, so a
 warp's load brings a few whole rows; each warp takes every few keys, with
 ``BATCH`` rounds of loads in flight before any is used. The lanes of a key
 sum its score with shuffles, and each keeps the softmax of its keys online
@@ -37,6 +41,10 @@ from .source import compact
 WARPS = 16  # warps a block
 BATCH = 8  # rounds of a warp's loads in flight at once
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+# query rows a launch takes: a decode step's one, a verifying call's few
+# (speculative decoding) or a short chunk's; the decode-step products
+# (decode.py) take as many rows of x. Longer chunks go to MLX's ops.
+MOST_ROWS = 8
 HEAD_DIMS = (64, 128)
 
 _SOURCE = r"""
@@ -47,30 +55,32 @@ constexpr int KEYS = 32 / LANES;                   // keys a warp reads at once
 constexpr int STRIDE = WARPS * KEYS;               // keys the block reads at once
 constexpr unsigned FULL = 0xffffffffu;
 const float NEG_INF = -__int_as_float(0x7f800000);
-const int h = blockIdx.x, kvh = h / (H / HKV);
+const int M = q_shape[2];                          // query rows
+const int h = blockIdx.x % H, t = blockIdx.x / H, kvh = h / (H / HKV);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int sub = lane % LANES, slot = lane / LANES;  // this lane's 16 bytes of its key's row, and its key
-const int n = position[0];                         // keys already in the pool
+const int first_new = position[0];                 // keys already in the pool
+const int n = first_new + t;                       // this row's own key, the last it sees
 const size_t cap = kpool_shape[2];
 const T* K = kpool + size_t(kvh) * cap * D;
 const T* V = vpool + size_t(kvh) * cap * D;
-const T* kn = k + kvh * D;
-const T* vn = v + kvh * D;
+const T* kn = k + size_t(kvh) * M * D;             // the call's keys and values: [M, D] a head
+const T* vn = v + size_t(kvh) * M * D;
 
-if (h % (H / HKV) == 0 && tid < D) {{              // this step's key and value into the pools
-  const_cast<T*>(K)[size_t(n) * D + tid] = kn[tid];
-  const_cast<T*>(V)[size_t(n) * D + tid] = vn[tid];
+if (h % (H / HKV) == 0 && tid < D) {{              // this row's key and value into the pools
+  const_cast<T*>(K)[size_t(n) * D + tid] = kn[size_t(t) * D + tid];
+  const_cast<T*>(V)[size_t(n) * D + tid] = vn[size_t(t) * D + tid];
 }}
 
 __shared__ float qs[D];
-for (int d = tid; d < D; d += blockDim.x) qs[d] = static_cast<float>(q[h * D + d]) * {scale!r}f;
+for (int d = tid; d < D; d += blockDim.x) qs[d] = static_cast<float>(q[(size_t(h) * M + t) * D + d]) * {scale!r}f;
 __syncthreads();
 float qv[E];
 #pragma unroll
 for (int e = 0; e < E; ++e) qv[e] = qs[sub * E + e];
 
-// key n, this step's own, is read from k and v: another block may be
-// writing it into the pool. The loop's bounds are the warp's (its lanes
+// the call's own keys (first_new on) are read from k and v: other blocks
+// may be writing them into the pool. The loop's bounds are the warp's (its lanes
 // shuffle together); a lane past the last key computes nothing of use.
 float m = NEG_INF, l = 0.f, acc[E];
 #pragma unroll
@@ -82,8 +92,9 @@ for (int first = warp * KEYS; first <= n; first += BATCH * STRIDE) {{
     const int j = first + b * STRIDE + slot;
     kb[b] = vb[b] = make_uint4(0, 0, 0, 0);
     if (j <= n) {{
-      kb[b] = reinterpret_cast<const uint4*>(j == n ? kn : K + size_t(j) * D)[sub];
-      vb[b] = reinterpret_cast<const uint4*>(j == n ? vn : V + size_t(j) * D)[sub];
+      const bool own = j >= first_new;
+      kb[b] = reinterpret_cast<const uint4*>(own ? kn + size_t(j - first_new) * D : K + size_t(j) * D)[sub];
+      vb[b] = reinterpret_cast<const uint4*>(own ? vn + size_t(j - first_new) * D : V + size_t(j) * D)[sub];
     }}
   }}
   #pragma unroll
@@ -139,17 +150,17 @@ if (tid < D) {{
     total += ls[w] * c;
     y += accs[w][tid] * c;
   }}
-  out[h * D + tid] = static_cast<T>(y / total);
+  out[(size_t(h) * M + t) * D + tid] = static_cast<T>(y / total);
 }}
 """
 
 
 def takes(q: mx.array, k: mx.array, v: mx.array) -> bool:
-    """Whether this step is one the kernel's op takes: one batch, one query
-    row, whole groups of query heads per key head (the op itself sends pools
-    the kernel cannot read to MLX's ops)."""
+    """Whether this call is one the kernel's op takes: one batch, up to
+    ``MOST_ROWS`` query rows, whole groups of query heads per key head (the
+    op itself sends pools the kernel cannot read to MLX's ops)."""
     return (q.ndim == k.ndim == 4 and k.shape == v.shape and q.shape[0] == k.shape[0] == 1
-            and q.shape[2] == k.shape[2] == 1 and q.shape[3] == k.shape[3] and 0 < k.shape[1]
+            and 0 < q.shape[2] == k.shape[2] <= MOST_ROWS and q.shape[3] == k.shape[3] and 0 < k.shape[1]
             and q.shape[1] % k.shape[1] == 0 and q.dtype == k.dtype == v.dtype)
 
 
@@ -175,14 +186,17 @@ def kernel_op(scale: float):
 
 def mlx_op(scale: float):
     """The same op in MLX's ops: the pools written with ``slice_update``,
-    then SDPA over their first ``position + 1`` keys."""
+    then SDPA over their first ``position + T`` keys, each query row seeing
+    those up to its own (MLX's causal mask ends at the last key)."""
 
     def run(q, k, v, K, V, position, position_array):
         (kpool,), (vpool,) = K, V
-        kpool[:, :, position:position + 1] = k.astype(kpool.dtype)
-        vpool[:, :, position:position + 1] = v.astype(vpool.dtype)
-        keys, values = kpool[:, :, :position + 1], vpool[:, :, :position + 1]
-        y = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale)
+        end = position + k.shape[2]
+        kpool[:, :, position:end] = k.astype(kpool.dtype)
+        vpool[:, :, position:end] = v.astype(vpool.dtype)
+        keys, values = kpool[:, :, :end], vpool[:, :, :end]
+        y = mx.fast.scaled_dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype), scale=scale,
+                                                 mask="causal" if q.shape[2] > 1 else None)
         return y, [kpool], [vpool]
 
     return run
@@ -198,12 +212,13 @@ def _kernel(heads: int, kv_heads: int, head_dim: int, scale: float):
 
 
 def update_and_attend(q, k, v, kpool, vpool, position, scale: float) -> mx.array:
-    """``[1, H, 1, D]``: the step's query against the pools' first
-    ``position`` keys and its own ``k``, ``v`` (``[1, H_kv, 1, D]``), which
-    it writes into the pools at ``position`` (an int32 array of one)."""
+    """``[1, H, T, D]``: the call's queries against the pools' first
+    ``position`` keys and its own ``k``, ``v`` (``[1, H_kv, T, D]``, row
+    ``t`` seeing those up to its own), which it writes into the pools from
+    ``position`` on (an int32 array of one)."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
     kernel = _kernel(heads, kv_heads, head_dim, float(scale))
     return kernel(inputs=[q, k, v, kpool, vpool, position], template=[("T", q.dtype)],
                   output_shapes=[q.shape], output_dtypes=[q.dtype],
-                  grid=(heads * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))[0]
+                  grid=(heads * q.shape[2] * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1))[0]
 

@@ -3,7 +3,10 @@
 A decode step on a GPU is bound by the host: every MLX op costs the host
 time to build and to encode whatever the GPU then does with it. One row of
 ``x`` against a layer's weights is a GEMV, and the ops around it are cheap
-element-wise work on that row, so one kernel can take them along:
+element-wise work on that row, so one kernel can take them along. A call
+of a few rows (speculative decoding's verifying call, a short chunk) takes
+the same kernels, each weight load serving every row, and each row gets
+the bits a call of that row alone gets (its sums in the same order):
 
 - ``norm``: RMSNorm of ``x`` first (the layer's input norm), each block
   normalising its own copy of ``x`` in shared memory;
@@ -43,7 +46,13 @@ from .source import compact
 # what ptxas issues before the first multiply (more only as those are used)
 MOST_LOADS = {False: 4, True: 2}
 MOST_THREADS = 1024  # a block's
-SHARED_BYTES = 46 * 1024  # most a block stages of x (the static shared-memory limit is 48 KiB)
+# a block's for several rows of x: ptxas is given no bound (MLX declares the
+# kernel), and at 256 threads even 255 registers a thread fit an SM
+FEW_ROWS_THREADS = 256
+# blocks of a launch of several rows, each taking item after item with the
+# rows it staged (about two an SM of an H100 or H200)
+FEW_ROWS_BLOCKS = 264
+SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 DENSE = (mx.float32, mx.float16, mx.bfloat16)
 BITS = (4, 8)
 GROUPS = (32, 64, 128)
@@ -68,24 +77,23 @@ __device__ inline float warp_sum(float v) {
   return v;
 }
 
-// The sum of every thread's v, the same in every thread (a fixed order).
-template <int WARPS>
-__device__ inline float block_sum(float v, float* partial, int tid) {
-  v = warp_sum(v);
-  if ((tid & 31) == 0) partial[tid >> 5] = v;
-  __syncthreads();
+// The sum of UNITS values in shared memory, the same in every lane of every
+// warp: an order fixed by UNITS alone, not by the block's threads.
+template <int UNITS>
+__device__ inline float units_sum(const float* sums, int lane) {
   float t = 0.f;
-  #pragma unroll
-  for (int w = 0; w < WARPS; ++w) t += partial[w];
-  return t;
+  for (int u = lane; u < UNITS; u += 32) t += sums[u];
+  return warp_sum(t);
 }
 
 // x's K values (T) as the products read them, each value rounded as the
-// MLX ops replaced round it: RMSNorm'd if NORM (2: and scaled by norm_w).
-// Each thread loads its 16-byte pieces of x at once; a piece of UNIT values
-// at a time is handed to put(unit, values) (the dense or quantized staging).
+// MLX ops replaced round it: RMSNorm'd if NORM (2: and scaled by norm_w;
+// each piece's sum of squares in squares[K / UNIT], summed in a fixed
+// order, so any block size gives the same bits). Each thread loads its
+// 16-byte pieces of x at once; a piece of UNIT values at a time is handed
+// to put(unit, values) (the dense or quantized staging).
 template <typename T, int K, int THREADS, int UNIT, int NORM, typename NW, typename Put>
-__device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* partial, int tid, Put put) {
+__device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* squares, int tid, Put put) {
   constexpr int V = 16 / sizeof(T), LOADS = UNIT / V, UNITS = K / UNIT;
   constexpr int ITER = (UNITS + THREADS - 1) / THREADS;
   uint4 xr[ITER][LOADS];
@@ -97,17 +105,20 @@ __device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* p
   }
   float inv = 1.f;
   if (NORM) {
-    float squares = 0.f;
     #pragma unroll
     for (int i = 0; i < ITER; ++i) {
+      if (tid + i * THREADS >= UNITS) continue;
+      float t = 0.f;
       #pragma unroll
       for (int l = 0; l < LOADS; ++l) {
         const T* xv = reinterpret_cast<const T*>(&xr[i][l]);
         #pragma unroll
-        for (int j = 0; j < V; ++j) if (tid + i * THREADS < UNITS) squares += static_cast<float>(xv[j]) * static_cast<float>(xv[j]);
+        for (int j = 0; j < V; ++j) t += static_cast<float>(xv[j]) * static_cast<float>(xv[j]);
       }
+      squares[tid + i * THREADS] = t;
     }
-    inv = rsqrtf(block_sum<THREADS / 32>(squares, partial, tid) / K + eps);
+    __syncthreads();
+    inv = rsqrtf(units_sum<UNITS>(squares, tid & 31) / K + eps);
   }
   #pragma unroll
   for (int i = 0; i < ITER; ++i) {
@@ -132,12 +143,14 @@ __device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* p
 
 _DENSE = r"""
 // The dot products of NR rows (w0, and w1 if NR is 2) of a dense weight
-// with x (staged as T) over one warp's part of K, of SPLIT warps a row:
-// 16-byte chunks part * 32 + lane, then every 32 * SPLIT on. Every load of
-// the part is issued before the first multiply, so a lane has its whole
-// share of the rows in flight at once.
-template <typename T, int K, int SPLIT, int NR>
-__device__ inline float2 dot_dense(const T* w0, const T* w1, const T* xs, int lane, int part) {
+// with the first `here` of P rows of x (staged as T, K apart) over one
+// warp's part of K, of SPLIT warps a row: 16-byte chunks part * 32 + lane,
+// then every 32 * SPLIT on. Every load of the part is issued before the
+// first multiply, so a lane has its whole share of the rows in flight at
+// once, and each load serves every row of x. Each row of x is summed in
+// the same order whatever P: a row of a few-row call gets one row's bits.
+template <typename T, int K, int SPLIT, int NR, int P>
+__device__ inline void dot_dense(const T* w0, const T* w1, const T* xs, int here, int lane, int part, float2* out) {
   constexpr int V = 16 / sizeof(T), CHUNKS = K / V, ITER = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);
   const uint4* wv[2] = {reinterpret_cast<const uint4*>(w0), reinterpret_cast<const uint4*>(w1)};
   uint4 packed[NR][ITER];
@@ -147,21 +160,26 @@ __device__ inline float2 dot_dense(const T* w0, const T* w1, const T* xs, int la
     #pragma unroll
     for (int n = 0; n < NR; ++n) if (v < CHUNKS) packed[n][i] = wv[n][v];
   }
-  float acc[2] = {0.f, 0.f};
+  float acc[P][2] = {};
   #pragma unroll
   for (int i = 0; i < ITER; ++i) {
     const int v = (i * SPLIT + part) * 32 + lane;
     if (v >= CHUNKS) continue;
-    const uint4 xp = reinterpret_cast<const uint4*>(xs)[v];
-    const T* xv = reinterpret_cast<const T*>(&xp);
     #pragma unroll
-    for (int n = 0; n < NR; ++n) {
-      const T* wp = reinterpret_cast<const T*>(&packed[n][i]);
+    for (int p = 0; p < P; ++p) {
+      if (p >= here) break;
+      const uint4 xp = reinterpret_cast<const uint4*>(xs + p * K)[v];
+      const T* xv = reinterpret_cast<const T*>(&xp);
       #pragma unroll
-      for (int j = 0; j < V; ++j) acc[n] += static_cast<float>(wp[j]) * static_cast<float>(xv[j]);
+      for (int n = 0; n < NR; ++n) {
+        const T* wp = reinterpret_cast<const T*>(&packed[n][i]);
+        #pragma unroll
+        for (int j = 0; j < V; ++j) acc[p][n] += static_cast<float>(wp[j]) * static_cast<float>(xv[j]);
+      }
     }
   }
-  return make_float2(warp_sum(acc[0]), NR > 1 ? warp_sum(acc[1]) : 0.f);
+  #pragma unroll
+  for (int p = 0; p < P; ++p) if (p < here) out[p] = make_float2(warp_sum(acc[p][0]), NR > 1 ? warp_sum(acc[p][1]) : 0.f);
 }
 
 """
@@ -200,11 +218,12 @@ __device__ inline void chunk_sums(const float* xs, float* xsum, int tid) {
 // of the V values a lane's 16-byte load brings, each chunk padded by 4
 // floats (lanes' chunks then start in different banks), with each chunk's
 // sum in xsum: a chunk's part of the dot is scale * (q . x) + bias * sum(x).
-template <typename S, int K, int BITS, int GROUP, int SPLIT, int NR>
-__device__ inline float2 dot_quantized(const uint32_t* w0, const S* s0, const S* b0, const uint32_t* w1,
-                                       const S* s1, const S* b1, const float* xs, const float* xsum,
-                                       int lane, int part) {
-  constexpr int V = 128 / BITS, PER = 32 / BITS, CHUNKS = K / V;
+// Rows of x lie XS floats and K / V sums apart.
+template <typename S, int K, int BITS, int GROUP, int SPLIT, int NR, int P>
+__device__ inline void dot_quantized(const uint32_t* w0, const S* s0, const S* b0, const uint32_t* w1,
+                                     const S* s1, const S* b1, const float* xs, const float* xsum,
+                                     int here, int lane, int part, float2* out) {
+  constexpr int V = 128 / BITS, PER = 32 / BITS, CHUNKS = K / V, XS = K + CHUNKS * 4;
   constexpr int ITER = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);
   const uint4* wv[2] = {reinterpret_cast<const uint4*>(w0), reinterpret_cast<const uint4*>(w1)};
   const S* scales[2] = {s0, s1};
@@ -223,29 +242,34 @@ __device__ inline float2 dot_quantized(const uint32_t* w0, const S* s0, const S*
       }
     }
   }
-  float acc[2] = {0.f, 0.f};
+  float acc[P][2] = {};
   #pragma unroll
   for (int i = 0; i < ITER; ++i) {
     const int v = (i * SPLIT + part) * 32 + lane;
     if (v >= CHUNKS) continue;
-    const float4* x4 = reinterpret_cast<const float4*>(xs + v * (V + 4));
     #pragma unroll
-    for (int n = 0; n < NR; ++n) {
-      const uint32_t words[4] = {packed[n][i].x, packed[n][i].y, packed[n][i].z, packed[n][i].w};
-      float qx = 0.f;
+    for (int p = 0; p < P; ++p) {
+      if (p >= here) break;
+      const float4* x4 = reinterpret_cast<const float4*>(xs + p * XS + v * (V + 4));
       #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int n = 0; n < NR; ++n) {
+        const uint32_t words[4] = {packed[n][i].x, packed[n][i].y, packed[n][i].z, packed[n][i].w};
+        float qx = 0.f;
         #pragma unroll
-        for (int j = 0; j < PER; j += 4) {
-          const float4 xv = x4[(q * PER + j) / 4];
-          qx += unpack<BITS>(words[q], j) * xv.x + unpack<BITS>(words[q], j + 1) * xv.y
-              + unpack<BITS>(words[q], j + 2) * xv.z + unpack<BITS>(words[q], j + 3) * xv.w;
+        for (int q = 0; q < 4; ++q) {
+          #pragma unroll
+          for (int j = 0; j < PER; j += 4) {
+            const float4 xv = x4[(q * PER + j) / 4];
+            qx += unpack<BITS>(words[q], j) * xv.x + unpack<BITS>(words[q], j + 1) * xv.y
+                + unpack<BITS>(words[q], j + 2) * xv.z + unpack<BITS>(words[q], j + 3) * xv.w;
+          }
         }
+        acc[p][n] += scale[n][i] * qx + bias[n][i] * xsum[p * CHUNKS + v];
       }
-      acc[n] += scale[n][i] * qx + bias[n][i] * xsum[v];
     }
   }
-  return make_float2(warp_sum(acc[0]), NR > 1 ? warp_sum(acc[1]) : 0.f);
+  #pragma unroll
+  for (int p = 0; p < P; ++p) if (p < here) out[p] = make_float2(warp_sum(acc[p][0]), NR > 1 ? warp_sum(acc[p][1]) : 0.f);
 }
 """
 
@@ -287,7 +311,7 @@ class Rotary:
 
 @dataclass(frozen=True)
 class Block:
-    """What one kernel computes from one row of ``x``: the products with
+    """What one kernel computes from each row of ``x``: the products with
     ``weights`` (all of one kind, ``K`` columns), after RMSNorm with
     ``norm`` (its weight and eps) if given, then ``epilogue``: "" (each
     product its own output), "add" (the one product plus a residual) or
@@ -311,14 +335,20 @@ class Block:
     @functools.cached_property
     def x_dtypes(self) -> tuple:
         """The dtypes of ``x`` the kernel takes: the dense weights' own, or
-        any float dtype against quantized ones."""
+        any float dtype against quantized ones, whose one row a block's
+        shared memory holds."""
         first = self.weights[0]
-        return DENSE if first.bits else (first.w.dtype,)
+        split = _signature(self)[-1]
+        return tuple(d for d in (DENSE if first.bits else (first.w.dtype,))
+                     if _shared_bytes(self, 1, split, d.size) <= SHARED_BYTES)
 
     def takes(self, x: mx.array) -> bool:
-        """Whether the kernel takes this ``x``: one row of ``K`` values, in
-        a dtype it computes in (checked at every call: the hot path)."""
-        return x.size == self.k and x.dtype in self.x_dtypes
+        """Whether the kernel takes this ``x``: up to ``attention.MOST_ROWS``
+        rows of ``K`` values (``[..., rows, K]``, one batch), in a dtype it
+        computes in (checked at every call: the hot path)."""
+        rows = x.size // self.k
+        return (x.shape[-1] == self.k and x.dtype in self.x_dtypes
+                and (rows == 1 or (rows <= attention.MOST_ROWS and x.shape[-2] == rows)))
 
 
 def fits(block: Block) -> bool:
@@ -334,13 +364,11 @@ def fits(block: Block) -> bool:
         if not quantized or first.bits not in BITS or first.group not in GROUPS or k % first.group:
             return False
         step = 128 // first.bits
-        staged = (k + k // step * 4 + k // step) * 4  # padded floats and chunk sums (dot_quantized)
     else:
         if any(w.w.dtype != first.w.dtype or w.w.dtype not in DENSE or w.w.ndim != 2 for w in block.weights):
             return False
         step = 16 // first.w.dtype.size
-        staged = k * 4  # in x's dtype, fp32 at most
-    if k == 0 or k % step or staged > SHARED_BYTES:
+    if k == 0 or k % step or not block.x_dtypes:
         return False
     if block.norm is not None and block.norm[0] is not None and block.norm[0].shape != (k,):
         return False  # the kernel reads K of its values
@@ -411,11 +439,9 @@ class CudaKernels:
         rotary = block.rotary
         if rotary is not None:
             weights.append(rotary.freqs)
-        kernel, items, split = _kernel(_signature(block))
+        signature = _signature(block)
+        one, few = _kernel(signature + (0,)), _kernel(signature + (_pass_rows(block, signature[-1]),))
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
-        per_block = _rows_a_block(split)
-        block_threads = per_block * split * 32
-        grid, threads = (-(-items // per_block) * block_threads, 1, 1), (block_threads, 1, 1)
         scale_type = [("S", first.scales.dtype)] if first.bits else []
 
         def shapes(lead):
@@ -429,6 +455,7 @@ class CudaKernels:
                 inputs.append(residual)
             if position is not None:
                 inputs.append(position)
+            kernel, grid, threads = one if x.size == block.k else few
             return kernel(inputs=inputs, template=[("T", x.dtype), *scale_type],
                           output_shapes=shapes(x.shape[:-1]), output_dtypes=[x.dtype] * len(width),
                           grid=grid, threadgroup=threads)
@@ -449,6 +476,30 @@ def _signature(block: Block) -> tuple:
             _split(first.k // values, 2 if block.epilogue == "swiglu" or rotary else 1, bool(first.bits)))
 
 
+def _shared_bytes(block: Block, rows: int, split: int, x_size: int) -> int:
+    """A block's shared memory staging ``rows`` rows of x of ``x_size``
+    bytes a value (as ``_source`` declares it)."""
+    first, k = block.weights[0], block.k
+    if first.bits:
+        chunks = k * first.bits // 128
+        row = (k + chunks * 4 + chunks) * 4  # padded floats and chunk sums (dot_quantized)
+    else:
+        row = k * x_size
+    squares = k * x_size // 16 * 4 if block.norm is not None else 4  # a norm's sums (stage_x)
+    joins = _rows_a_block(split, rows > 1) * split * 8  # a row's parts (float2 a warp)
+    return rows * (row + joins) + squares
+
+
+def _pass_rows(block: Block, split: int) -> int:
+    """Rows of x a block stages at once for a launch of several: as many
+    as shared memory holds, up to ``attention.MOST_ROWS`` (a pass reads the
+    weights once for all of them)."""
+    rows, x_size = attention.MOST_ROWS, max(dtype.size for dtype in block.x_dtypes)
+    while rows > 1 and _shared_bytes(block, rows, split, x_size) > SHARED_BYTES:
+        rows -= 1
+    return rows
+
+
 def _split(chunks: int, rows: int, quantized: bool) -> int:
     """Warps an item takes (1 to 8): the fewest that leave each lane at most
     ``MOST_LOADS`` 16-byte loads of the item's ``rows`` rows of ``chunks``
@@ -460,17 +511,19 @@ def _split(chunks: int, rows: int, quantized: bool) -> int:
     return split
 
 
-def _rows_a_block(split: int) -> int:
+def _rows_a_block(split: int, several: bool) -> int:
     """Items a block: 8, fewer where ``split`` warps each would pass the
-    block's thread limit."""
-    return min(8, MOST_THREADS // (32 * split))
+    block's thread limit (a lower one for ``several`` rows of x)."""
+    return max(1, min(8, (FEW_ROWS_THREADS if several else MOST_THREADS) // (32 * split)))
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(signature: tuple):
-    """The kernel object for one block signature, its work items (output
-    rows; a rotated pair of rows counts once) and the warps a row takes."""
-    rows, k, bits, group, norm, epilogue, rotary, split = signature
+    """``(kernel, grid, threadgroup)`` for one block signature and the rows
+    of x it stages at once (0: a launch of one row, a decode step's):
+    ``_rows_a_block`` work items a block (output rows; a rotated pair of
+    rows counts once), ``split`` warps an item."""
+    rows, k, bits, group, norm, epilogue, rotary, split, pass_rows = signature
     names = ["x"] + (["norm_w"] if norm and norm[0] else [])
     for i in range(len(rows)):
         names += [f"w{i}"] if not bits else [f"w{i}", f"s{i}", f"b{i}"]
@@ -482,11 +535,16 @@ def _kernel(signature: tuple):
         names.append("position")
     outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
     total = rows[0] if epilogue == "swiglu" else sum(_items(rows, rotary))
-    source = _source(rows, k, bits, group, norm, epilogue, rotary, split)
+    source = _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows)
     kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
                                  input_names=names, output_names=outputs, source=compact(source),
                                  header=_HEADERS[bool(bits)])
-    return kernel, total, split
+    per_block = _rows_a_block(split, pass_rows > 0)
+    blocks = -(-total // per_block)
+    if pass_rows:
+        blocks = min(blocks, FEW_ROWS_BLOCKS)
+    threads = per_block * split * 32
+    return kernel, (blocks * threads, 1, 1), (threads, 1, 1)
 
 
 def _items(rows, rotary) -> list[int]:
@@ -495,56 +553,85 @@ def _items(rows, rotary) -> list[int]:
     return [n // 2 if i < rotated else n for i, n in enumerate(rows)]
 
 
-def _source(rows, k, bits, group, norm, epilogue, rotary, split) -> str:
+def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> str:
     """The kernel's body: ``_rows_a_block`` work items a block, ``split``
-    warps an item. The block stages x (``stage_x``), each warp takes its
-    part of its item's products, the parts are joined in a fixed order,
-    and the item's first warp writes it (the epilogue)."""
+    warps an item, for each row of ``x`` (``M``: one where ``pass_rows`` is
+    0, else from its shape). The block stages ``pass_rows`` rows of x at a
+    time (``stage_x``), each warp takes its part of its item's products for
+    those rows, the parts are joined in a fixed order, and the item's first
+    warp writes each row (the epilogue). A row is summed in the same order
+    in either kernel."""
     n = len(rows)
     has_weight = bool(norm and norm[0])
-    per_block = _rows_a_block(split)
+    per_block = _rows_a_block(split, pass_rows > 0)
     lines = [
-        f"constexpr int K = {k}, SPLIT = {split}, THREADS = {per_block * split * 32};",
-        "__shared__ float partial[THREADS / 32];",
-        "__shared__ float2 parts[THREADS / 32];",
+        f"constexpr int K = {k}, SPLIT = {split}, THREADS = {per_block * split * 32}, P = {max(pass_rows, 1)};",
+        f"__shared__ float squares[{'K * sizeof(T) / 16' if norm else 1}];",
+        "__shared__ float2 parts[P][THREADS / 32];",
         "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, part = warp % SPLIT;",
-        f"const int r = blockIdx.x * {per_block} + warp / SPLIT;",
     ]
+    if pass_rows:  # any rows of x; the block takes item after item
+        lines += ["int M = 1;", "for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];",
+                  f"int r = blockIdx.x * {per_block} + warp / SPLIT;"]
+    else:
+        lines += ["constexpr int M = 1;", f"const int r = blockIdx.x * {per_block} + warp / SPLIT;"]
     lines += _prefetch(rows, k, bits, epilogue, rotary)
     stage = (f"stage_x<T, K, THREADS, V, {(2 if has_weight else 1) if norm else 0}>"
-             f"(x, {'norm_w' if has_weight else 'x'}, {float(norm[1]) if norm else 0.0!r}f, partial, tid, ")
+             f"(x + size_t(m0 + p) * K, {'norm_w' if has_weight else 'x'}, {float(norm[1]) if norm else 0.0!r}f, "
+             "squares, tid, ")
     if bits:
         # x as floats in padded chunks, each chunk's sum beside (dot_quantized):
         # staged 16 bytes of x a thread, as for dense weights, then each chunk
         # summed by the threads of its pieces
         lines += [
-            f"constexpr int V = {128 // bits}, XV = 16 / sizeof(T);",
-            "__shared__ alignas(16) float xs[K + K / V * 4];",
-            "__shared__ float xsum[K / V];",
+            f"constexpr int V = {128 // bits}, XV = 16 / sizeof(T), XS = K + K / V * 4;",
+            "__shared__ alignas(16) float xs[P * XS];",
+            "__shared__ float xsum[P * (K / V)];",
+        ]
+        staging = [
             stage.replace("THREADS, V,", "THREADS, XV,") + "[&](int u, const float* values) {",
-            "  float* to = xs + u * XV + u * XV / V * 4;  // a piece lies in one chunk",
+            "  float* to = xs + p * XS + u * XV + u * XV / V * 4;  // a piece lies in one chunk",
             "  #pragma unroll",
             "  for (int j = 0; j < XV; ++j) to[j] = values[j];",
             "});",
-            "__syncthreads();",
-            "chunk_sums<K, THREADS, V, XV>(xs, xsum, tid);",
         ]
+        sums = ["__syncthreads();",
+                "for (int p = 0; p < here; ++p) chunk_sums<K, THREADS, V, XV>(xs + p * XS, xsum + p * (K / V), tid);"]
     else:
         lines += [
             "constexpr int V = 16 / sizeof(T);",
-            "__shared__ alignas(16) unsigned char staged[K * sizeof(T)];",
+            "__shared__ alignas(16) unsigned char staged[P * K * sizeof(T)];",
             "T* xs = reinterpret_cast<T*>(staged);",
+        ]
+        staging = [
             stage + "[&](int u, const float* values) {",
             "  uint4 packed;",
             "  T* out = reinterpret_cast<T*>(&packed);",
             "  #pragma unroll",
             "  for (int j = 0; j < V; ++j) out[j] = round_to<T>(values[j]);",
-            "  reinterpret_cast<uint4*>(xs)[u] = packed;",
+            "  reinterpret_cast<uint4*>(xs + p * K)[u] = packed;",
             "});",
         ]
-    lines.append("__syncthreads();")
+    # a pass: its rows of x staged (squares reused by each row's norm), then
+    # for each of the block's items the products, the parts joined and each
+    # row written
+    lines += [
+        "for (int m0 = 0; m0 < M; m0 += P) {",
+        "const int here = min(P, M - m0);",
+        "if (m0) __syncthreads();  // the last pass's reads of xs and parts done",
+        "for (int p = 0; p < here; ++p) {",
+        "if (p) __syncthreads();",
+        *staging,
+        "}",
+        *(sums if bits else []),
+        "__syncthreads();",
+    ]
     items = _items(rows, rotary)
     total = rows[0] if epilogue == "swiglu" else sum(items)
+    if pass_rows:
+        lines += [f"for (int base = blockIdx.x * {per_block}; base < {total}; base += gridDim.x * {per_block}) {{",
+                  "r = base + warp / SPLIT;",
+                  f"if (SPLIT > 1 && base != blockIdx.x * {per_block}) __syncthreads();  // parts read"]
 
     def dot(nr, i, row0, j=None, row1=None):
         j = i if j is None else j
@@ -553,52 +640,62 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split) -> str:
             per_row, groups = k * bits // 32, k // group
             args = ", ".join(f"w{w} + size_t({r}) * {per_row}, s{w} + size_t({r}) * {groups}, "
                              f"b{w} + size_t({r}) * {groups}" for w, r in ((i, row0), (j, row1)))
-            return f"dot_quantized<S, K, {bits}, {group}, SPLIT, {nr}>({args}, xs, xsum, lane, part)"
-        return f"dot_dense<T, K, SPLIT, {nr}>(w{i} + size_t({row0}) * K, w{j} + size_t({row1}) * K, xs, lane, part)"
+            return f"dot_quantized<S, K, {bits}, {group}, SPLIT, {nr}, P>({args}, xs, xsum, here, lane, part, acc)"
+        return (f"dot_dense<T, K, SPLIT, {nr}, P>(w{i} + size_t({row0}) * K, w{j} + size_t({row1}) * K, xs, here, "
+                "lane, part, acc)")
 
-    # the products: acc holds one item's (two rows' where paired)
-    lines.append("float2 acc = make_float2(0.f, 0.f);")
+    # the products: acc holds one item's (two rows' where paired), a row of x each
+    lines.append("float2 acc[P] = {};")
     rotated = rotary[1] if rotary else 0
     half = rotary[0] // 2 if rotary else 0
-    pair_row = f"const int a = p / {half} * {rotary[0]} + p % {half};" if rotary else ""
+    pair_row = f"const int a = pr / {half} * {rotary[0]} + pr % {half};" if rotary else ""
     if epilogue == "swiglu":
-        lines.append(f"if (r < {total}) acc = {dot(2, 0, 'r', 1, 'r')};")
+        lines.append(f"if (r < {total}) {dot(2, 0, 'r', 1, 'r')};")
     elif epilogue == "add":
-        lines.append(f"if (r < {total}) acc = {dot(1, 0, 'r')};")
+        lines.append(f"if (r < {total}) {dot(1, 0, 'r')};")
     else:
         start = 0
         for i in range(n):
             cond = "if" if i == 0 else "else if"
             if i < rotated:  # a pair of a head's rows (a, a + half)
-                lines.append(f"{cond} (r < {start + items[i]}) {{ const int p = r - {start}; {pair_row} "
-                             f"acc = {dot(2, i, 'a', i, f'(a + {half})')}; }}")
+                lines.append(f"{cond} (r < {start + items[i]}) {{ const int pr = r - {start}; {pair_row} "
+                             f"{dot(2, i, 'a', i, f'(a + {half})')}; }}")
             else:
-                lines.append(f"{cond} (r < {start + items[i]}) acc = {dot(1, i, f'(r - {start})')};")
+                lines.append(f"{cond} (r < {start + items[i]}) {dot(1, i, f'(r - {start})')};")
             start += items[i]
     lines += [
         "if (SPLIT > 1) {  // join the parts, in order",
-        "  if (lane == 0) parts[warp] = acc;",
+        "  if (lane == 0) for (int p = 0; p < here; ++p) parts[p][warp] = acc[p];",
         "  __syncthreads();",
-        "  acc = make_float2(0.f, 0.f);",
-        "  #pragma unroll",
-        "  for (int q = 0; q < SPLIT; ++q) { acc.x += parts[warp - part + q].x; acc.y += parts[warp - part + q].y; }",
+        "  for (int p = 0; p < here; ++p) {",
+        "    float2 t = make_float2(0.f, 0.f);",
+        "    #pragma unroll",
+        "    for (int q = 0; q < SPLIT; ++q) { t.x += parts[p][warp - part + q].x; t.y += parts[p][warp - part + q].y; }",
+        "    acc[p] = t;",
+        "  }",
         "}",
-        f"if (r >= {total} || part != 0 || lane != 0) return;",
+        f"if (r < {total} && part == 0 && lane == 0) for (int p = 0; p < here; ++p) {{",
+        "const int m = m0 + p;",
     ]
-    # the epilogue, by the item's first lane
+    # the epilogue, by the item's first lane, for row m of x
     if epilogue == "swiglu":
         lines += [
-            "const float gate = static_cast<float>(round_to<T>(acc.x));",
-            "const float up = static_cast<float>(round_to<T>(acc.y));",
+            "const float gate = static_cast<float>(round_to<T>(acc[p].x));",
+            "const float up = static_cast<float>(round_to<T>(acc[p].y));",
             "const float s = static_cast<float>(round_to<T>(1.f / (1.f + expf(-gate))));",
-            "out0[r] = round_to<T>(static_cast<float>(round_to<T>(gate * s)) * up);",
+            f"out0[size_t(m) * {rows[0]} + r] = round_to<T>(static_cast<float>(round_to<T>(gate * s)) * up);",
         ]
     elif epilogue == "add":
         lines += [
-            "const float y = static_cast<float>(round_to<T>(acc.x));",
-            "out0[r] = round_to<T>(y + static_cast<float>(residual[r]));",
+            "const float y = static_cast<float>(round_to<T>(acc[p].x));",
+            f"const size_t at = size_t(m) * {rows[0]} + r;",
+            "out0[at] = round_to<T>(y + static_cast<float>(residual[at]));",
         ]
     else:
+        # a row of an output: [.., M, rows] flat, or in heads [.., heads, M, dims]
+        dims = rotary[0] if rotary else 0
+        at = (f"(size_t({{0}}) / {dims} * M + m) * {dims} + ({{0}}) % {dims}" if rotary
+              else "size_t(m) * {1} + ({0})")
         start = 0
         for i in range(n):
             cond = "if" if i == 0 else "else if"
@@ -606,19 +703,21 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split) -> str:
                 # rounded as the product's output, then rotated as mx.fast.rope rotates the pair
                 lines += [
                     f"{cond} (r < {start + items[i]}) {{",
-                    f"  const int p = r - {start}, j = p % {half}; {pair_row}",
-                    "  const float x1 = static_cast<float>(round_to<T>(acc.x));",
-                    "  const float x2 = static_cast<float>(round_to<T>(acc.y));",
+                    f"  const int pr = r - {start}, j = pr % {half}; {pair_row}",
+                    "  const float x1 = static_cast<float>(round_to<T>(acc[p].x));",
+                    "  const float x2 = static_cast<float>(round_to<T>(acc[p].y));",
                     "  const float inv_freq = 1.0 / freqs[j];",
-                    "  const float theta = static_cast<float>(position[0]) * inv_freq;",
+                    "  const float theta = static_cast<float>(position[0] + m) * inv_freq;",
                     "  const float c = cos(theta), s = sin(theta);",
-                    f"  out{i}[a] = round_to<T>(x1 * c - x2 * s);",
-                    f"  out{i}[a + {half}] = round_to<T>(x1 * s + x2 * c);",
+                    f"  out{i}[{at.format('a', rows[i])}] = round_to<T>(x1 * c - x2 * s);",
+                    f"  out{i}[{at.format(f'a + {half}', rows[i])}] = round_to<T>(x1 * s + x2 * c);",
                     "}",
                 ]
             else:
-                lines.append(f"{cond} (r < {start + items[i]}) out{i}[r - {start}] = round_to<T>(acc.x);")
+                lines.append(f"{cond} (r < {start + items[i]}) "
+                             f"out{i}[{at.format(f'r - {start}', rows[i])}] = round_to<T>(acc[p].x);")
             start += items[i]
+    lines += ["}", "}"] + (["}"] if pass_rows else [])
     return "\n".join(lines)
 
 

@@ -18,11 +18,12 @@ k's heads go through RoPE (``fusion.plan_rope``'s group), the first kernel
 takes those nodes too (``_heads_after``): it writes the rotated heads where
 the RoPE groups would, at the position array made as the call starts.
 
-The group's first node decides, each call, from the row it gets: one row
+The group's first node decides, each call, from the rows it gets: one row
+or a few (``Block.takes``: a decode step, a verifying call, a short chunk)
 the kernel takes runs the whole group there, and each later node of the
 group hands on its part (or does nothing: the parts only the group read);
-anything else (a prefill chunk, an ``x`` of another dtype) runs every node's
-own route, as without grouping. Nothing the program reads after the group is
+anything else (a longer prefill chunk, an ``x`` of another dtype) runs every
+node's own route, as without grouping. Nothing the program reads after the group is
 left unwritten, so the rewrite changes the numbers only by rounding, as the
 kernel's contract says (``gpu/decode.py``).
 
