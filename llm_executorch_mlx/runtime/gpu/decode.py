@@ -86,6 +86,29 @@ __device__ inline float units_sum(const float* sums, int lane) {
   return warp_sum(t);
 }
 
+// A lane's part of NR weight rows' dot products with the first `here` of P
+// rows of x: body(i, v, p, acc) adds the lane's i-th chunk, chunk v of the
+// row (16-byte chunks part * 32 + lane, then every 32 * SPLIT on), times
+// row p of x into acc (that row's NR sums); then each row's sums are joined
+// across the warp into out[p]. A row of x is summed in the same order
+// whatever P: a row of a few-row call gets one row's bits.
+template <int ITER, int SPLIT, int CHUNKS, int NR, int P, typename Body>
+__device__ inline void rows_dot(int here, int lane, int part, float2* out, Body body) {
+  float acc[P][2] = {};
+  #pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int v = (i * SPLIT + part) * 32 + lane;
+    if (v >= CHUNKS) continue;
+    #pragma unroll
+    for (int p = 0; p < P; ++p) {
+      if (p >= here) break;
+      body(i, v, p, acc[p]);
+    }
+  }
+  #pragma unroll
+  for (int p = 0; p < P; ++p) if (p < here) out[p] = make_float2(warp_sum(acc[p][0]), NR > 1 ? warp_sum(acc[p][1]) : 0.f);
+}
+
 // x's K values (T) as the products read them, each value rounded as the
 // MLX ops replaced round it: RMSNorm'd if NORM (2: and scaled by norm_w;
 // each piece's sum of squares in squares[K / UNIT], summed in a fixed
@@ -144,11 +167,9 @@ __device__ inline void stage_x(const T* x, const NW* norm_w, float eps, float* s
 _DENSE = r"""
 // The dot products of NR rows (w0, and w1 if NR is 2) of a dense weight
 // with the first `here` of P rows of x (staged as T, K apart) over one
-// warp's part of K, of SPLIT warps a row: 16-byte chunks part * 32 + lane,
-// then every 32 * SPLIT on. Every load of the part is issued before the
-// first multiply, so a lane has its whole share of the rows in flight at
-// once, and each load serves every row of x. Each row of x is summed in
-// the same order whatever P: a row of a few-row call gets one row's bits.
+// warp's part of K, of SPLIT warps a row (rows_dot). Every load of the part
+// is issued before the first multiply, so a lane has its whole share of
+// the rows in flight at once, and each load serves every row of x.
 template <typename T, int K, int SPLIT, int NR, int P>
 __device__ inline void dot_dense(const T* w0, const T* w1, const T* xs, int here, int lane, int part, float2* out) {
   constexpr int V = 16 / sizeof(T), CHUNKS = K / V, ITER = (CHUNKS + 32 * SPLIT - 1) / (32 * SPLIT);
@@ -160,26 +181,16 @@ __device__ inline void dot_dense(const T* w0, const T* w1, const T* xs, int here
     #pragma unroll
     for (int n = 0; n < NR; ++n) if (v < CHUNKS) packed[n][i] = wv[n][v];
   }
-  float acc[P][2] = {};
-  #pragma unroll
-  for (int i = 0; i < ITER; ++i) {
-    const int v = (i * SPLIT + part) * 32 + lane;
-    if (v >= CHUNKS) continue;
+  rows_dot<ITER, SPLIT, CHUNKS, NR, P>(here, lane, part, out, [&](int i, int v, int p, float* acc) {
+    const uint4 xp = reinterpret_cast<const uint4*>(xs + p * K)[v];
+    const T* xv = reinterpret_cast<const T*>(&xp);
     #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (p >= here) break;
-      const uint4 xp = reinterpret_cast<const uint4*>(xs + p * K)[v];
-      const T* xv = reinterpret_cast<const T*>(&xp);
+    for (int n = 0; n < NR; ++n) {
+      const T* wp = reinterpret_cast<const T*>(&packed[n][i]);
       #pragma unroll
-      for (int n = 0; n < NR; ++n) {
-        const T* wp = reinterpret_cast<const T*>(&packed[n][i]);
-        #pragma unroll
-        for (int j = 0; j < V; ++j) acc[p][n] += static_cast<float>(wp[j]) * static_cast<float>(xv[j]);
-      }
+      for (int j = 0; j < V; ++j) acc[n] += static_cast<float>(wp[j]) * static_cast<float>(xv[j]);
     }
-  }
-  #pragma unroll
-  for (int p = 0; p < P; ++p) if (p < here) out[p] = make_float2(warp_sum(acc[p][0]), NR > 1 ? warp_sum(acc[p][1]) : 0.f);
+  });
 }
 
 """
@@ -242,34 +253,24 @@ __device__ inline void dot_quantized(const uint32_t* w0, const S* s0, const S* b
       }
     }
   }
-  float acc[P][2] = {};
-  #pragma unroll
-  for (int i = 0; i < ITER; ++i) {
-    const int v = (i * SPLIT + part) * 32 + lane;
-    if (v >= CHUNKS) continue;
+  rows_dot<ITER, SPLIT, CHUNKS, NR, P>(here, lane, part, out, [&](int i, int v, int p, float* acc) {
+    const float4* x4 = reinterpret_cast<const float4*>(xs + p * XS + v * (V + 4));
     #pragma unroll
-    for (int p = 0; p < P; ++p) {
-      if (p >= here) break;
-      const float4* x4 = reinterpret_cast<const float4*>(xs + p * XS + v * (V + 4));
+    for (int n = 0; n < NR; ++n) {
+      const uint32_t words[4] = {packed[n][i].x, packed[n][i].y, packed[n][i].z, packed[n][i].w};
+      float qx = 0.f;
       #pragma unroll
-      for (int n = 0; n < NR; ++n) {
-        const uint32_t words[4] = {packed[n][i].x, packed[n][i].y, packed[n][i].z, packed[n][i].w};
-        float qx = 0.f;
+      for (int q = 0; q < 4; ++q) {
         #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          #pragma unroll
-          for (int j = 0; j < PER; j += 4) {
-            const float4 xv = x4[(q * PER + j) / 4];
-            qx += unpack<BITS>(words[q], j) * xv.x + unpack<BITS>(words[q], j + 1) * xv.y
-                + unpack<BITS>(words[q], j + 2) * xv.z + unpack<BITS>(words[q], j + 3) * xv.w;
-          }
+        for (int j = 0; j < PER; j += 4) {
+          const float4 xv = x4[(q * PER + j) / 4];
+          qx += unpack<BITS>(words[q], j) * xv.x + unpack<BITS>(words[q], j + 1) * xv.y
+              + unpack<BITS>(words[q], j + 2) * xv.z + unpack<BITS>(words[q], j + 3) * xv.w;
         }
-        acc[p][n] += scale[n][i] * qx + bias[n][i] * xsum[p * CHUNKS + v];
       }
+      acc[n] += scale[n][i] * qx + bias[n][i] * xsum[p * CHUNKS + v];
     }
-  }
-  #pragma unroll
-  for (int p = 0; p < P; ++p) if (p < here) out[p] = make_float2(warp_sum(acc[p][0]), NR > 1 ? warp_sum(acc[p][1]) : 0.f);
+  });
 }
 """
 
