@@ -15,6 +15,7 @@ import pytest
 from test_parity import prompt_for
 
 from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime.errors import NeedsHost
 from llm_executorch_mlx.runtime.interp import compiled_runs
 from llm_executorch_mlx.runtime.interp.compiled_runs import CompiledChain
 from llm_executorch_mlx.runtime.plan import COMPILED_STEPS_FLAG, Plan
@@ -163,3 +164,64 @@ def test_an_op_that_reads_the_host_is_built_op_by_op():
         np.testing.assert_array_equal(z, [6.0, -0.0, 10.0])
         np.testing.assert_array_equal(v, [-7.0, -1.0, -11.0])
     assert compiled.runs[0].off
+
+
+class Pools:
+    """What a cache op's prelude hands its trace: a pool the host may replace."""
+
+    def __init__(self):
+        self.pool = mx.array([10.0, 20.0, 30.0])
+        self.steps = []  # the host value each prelude read
+
+    def op(self, needs_host=False):
+        """``UpdateAndAttendNode`` with a prelude, as a GPU's cache kernel has
+        (ops/attention.py): v += the pool; ``needs_host``: its trace refuses."""
+
+        def prelude(f, rows):
+            self.steps.append(f[N])  # a host value that changes: the host's read, not the run's
+            return rows, [self.pool]
+
+        def traced(f, reserved):
+            if needs_host:
+                raise NeedsHost("refused")
+            _, (pool,) = reserved
+            f[V] = f[V] + pool
+
+        def run(f):
+            traced(f, prelude(f, 1)) if not needs_host else f.__setitem__(V, f[V] + prelude(f, 1)[1][0])
+
+        run.prelude, run.traced = prelude, traced
+        return run
+
+
+def test_a_cache_op_with_a_prelude_joins_the_run_and_a_replaced_pool_is_traced_again():
+    pools = Pools()
+    ops = chain(lambda f: f.__setitem__(Z, f[Y] + 1))
+    ops[-1] = ("UpdateAndAttendNode", pools.op())
+    x = np.array([1.0, -2.0, 3.0], np.float32)
+    compiled, expected = None, []
+    for n in range(6):
+        if n == 3:
+            pools.pool = mx.array([-1.0, 0.5, 4.0])  # grown or restored: a new array
+        frame = [mx.array(x), n, None, None, None, None]
+        if compiled is None:
+            compiled = CompiledChain.record(ops, frame, kept={V}, constants=1)
+        else:
+            compiled.run(frame)
+        np.testing.assert_array_equal(np.array(frame[V]), -(2 * x + 2) + np.array(pools.pool))
+    assert pools.steps == list(range(6))  # every step's prelude, once
+    assert spans(compiled) == [(0, 4)]  # the cache op inside the run
+    run = compiled.runs[0]
+    assert N not in run.reads and run.preludes == [4]
+    assert run.captured_arrays[0] is pools.pool
+
+
+def test_a_cache_op_whose_trace_needs_the_host_is_built_op_by_op():
+    pools = Pools()
+    ops = chain(lambda f: f.__setitem__(Z, f[Y] + 1))
+    ops[-1] = ("UpdateAndAttendNode", pools.op(needs_host=True))
+    x = np.array([1.0, -2.0, 3.0], np.float32)
+    compiled, results = run_steps(ops, range(5))
+    for z, v in results:
+        np.testing.assert_array_equal(v, -(2 * x + 2) + np.array([10.0, 20.0, 30.0]))
+    assert spans(compiled) == [(0, 3)]  # the rest stays compiled

@@ -249,8 +249,9 @@ def blocks(monkeypatch):
             inner = super().update_and_attend(scale)
 
             def run(*args):
+                out = inner(*args)  # counted once it ran: a trace's try may refuse (NeedsHost)
                 launched["attention"] += 1
-                return inner(*args)
+                return out
 
             return run
 
@@ -285,6 +286,31 @@ def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, 
                      (2, True, "swiglu", bits, None): calls_taken * layers, "attention": calls_taken * layers}
     assert blocks["rows", chunks[-1]] == 4 * layers  # the short chunk's rows in one launch a block
     assert calls.get("swiglu", 0) == (len(chunks) - short) * layers
+
+
+@pytest.fixture
+def compiled_steps(monkeypatch):
+    """A GPU seen as ``calls`` does, with decode steps' runs compiled (the default)."""
+    forget_loaded_programs()
+    yield from _seeing_a_gpu(monkeypatch)
+    forget_loaded_programs()
+
+
+def test_compiled_steps_replay_the_blocks_and_build_a_cache_op_that_needs_the_host_from_python(
+        exported, compiled_steps, blocks):
+    """A compiled decode step replays the blocks from its trace; a cache op
+    that cannot be traced (MLX's ops here, writing the pools at a position
+    on the host; the CUDA kernel joins the trace) is built from Python at
+    every step, and the reply stays transformers' greedy one."""
+    model_dir, pte = exported("llama", trained=True, dtype="bf16")
+    tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="auto")
+    ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16)
+    assert_close_where_decisive(tokens, ours[:-1], ref, BF16_REL_TOL)
+    layers = load_program(pte).metadata.n_caches
+    calls_taken = NEW_TOKENS + 1  # and the prompt's short chunk, as in the test above
+    assert blocks["attention"] == calls_taken * layers
+    launched = sum(n for kind, n in blocks.items() if kind != "attention" and kind[0] != "rows")
+    assert launched < 4 * calls_taken * layers  # replayed steps launch none from Python
 
 
 def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exported, calls, blocks, tmp_path,

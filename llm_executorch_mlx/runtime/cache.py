@@ -334,14 +334,36 @@ class SequenceCache:
         self._advance(end)
         return y
 
+    def reserve_in_op(self, layer: int, position: int, rows: int) -> tuple[list[mx.array], list[mx.array]]:
+        """``update_in_op`` for an op built ahead of its step, which writes the
+        pools in place (a GPU's decode kernel, replayed from a compiled trace):
+        the flat layer's pools, each as its list of arrays, grown to hold
+        ``rows`` tokens at ``position``, and the cache advanced past them."""
+        g = self._check_rows(layer, position, rows)
+        if g.is_ring:
+            raise PteError(f"cache layer {layer} is a ring: its steps go through update_and_fetch")
+        end = position + rows
+        self._grow(layer, end)
+        self._advance(end)
+        return self._k[layer].arrays, self._v[layer].arrays
+
     def _check_step(self, layer: int, position: int, k: mx.array) -> LayerGeometry:
         """The layer's geometry, once a step of ``k`` at ``position`` is known to fit."""
+        g = self._check_rows(layer, position, k.shape[2])
+        if k.shape[1] != g.n_kv_heads or k.shape[3] != g.head_dim:
+            raise PteError(
+                f"layer {layer} k has shape {tuple(k.shape)}, cache expects "
+                f"[1, {g.n_kv_heads}, T, {g.head_dim}]"
+            )
+        return g
+
+    def _check_rows(self, layer: int, position: int, T: int) -> LayerGeometry:
+        """The layer's geometry, once a step of ``T`` tokens at ``position`` is known to fit."""
         if not 0 <= layer < len(self.layers):
             raise PteError(
                 f"cache layer {layer} out of range: this cache has {len(self.layers)} layers"
             )
         g = self.layers[layer]
-        T = k.shape[2]
         end = position + T
         if position < 0 or position > self.length:
             raise PteError(
@@ -357,11 +379,6 @@ class SequenceCache:
             raise PteError(
                 f"a step of {T} tokens exceeds the ring layers' max write of "
                 f"{self._max_step}; feed at most {self._max_step} tokens per call"
-            )
-        if k.shape[1] != g.n_kv_heads or k.shape[3] != g.head_dim:
-            raise PteError(
-                f"layer {layer} k has shape {tuple(k.shape)}, cache expects "
-                f"[1, {g.n_kv_heads}, T, {g.head_dim}]"
             )
         return g
 

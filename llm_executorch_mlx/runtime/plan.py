@@ -78,7 +78,9 @@ class InOp(NamedTuple):
     position, position_array)`` (K and V each a pool's list of arrays;
     ``position_array`` the position as an int32 array where ``on_device``
     asks for it, else None) returns ``(y, K', V')``, for the steps
-    ``takes(Q, Kn, Vn)`` accepts."""
+    ``takes(Q, Kn, Vn)`` accepts. An ``on_device`` op may be called with no
+    host ``position`` (a compiled trace's call: ``interp/compiled_runs.py``);
+    it then writes the pools in place or raises ``NeedsHost``."""
 
     run: Callable
     takes: Callable

@@ -36,6 +36,7 @@ import functools
 
 import mlx.core as mx
 
+from ..errors import NeedsHost
 from .source import compact
 
 WARPS = 16  # warps a block
@@ -190,6 +191,8 @@ def mlx_op(scale: float):
     those up to its own (MLX's causal mask ends at the last key)."""
 
     def run(q, k, v, K, V, position, position_array):
+        if position is None:  # a compiled trace's call (compiled_runs.py): these writes need it on the host
+            raise NeedsHost("MLX's ops write the pools at a position on the host")
         (kpool,), (vpool,) = K, V
         end = position + k.shape[2]
         kpool[:, :, position:end] = k.astype(kpool.dtype)

@@ -25,6 +25,13 @@ op from then on and the runs around it re-planned, and a run that cannot
 be traced (an op that reads a value on the host) is built op by op. Only
 decode steps are compiled: a prefill chunk is bound by its arithmetic, and
 each new chunk length would cost a recording and traces.
+
+An op beyond the frame joins a run where it has a prelude (``run.prelude``,
+``run.traced``): a GPU's cache kernel, which writes the pools in place and
+reads the position from an array. Its prelude does the host's part at every
+call, before the run (the cache's bookkeeping), and returns what its traced
+part captures (the pools); a run is traced again where that changed (a pool
+grown or replaced). Its reads are the host's, not the run's.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import PteError
+from ..errors import NeedsHost, PteError
 from .ops.attention import ROTATED
 
 # they act beyond the frame: the cache (its attention, with or without its
@@ -46,6 +53,14 @@ HOST_OPS = frozenset({"UpdateAndAttendNode", ROTATED, "AllSum"})
 # traces that a reply's few calls of that length do not pay back: with them
 # compiled, prompt lookup on the 135M model gained less (docs/design.md).
 MOST_ENTRIES = 1
+
+
+class _NeedsHost(Exception):
+    """An op with a prelude, by index, cannot be traced at this step."""
+
+    def __init__(self, op: int):
+        super().__init__(op)
+        self.op = op
 
 
 class _Varies(Exception):
@@ -83,7 +98,8 @@ class _Recording(list):
         self.log: list[tuple[int, bool, int]] = []  # (op, written, slot)
 
     def __getitem__(self, slot):
-        self.log.append((self.op, False, slot))
+        if self.op is not None:  # None: a prelude's read, the host's
+            self.log.append((self.op, False, slot))
         return list.__getitem__(self, slot)
 
     def __setitem__(self, slot, value):
@@ -100,13 +116,22 @@ class _Run:
     reads: list[int]  # slots it reads before writing them, constants aside
     captured: list[int]  # the constants it reads: part of its trace
     outputs: list[int]  # slots it writes that are read after it
+    preludes: list[int]  # its ops with a prelude
     key: tuple | None = None  # what it read at its trace: the array slots' shapes, the other slots' values
     trace: tuple | None = None  # (compiled, array output slots, host outputs)
+    captured_arrays: tuple = ()  # the arrays its preludes gave the trace
     off: bool = False  # built op by op from now on
 
     def call(self, ops: list, frame: list) -> None:
-        """Replay the run (its first call traces it); ``_Varies`` where it
-        reads other fixed values than its trace did (nothing run then)."""
+        """Replay the run (its first call traces it, as does a call whose
+        preludes give other arrays); ``_Varies`` where it reads other fixed
+        values than its trace did; ``_NeedsHost`` where an op with a prelude
+        cannot be traced at this step (nothing but the preludes run then)."""
+        reserved = {i: ops[i][1].prelude(frame, MOST_ENTRIES) for i in self.preludes}
+        given = tuple(a for r in reserved.values() for part in r if isinstance(part, list) for a in part)
+        if self.trace is not None and (len(given) != len(self.captured_arrays)
+                                       or any(a is not b for a, b in zip(given, self.captured_arrays))):
+            self.trace = None  # its captured pools are not the cache's any more
         arrays, key = [], []
         for slot in self.reads:
             value = frame[slot]
@@ -117,7 +142,8 @@ class _Run:
                 key.append((slot, type(value), _fixed(value)))
         key = tuple(key)
         if self.trace is None:
-            self.key, self.trace = key, self._trace(ops, frame, arrays)
+            self.key, self.captured_arrays = key, given
+            self.trace = self._trace(ops, frame, arrays, reserved)
             if self.trace is None:  # an op that cannot be traced
                 self.off = True
                 self.run_ops(ops, frame)
@@ -130,10 +156,11 @@ class _Run:
         for slot, value in host_outputs:
             frame[slot] = value
 
-    def _trace(self, ops: list, frame: list, arrays: list[int]):
+    def _trace(self, ops: list, frame: list, arrays: list[int], reserved: dict):
         """Trace the run on this call's inputs and write its outputs:
         ``(compiled, array output slots, host outputs)``, or None where the
-        run cannot be traced (nothing written then)."""
+        run cannot be traced (nothing written then); ``_NeedsHost`` where
+        an op with a prelude cannot take this step from a trace."""
         base = [None] * len(frame)  # what the run reads, and nothing else of this step
         for slot in self.captured + self.reads:
             base[slot] = frame[slot]
@@ -143,14 +170,23 @@ class _Run:
             f = list(base)
             for slot, x in zip(arrays, xs):
                 f[slot] = x
-            for _, run in ops[self.first : self.last + 1]:
-                run(f)
+            for i in range(self.first, self.last + 1):
+                run = ops[i][1]
+                if i not in reserved:
+                    run(f)
+                    continue
+                try:
+                    run.traced(f, reserved[i])
+                except NeedsHost:
+                    raise _NeedsHost(i) from None
             written[:] = [f]
             return [f[s] for s in self.outputs if isinstance(f[s], mx.array)]
 
         compiled = mx.compile(replay)
         try:
             outs = compiled(*[frame[s] for s in arrays])
+        except _NeedsHost:
+            raise
         except Exception:  # an op that needs a value on the host: build it op by op
             return None
         if not written:  # MLX answered from a trace it holds under this function's id: not ours
@@ -190,7 +226,7 @@ class CompiledChain:
         recording = _Recording(frame)
         for i in range(len(ops)):
             recording.op = i
-            run_checked(ops, recording, i, i + 1)
+            _record_op(ops, recording, i)
         frame[:] = recording
         return cls(ops, recording.log, kept, constants)
 
@@ -208,6 +244,9 @@ class CompiledChain:
             except _Varies as v:
                 self._build_apart(r, v.slots)
                 continue  # from op i again, as re-planned
+            except _NeedsHost as e:
+                self._build_apart_ops(r, {e.op})
+                continue  # its preludes' bookkeeping bears repeating
             except (PteError, MemoryError):
                 raise
             except Exception as e:
@@ -218,7 +257,11 @@ class CompiledChain:
         """Take the ops of ``run`` that read ``slots`` out of the compiled runs."""
         readers = {op for op, wrote, slot in self._log
                    if run.first <= op <= run.last and not wrote and slot in slots}
-        self._host_ops |= readers or set(range(run.first, run.last + 1))
+        self._build_apart_ops(run, readers or set(range(run.first, run.last + 1)))
+
+    def _build_apart_ops(self, run: _Run, host_ops: set[int]) -> None:
+        """Take ``host_ops`` (of ``run``) out of the compiled runs."""
+        self._host_ops |= host_ops
         kept = {r.first: r for r in self.runs.values() if r.last < run.first or r.first > run.last}
         fresh = _plan_runs(self.ops, self._log, self._kept, self._constants, self._host_ops)
         kept.update({r.first: r for r in fresh if run.first <= r.first and r.last <= run.last})
@@ -230,8 +273,8 @@ def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], cons
     """The runs of two or more pure ops (none of ``host_ops``, by index),
     with the slots each reads and the ones read after it."""
     spans, start = [], None
-    for i, (name, _) in enumerate(ops + [("", None)]):
-        pure = i < len(ops) and name not in HOST_OPS and i not in host_ops
+    for i, (name, run) in enumerate(ops + [("", None)]):
+        pure = i < len(ops) and (name not in HOST_OPS or hasattr(run, "prelude")) and i not in host_ops
         if pure and start is None:
             start = i
         elif not pure and start is not None:
@@ -252,7 +295,8 @@ def _plan_runs(ops: list, log: list[tuple[int, bool, int]], kept: set[int], cons
                 seen.add(slot)
                 (reads if slot >= constants else captured).append(slot)
         outputs = sorted(s for s in writes if _read_after(by_slot[s], last, s in kept))
-        runs.append(_Run(first, last, reads, captured, outputs))
+        preludes = [i for i in range(first, last + 1) if hasattr(ops[i][1], "prelude")]
+        runs.append(_Run(first, last, reads, captured, outputs, preludes))
     return runs
 
 
@@ -274,6 +318,28 @@ def _read_after(events: list[tuple[int, bool]], last: int, kept: bool) -> bool:
         if op > last:
             return not wrote
     return kept
+
+
+def _record_op(ops: list, recording: _Recording, i: int) -> None:
+    """Run op ``i`` on ``recording`` as ``run_checked`` does, logging only
+    what a trace of it would read: an op with a prelude runs its prelude
+    unlogged, then its traced part (or, where that needs the host, the op)."""
+    run = ops[i][1]
+    if not hasattr(run, "prelude"):
+        run_checked(ops, recording, i, i + 1)
+        return
+    recording.op = None
+    try:
+        reserved = run.prelude(recording, MOST_ENTRIES)
+        recording.op = i
+        run.traced(recording, reserved)
+    except NeedsHost:
+        recording.op = i
+        run_checked(ops, recording, i, i + 1)  # the prelude's bookkeeping bears repeating
+    except (PteError, MemoryError):
+        raise
+    except Exception as e:
+        raise PteError(f"{ops[i][0]} (instruction {i}) failed: {e}") from None
 
 
 def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from ...errors import PteError
+from ...errors import NeedsHost, PteError
 from ...pte.graph import node_name, tensor_fields
 from ..fusion import GROUP, Rope, kept_slots, plan_rope, readers_after
 from .table import op
@@ -120,4 +120,23 @@ def _build(n, ctx, rotated: RotatedAttention | None) -> Run:
             y = sdpa(Q, K, V, scale=scale, mask=mask)
         f[out] = y if out_dtype is None else y.astype(out_dtype)
 
+    if rotated is None and at_array is not None:
+        # A GPU's kernel writes the pools in place and reads the position
+        # from an array, so a compiled decode step can replay it from its
+        # trace (compiled_runs.py): the cache's bookkeeping, which a trace
+        # would not repeat, runs as the op's prelude at every step (for the
+        # step's `rows` tokens), and the pools it returns are captured by
+        # the trace.
+        def prelude(f, rows: int) -> tuple:
+            return (rows, *cache.reserve_in_op(layer, position(f), rows))
+
+        def traced(f, reserved: tuple) -> None:
+            rows, K, V = reserved
+            Q, Kn, Vn = f[q], f[k], f[v]
+            if Kn.shape[2] != rows or not in_op.takes(Q, Kn, Vn):
+                raise NeedsHost("not a step the kernel takes")
+            y, _, _ = in_op.run(Q, Kn, Vn, K, V, None, f[at_array])
+            f[out] = y if out_dtype is None else y.astype(out_dtype)
+
+        run.prelude, run.traced = prelude, traced
     return run
