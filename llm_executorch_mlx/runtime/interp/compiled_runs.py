@@ -48,10 +48,12 @@ from .ops.attention import ROTATED
 # they act beyond the frame: the cache (its attention, with or without its
 # RoPE: ops/attention.py), a collective
 HOST_OPS = frozenset({"UpdateAndAttendNode", ROTATED, "AllSum"})
-# compiled: steps whose every input holds at most this many entries: decode. A
-# speculative try's steps come in many lengths, each costing a recording and
-# traces that a reply's few calls of that length do not pay back: with them
-# compiled, prompt lookup on the 135M model gained less (docs/design.md).
+# compiled: steps whose every input holds at most this many entries: decode,
+# a token a step, which is what a prelude reserves the cache for (a longer
+# step would have to hand its preludes its own length). A speculative try's
+# steps come in many lengths, each costing a recording and traces that a
+# reply's few calls of that length do not pay back: with them compiled,
+# prompt lookup on the 135M model gained less (docs/design.md).
 MOST_ENTRIES = 1
 
 
