@@ -179,16 +179,15 @@ class Pools:
 
         def prelude(f, rows):
             self.steps.append(f[N])  # a host value that changes: the host's read, not the run's
-            return rows, [self.pool]
+            return (self.pool,)
 
-        def traced(f, reserved):
+        def traced(f, captured, rows):
             if needs_host:
                 raise NeedsHost("refused")
-            _, (pool,) = reserved
-            f[V] = f[V] + pool
+            f[V] = f[V] + captured[0]
 
         def run(f):
-            traced(f, prelude(f, 1)) if not needs_host else f.__setitem__(V, f[V] + prelude(f, 1)[1][0])
+            f[V] = f[V] + prelude(f, 1)[0]
 
         run.prelude, run.traced = prelude, traced
         return run

@@ -324,14 +324,9 @@ class SequenceCache:
         take ``update_and_fetch``.
         """
         g = self._check_step(layer, position, k)
-        if g.is_ring:
-            raise PteError(f"cache layer {layer} is a ring: its steps go through update_and_fetch")
-        end = position + k.shape[2]
-        self._grow(layer, end)
-        K, V = self._k[layer], self._v[layer]
-        y, k_arrays, v_arrays = op(K.arrays, V.arrays)
-        K.arrays, V.arrays = list(k_arrays), list(v_arrays)
-        self._advance(end)
+        K, V = self._reserve(g, layer, position, k.shape[2])
+        y, k_arrays, v_arrays = op(K, V)  # a failure part-way is undone by abort_step
+        self._k[layer].arrays, self._v[layer].arrays = list(k_arrays), list(v_arrays)
         return y
 
     def reserve_in_op(self, layer: int, position: int, rows: int) -> tuple[list[mx.array], list[mx.array]]:
@@ -339,7 +334,9 @@ class SequenceCache:
         pools in place (a GPU's decode kernel, replayed from a compiled trace):
         the flat layer's pools, each as its list of arrays, grown to hold
         ``rows`` tokens at ``position``, and the cache advanced past them."""
-        g = self._check_rows(layer, position, rows)
+        return self._reserve(self._check_rows(layer, position, rows), layer, position, rows)
+
+    def _reserve(self, g: LayerGeometry, layer: int, position: int, rows: int):
         if g.is_ring:
             raise PteError(f"cache layer {layer} is a ring: its steps go through update_and_fetch")
         end = position + rows

@@ -29,9 +29,9 @@ each new chunk length would cost a recording and traces.
 An op beyond the frame joins a run where it has a prelude (``run.prelude``,
 ``run.traced``): a GPU's cache kernel, which writes the pools in place and
 reads the position from an array. Its prelude does the host's part at every
-call, before the run (the cache's bookkeeping), and returns what its traced
-part captures (the pools); a run is traced again where that changed (a pool
-grown or replaced). Its reads are the host's, not the run's.
+call, before the run (the cache's bookkeeping), and returns the arrays its
+traced part captures (the pools'); a run is traced again where those changed
+(a pool grown or replaced). Its reads are the host's, not the run's.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ class _Run:
         values than its trace did; ``_NeedsHost`` where an op with a prelude
         cannot be traced at this step (nothing but the preludes run then)."""
         reserved = {i: ops[i][1].prelude(frame, MOST_ENTRIES) for i in self.preludes}
-        given = tuple(a for r in reserved.values() for part in r if isinstance(part, list) for a in part)
+        given = tuple(a for arrays in reserved.values() for a in arrays)
         if self.trace is not None and (len(given) != len(self.captured_arrays)
                                        or any(a is not b for a, b in zip(given, self.captured_arrays))):
             self.trace = None  # its captured pools are not the cache's any more
@@ -178,7 +178,7 @@ class _Run:
                     run(f)
                     continue
                 try:
-                    run.traced(f, reserved[i])
+                    run.traced(f, reserved[i], MOST_ENTRIES)
                 except NeedsHost:
                     raise _NeedsHost(i) from None
             written[:] = [f]
@@ -334,7 +334,7 @@ def _record_op(ops: list, recording: _Recording, i: int) -> None:
     try:
         reserved = run.prelude(recording, MOST_ENTRIES)
         recording.op = i
-        run.traced(recording, reserved)
+        run.traced(recording, reserved, MOST_ENTRIES)
     except NeedsHost:
         recording.op = i
         run_checked(ops, recording, i, i + 1)  # the prelude's bookkeeping bears repeating

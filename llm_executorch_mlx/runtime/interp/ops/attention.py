@@ -125,13 +125,14 @@ def _build(n, ctx, rotated: RotatedAttention | None) -> Run:
         # from an array, so a compiled decode step can replay it from its
         # trace (compiled_runs.py): the cache's bookkeeping, which a trace
         # would not repeat, runs as the op's prelude at every step (for the
-        # step's `rows` tokens), and the pools it returns are captured by
-        # the trace.
+        # step's `rows` tokens), and the pools' arrays it returns (keys',
+        # then values', alike in number) are captured by the trace.
         def prelude(f, rows: int) -> tuple:
-            return (rows, *cache.reserve_in_op(layer, position(f), rows))
+            K, V = cache.reserve_in_op(layer, position(f), rows)
+            return (*K, *V)
 
-        def traced(f, reserved: tuple) -> None:
-            rows, K, V = reserved
+        def traced(f, pools: tuple, rows: int) -> None:
+            K, V = list(pools[: len(pools) // 2]), list(pools[len(pools) // 2 :])
             Q, Kn, Vn = f[q], f[k], f[v]
             if Kn.shape[2] != rows or not in_op.takes(Q, Kn, Vn):
                 raise NeedsHost("not a step the kernel takes")
