@@ -28,6 +28,7 @@ import numpy as np
 from llm_executorch_mlx.runtime import dtypes, load_program
 from llm_executorch_mlx.runtime.gpu import attention, decode
 from llm_executorch_mlx.runtime.interp import compiled_runs
+from llm_executorch_mlx.text import generate
 
 
 class StandInKernel:
@@ -68,10 +69,8 @@ def main(argv=None) -> int:
     cache = program.new_cache(capacity=args.prompt_tokens + args.steps + 8)
     forward = program.load_method("forward", cache=cache)
     n = args.prompt_tokens
-    for start in range(0, n, PROMPT_CALL):  # the cache's writes evaluated, not the logits (as prefill does)
-        positions = np.arange(start, min(n, start + PROMPT_CALL))
-        forward.execute([positions[None] + 5, positions])
-        mx.eval(cache.state)
+    generate.prefill(forward, cache, list(range(5, n + 5)), 0, PROMPT_CALL)
+    mx.eval(cache.state)  # the last call's logits are not needed
     token = mx.array([[7]], dtype=mx.uint32)
     for i in range(4):  # the first step, the recording, the trace, one replay
         mx.eval(forward.execute([token, np.array([n + i])]))
