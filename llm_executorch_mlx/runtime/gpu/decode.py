@@ -196,12 +196,26 @@ __device__ inline void dot_dense(const T* w0, const T* w1, const T* xs, int here
 """
 
 _QUANTIZED = r"""
-// An affine-quantized value as a float without an integer conversion:
-// 2^23 + q has q in its low mantissa bits.
+// Value j of a word as a float, without an integer conversion or, where
+// the value lies low enough, a shift: 2^23 + (v << p) (v's bits OR'd into
+// 2^23's mantissa, in place) times 2^-p is 2^(23-p) + v exactly, so one
+// fma takes 2^(23-p) off and leaves v. Values above bit 22 come from
+// `high`, the word shifted down once for all of them. (j is a constant
+// once unrolled: the masks and scales are too.)
 template <int BITS>
-__device__ inline float unpack(uint32_t word, int j) {
-  return __uint_as_float(0x4B000000u | ((word >> (BITS * j)) & ((1u << BITS) - 1u))) - 8388608.f;
-}
+struct Unpacked {
+  static constexpr int IN = 23 / BITS;  // values that lie in place
+  uint32_t word, high;
+  __device__ explicit Unpacked(uint32_t w) : word(w), high(w >> (IN * BITS)) {}
+  __device__ __forceinline__ float value(int j) const {
+    const int p = j < IN ? j * BITS : (j - IN) * BITS;
+    const float scale = 1.f / static_cast<float>(1u << p);
+    const uint32_t mask = ((1u << BITS) - 1u) << p, magic = 0x4B000000u;
+    uint32_t f;  // (w & mask) | magic in one lop3 (two immediates would take two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(f) : "r"(j < IN ? word : high), "r"(mask), "r"(magic));
+    return fmaf(__uint_as_float(f), scale, -8388608.f * scale);
+  }
+};
 
 // Each chunk's sum of the staged x (V floats at c * (V + 4)): the V / XV
 // consecutive threads whose pieces make a chunk sum theirs, then join by
@@ -258,16 +272,20 @@ __device__ inline void dot_quantized(const uint32_t* w0, const S* s0, const S* b
     #pragma unroll
     for (int n = 0; n < NR; ++n) {
       const uint32_t words[4] = {packed[n][i].x, packed[n][i].y, packed[n][i].z, packed[n][i].w};
-      float qx = 0.f;
+      float even = 0.f, odd = 0.f;  // two chains of fmas, each in the values' order
       #pragma unroll
       for (int q = 0; q < 4; ++q) {
+        const Unpacked<BITS> u(words[q]);
         #pragma unroll
         for (int j = 0; j < PER; j += 4) {
           const float4 xv = x4[(q * PER + j) / 4];
-          qx += unpack<BITS>(words[q], j) * xv.x + unpack<BITS>(words[q], j + 1) * xv.y
-              + unpack<BITS>(words[q], j + 2) * xv.z + unpack<BITS>(words[q], j + 3) * xv.w;
+          even = fmaf(u.value(j), xv.x, even);
+          odd = fmaf(u.value(j + 1), xv.y, odd);
+          even = fmaf(u.value(j + 2), xv.z, even);
+          odd = fmaf(u.value(j + 3), xv.w, odd);
         }
       }
+      const float qx = even + odd;
       acc[n] += scale[n][i] * qx + bias[n][i] * xsum[p * CHUNKS + v];
     }
   });
