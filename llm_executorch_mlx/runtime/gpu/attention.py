@@ -60,7 +60,15 @@ const int M = q_shape[2];                          // query rows
 const int h = blockIdx.x % H, t = blockIdx.x / H, kvh = h / (H / HKV);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int sub = lane % LANES, slot = lane / LANES;  // this lane's 16 bytes of its key's row, and its key
-const int first_new = position[0];                 // keys already in the pool
+// the position array lives in host memory (MLX keeps arrays of 8 bytes or
+// less there), so each read crosses the bus: one thread reads it, while the
+// block stages q
+__shared__ int position0;
+if (tid == 0) position0 = position[0];
+__shared__ float qs[D];
+for (int d = tid; d < D; d += blockDim.x) qs[d] = static_cast<float>(q[(size_t(h) * M + t) * D + d]) * {scale!r}f;
+__syncthreads();
+const int first_new = position0;                   // keys already in the pool
 const int n = first_new + t;                       // this row's own key, the last it sees
 const size_t cap = kpool_shape[2];
 const T* K = kpool + size_t(kvh) * cap * D;
@@ -72,10 +80,6 @@ if (h % (H / HKV) == 0 && tid < D) {{              // this row's key and value i
   const_cast<T*>(K)[size_t(n) * D + tid] = kn[size_t(t) * D + tid];
   const_cast<T*>(V)[size_t(n) * D + tid] = vn[size_t(t) * D + tid];
 }}
-
-__shared__ float qs[D];
-for (int d = tid; d < D; d += blockDim.x) qs[d] = static_cast<float>(q[(size_t(h) * M + t) * D + d]) * {scale!r}f;
-__syncthreads();
 float qv[E];
 #pragma unroll
 for (int e = 0; e < E; ++e) qv[e] = qs[sub * E + e];

@@ -589,6 +589,12 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
         "__shared__ float2 parts[P][THREADS / 32];",
         "const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, part = warp % SPLIT;",
     ]
+    if rotary:
+        # the position array lives in host memory (MLX keeps arrays of 8
+        # bytes or less there), so each read crosses the bus: one thread a
+        # block reads it, at the start, and the barrier after staging x hands
+        # it to the epilogue
+        lines += ["__shared__ int position0;", "if (tid == 0) position0 = position[0];"]
     if pass_rows:  # any rows of x; the block takes item after item
         lines += ["int M = 1;", "for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];",
                   f"int r = blockIdx.x * {per_block} + warp / SPLIT;"]
@@ -726,7 +732,7 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
                     "  const float x1 = static_cast<float>(round_to<T>(acc[p].x));",
                     "  const float x2 = static_cast<float>(round_to<T>(acc[p].y));",
                     "  const float inv_freq = 1.0 / freqs[j];",
-                    "  const float theta = static_cast<float>(position[0] + m) * inv_freq;",
+                    "  const float theta = static_cast<float>(position0 + m) * inv_freq;",
                     "  const float c = cos(theta), s = sin(theta);",
                     f"  out{i}[{at.format('a', rows[i])}] = round_to<T>(x1 * c - x2 * s);",
                     f"  out{i}[{at.format(f'a + {half}', rows[i])}] = round_to<T>(x1 * s + x2 * c);",
