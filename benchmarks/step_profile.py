@@ -14,6 +14,9 @@ what is left:
 - rest: everything else between two tokens: sampling's graph, reading the
   token (``y.item()``, where the host waits for the device) and the loop.
 
+These are means over a generation; the median step (token to token) beside
+them says whether a few slow steps (the host busy elsewhere) moved them.
+
 When build + submit is the whole step and submit takes as long as encoding
 on an idle device, the step is bound by per-op host work, and only fewer ops
 (not faster kernels) make it faster. The generation loop is timed as it is, by wrapping
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import time
 
@@ -99,7 +103,13 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
         clock, cache, prompt, 0, cache.max_write or program.metadata.prefill_chunk or len(prompt),
         lambda logits, history: sampler.sample(logits), new_tokens, timings,
     )
-    tokens = [s.token for s in steps]
+    tokens, gaps, last = [], [], None
+    for s in steps:  # token to token: a host's hiccup moves the mean, not the median
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append(now - last)
+        tokens.append(s.token)
+        last = now
     mx.synchronize()
     per_step = timings.decode_seconds / timings.decode_tokens
     build = clock.build / (clock.builds - 1)
@@ -107,6 +117,7 @@ def profile_once(program, prompt: list[int], new_tokens: int) -> dict:
     return {
         "decode_tps": 1 / per_step,
         "step_ms": 1e3 * per_step,
+        "median_step_ms": 1e3 * statistics.median(gaps),
         "build_ms": 1e3 * build,
         "submit_ms": 1e3 * submit,
         "rest_ms": 1e3 * (per_step - build - submit),
@@ -132,7 +143,7 @@ def main(argv=None) -> None:
     prompt = random_prompt(0, vocab, args.prompt_tokens)
     profile_once(program, prompt, 8)  # warm-up: kernels compiled, shapes traced
     runs = [profile_once(program, prompt, args.new_tokens) for _ in range(args.reps)]
-    keys = ("decode_tps", "step_ms", "build_ms", "submit_ms", "rest_ms")
+    keys = ("decode_tps", "step_ms", "build_ms", "submit_ms", "rest_ms", "median_step_ms")
     summary = {k: spread([r[k] for r in runs]) for k in keys}
     ops = runs[0]["ops"]
     device = str(mx.default_device())
@@ -140,7 +151,8 @@ def main(argv=None) -> None:
     print(f"{args.prompt_tokens}-token prompt, {args.new_tokens} greedy tokens, "
           f"{args.reps} generations, median [min–max]\n")
     print("\n".join(table(
-        ["decode tok/s", "step ms", "build ms (host)", "submit ms (host)", "rest ms (sampling, waiting for the device)"],
+        ["decode tok/s", "step ms", "build ms (host)", "submit ms (host)", "rest ms (sampling, waiting for the device)",
+         "median step ms"],
         [[fmt(summary["decode_tps"], "{:.1f}")] + [fmt(summary[k], "{:.2f}") for k in keys[1:]]],
     )))
     first = runs[0]["tokens"]
