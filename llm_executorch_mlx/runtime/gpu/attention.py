@@ -60,9 +60,8 @@ const int M = q_shape[2];                          // query rows
 const int h = blockIdx.x % H, t = blockIdx.x / H, kvh = h / (H / HKV);
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 const int sub = lane % LANES, slot = lane / LANES;  // this lane's 16 bytes of its key's row, and its key
-// the position array lives in host memory (MLX keeps arrays of 8 bytes or
-// less there), so each read crosses the bus: one thread reads it, while the
-// block stages q
+// the position array lies in host memory (MLX keeps arrays of 8 bytes or
+// less there): one thread reads it, while the block stages q
 __shared__ int position0;
 if (tid == 0) position0 = position[0];
 __shared__ float qs[D];
