@@ -593,7 +593,7 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
         # the position array lies in host memory (MLX keeps arrays of 8
         # bytes or less there): one thread a block reads it, at the start,
         # and the barrier after staging x hands it to the epilogue
-        # (docs/design.md: this read still costs the launch ~15 us)
+        # (docs/design.md: why this read still slows the launch is open)
         lines += ["__shared__ int position0;", "if (tid == 0) position0 = position[0];"]
     if pass_rows:  # any rows of x; the block takes item after item
         lines += ["int M = 1;", "for (int d = 0; d + 1 < x_ndim; ++d) M *= x_shape[d];",
