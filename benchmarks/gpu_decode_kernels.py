@@ -67,7 +67,8 @@ def cases():
     every weight kind in bf16 (a GPU's dtype for half-precision files) at a
     real and an odd shape, the real one also split into heads of 64 with
     the first two rotated; fp16 and fp32 at the odd one; every kind in bf16
-    at a long K (a product and its add, SwiGLU's pair of rows)."""
+    at a long K (a product and its add, SwiGLU's pair of rows); a quantized
+    product alone (an LM head's kernel, ``ops/quant.py``)."""
     chosen = [(mx.bfloat16, kind, shape) for kind in KINDS for shape in (REAL, ODD)]
     chosen += [(mx.float16, kind, ODD) for kind in ((0, 0), (4, 32))]
     chosen += [(mx.float32, kind, ODD) for kind in ((0, 0), (8, 128))]
@@ -78,6 +79,8 @@ def cases():
             yield f"{label} norm+{len(rows)}+rope", dtype, bits, group, k, rows, True, "", 64
         yield f"{label} norm+2+swiglu", dtype, bits, group, k, (rows[0],) * 2, True, "swiglu", 0
         yield f"{label} 1+add", dtype, bits, group, k, rows[:1], False, "add", 0
+        if bits:  # a product alone: a quantized LM head's kernel
+            yield f"{label} 1", dtype, bits, group, k, rows[:1], False, "", 0
     for bits, group in KINDS:
         k, rows = LONG
         label = f"bf16 {f'q{bits}g{group}' if bits else 'dense'} K={k}"
@@ -201,6 +204,8 @@ def timing(args) -> list[dict]:
                                           "swiglu"), k),
             "down+add": (Block((mk(k, inter, 6),), None, "add"), inter),
         }
+        if bits:  # Llama-3's vocabulary: the LM head, the largest product
+            blocks["LM head"] = (Block((mk(128256, k, 7),)), k)
         for (name, (block, kk)), rows in ((item, rows) for item in blocks.items() for rows in (1, FEW)):
             x = mx.random.normal((1, rows, kk)).astype(mx.bfloat16)
             residual = (mx.random.normal((1, rows, block.rows)).astype(mx.bfloat16) if block.epilogue == "add"

@@ -13,7 +13,9 @@ compiles it with ``nvcc -cubin`` against the device headers of an MLX
 source checkout of the installed version (``MLX_CHECKOUT/mlx/backend/cuda/
 device``), printing each kernel's registers and spills. Exit status 1 if
 any fails to compile or needs more registers for its block than an SM has
-(MLX declares no launch bounds, so ptxas does not cap them). Nothing runs: a GPU still checks what they compute
+(MLX declares no launch bounds, so ptxas caps only the few-row SwiGLU kernel's, which ``decode.py``
+adds through a macro on the function's name, and that must fit ``FEW_ROWS_BLOCKS_AN_SM`` blocks an SM)
+or if the kernel's name no longer parses where NVRTC looks it up. Nothing runs: a GPU still checks what they compute
 (``gpu_decode_kernels.py``, ``gpu_step_designs.py --check``).
 """
 
@@ -31,10 +33,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import mlx.core as mx  # noqa: E402
 
+from llm_executorch_mlx.runtime.gpu.decode import FEW_ROWS_BLOCKS_AN_SM, MLX_TYPE_NAMES  # noqa: E402
+
 CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
               mx.int32: "int32_t", mx.uint32: "uint32_t"}
 SM_REGISTERS = 65536  # a block's threads share an SM's register file (every arch since sm_50)
-HASH_TYPES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 
 
 class Recorded:
@@ -47,7 +50,7 @@ class Recorded:
         self.name, self.inputs, self.outputs, self.source, self.header = name, input_names, output_names, source, header
 
     def __call__(self, inputs, template, output_shapes, output_dtypes, grid, threadgroup, **_):
-        function = "custom_kernel_" + self.name + "".join(f"_{HASH_TYPES[t]}" for _, t in template)
+        function = "custom_kernel_" + self.name + "".join(f"_{MLX_TYPE_NAMES[t]}" for _, t in template)
         params = []
         for name, array in zip(self.inputs, inputs):
             params.append(f"const {CUDA_TYPES[array.dtype]}* {name}")
@@ -59,7 +62,9 @@ class Recorded:
         text = ('#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
                 f"{self.header}namespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
                 f"__global__ void {function}(\n    " + ",\n    ".join(params) + ") {\n"
-                f"{constants}{self.source}\n}}\n}}  // namespace mlx::core::cu\n")
+                f"{constants}{self.source}\n}}\n}}  // namespace mlx::core::cu\n"
+                # NVRTC compiles the name MLX looks the kernel up by after the source
+                f"static const void* const name_expression = (const void*)&mlx::core::cu::{function};\n")
         Recorded.sources.append((f"{function} grid {grid} block {threadgroup}", text))
         return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
 
@@ -113,12 +118,15 @@ def main(argv=None) -> int:
                 continue
             usage = " ".join(re.sub(r"^ptxas info\s*: ", "", line) for line in done.stderr.splitlines()
                              if "Used" in line or "spill" in line)
-            # MLX declares no launch bounds: a block whose threads need more
-            # registers than an SM has would fail at launch
+            # a block whose threads need more registers than an SM has would
+            # fail at launch; a kernel given launch bounds (``decode.
+            # _launch_bounds``, through a macro on the name MLX gives the
+            # function) must fit that many blocks, or the macro missed it
             threads, registers = int(re.search(r"block \((\d+)", label)[1]), int(re.search(r"Used (\d+) reg", usage)[1])
-            if threads * registers > SM_REGISTERS:
+            blocks = FEW_ROWS_BLOCKS_AN_SM if f"#define {label.split()[0]} __launch_bounds__" in text else 1
+            if blocks * threads * registers > SM_REGISTERS:
                 failed += 1
-                print(f"FAIL {label}: {usage} ({threads} threads x {registers} registers > {SM_REGISTERS})")
+                print(f"FAIL {label}: {usage} ({blocks} x {threads} threads x {registers} registers > {SM_REGISTERS})")
                 continue
             print(f"ok   {label}: {usage}")
     print(f"{len(kernels) - failed} of {len(kernels)} kernels compile and fit an SM's registers")

@@ -266,7 +266,9 @@ def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, 
     with its residual add; the second norm with gate, up and SwiGLU; the
     down product with its add. A prompt's chunk of a few rows (up to
     ``MOST_ROWS``: its last 8 tokens here) takes the same kernels; longer
-    chunks run node by node."""
+    chunks run node by node. A quantized LM head takes the product kernel
+    wherever those calls do (MLX's ``quantized_matmul`` reads the weights at
+    a fraction of the bandwidth for one row, once a row for several)."""
     model_dir, pte = exported("llama", trained=True, dtype=dtype, qlinear=qlinear)
     tokens, ours = greedy(pte, prompt_for(3), NEW_TOKENS, compute="auto")
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
@@ -283,8 +285,10 @@ def test_decode_blocks_take_each_layer_in_four_and_match_transformers(exported, 
     kinds = {kind: n for kind, n in blocks.items() if kind[0] != "rows"}
     assert kinds == {(3, True, "", bits, 2): calls_taken * (layers - 1), (3, True, "", bits, None): calls_taken,
                      (1, False, "add", bits, None): 2 * calls_taken * layers,
-                     (2, True, "swiglu", bits, None): calls_taken * layers, "attention": calls_taken * layers}
-    assert blocks["rows", chunks[-1]] == 4 * layers  # the short chunk's rows in one launch a block
+                     (2, True, "swiglu", bits, None): calls_taken * layers, "attention": calls_taken * layers,
+                     **({(1, False, "", bits, None): calls_taken} if bits else {})}
+    # the short chunk's rows in one launch a block (and the LM head)
+    assert blocks["rows", chunks[-1]] == 4 * layers + (1 if bits else 0)
     assert calls.get("swiglu", 0) == (len(chunks) - short) * layers
 
 

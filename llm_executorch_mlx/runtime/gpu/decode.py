@@ -52,6 +52,15 @@ FEW_ROWS_THREADS = 256
 # blocks of a launch of several rows, each taking item after item with the
 # rows it staged (about two an SM of an H100 or H200)
 FEW_ROWS_BLOCKS = 264
+# the few-row SwiGLU kernel's blocks an SM holds at once: ptxas caps its
+# registers to fit them (``__launch_bounds__``); uncapped, one block an SM is
+# all that fits, too few warps to keep the weights' loads in flight. The
+# other few-row kernels fit two uncapped, but for the rotated 4-bit q, k, v,
+# which spills when capped and is slower so (docs/design.md)
+FEW_ROWS_BLOCKS_AN_SM = 2
+# the type names MLX puts in a custom kernel's function name
+# (``mlx/backend/cuda/custom_kernel.cpp``: ``template_arguments_hash``)
+MLX_TYPE_NAMES = {mx.float32: "float", mx.float16: "float16_t", mx.bfloat16: "bfloat16_t"}
 SHARED_BYTES = 48 * 1024  # a block's static shared memory at most
 DENSE = (mx.float32, mx.float16, mx.bfloat16)
 BITS = (4, 8)
@@ -555,15 +564,34 @@ def _kernel(signature: tuple):
     outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
     total = rows[0] if epilogue == "swiglu" else sum(_items(rows, rotary))
     source = _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows)
-    kernel = mx.fast.cuda_kernel(name=f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}",
-                                 input_names=names, output_names=outputs, source=compact(source),
-                                 header=_HEADERS[bool(bits)])
+    name = f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}"
+    header = _HEADERS[bool(bits)]
+    if pass_rows and epilogue == "swiglu":
+        bounds, unbound = _launch_bounds(name, bool(bits))
+        header, source = header + bounds, unbound + source
+    kernel = mx.fast.cuda_kernel(name=name, input_names=names, output_names=outputs, source=compact(source),
+                                 header=header)
     per_block = _rows_a_block(split, pass_rows > 0)
     blocks = -(-total // per_block)
     if pass_rows:
         blocks = min(blocks, FEW_ROWS_BLOCKS)
     threads = per_block * split * 32
     return kernel, (blocks * threads, 1, 1), (threads, 1, 1)
+
+
+def _launch_bounds(name: str, quantized: bool) -> tuple[str, str]:
+    """Lines ending a few-row SwiGLU kernel's header that give its function
+    ``__launch_bounds__``, and lines starting its body that take them back.
+    MLX writes the declaration itself, so each name it may give the function
+    (``custom_kernel_`` + name + the template's types: ``T``, and ``S`` where
+    quantized) is a macro adding them before it. The macros must end inside
+    the body: NVRTC looks the kernel up by a name expression compiled after
+    the source (``nvrtcAddNameExpression``), where they would not parse."""
+    bounds = f"__launch_bounds__({FEW_ROWS_THREADS}, {FEW_ROWS_BLOCKS_AN_SM})"
+    functions = [f"custom_kernel_{name}_{t}" + (f"_{s}" if s else "")
+                 for t in MLX_TYPE_NAMES.values() for s in (MLX_TYPE_NAMES.values() if quantized else [None])]
+    return ("".join(f"\n#define {f} {bounds} {f}" for f in functions) + "\n",
+            "".join(f"#undef {f}\n" for f in functions))
 
 
 def _items(rows, rotary) -> list[int]:
