@@ -56,7 +56,7 @@ FEW_ROWS_BLOCKS = 264
 # registers to fit them (``__launch_bounds__``); uncapped, one block an SM is
 # all that fits, too few warps to keep the weights' loads in flight. The
 # other few-row kernels fit two uncapped, but for the rotated 4-bit q, k, v,
-# which spills when capped and is slower so (docs/design.md)
+# which a cap makes spill and run slower (docs/design.md)
 FEW_ROWS_BLOCKS_AN_SM = 2
 # the type names MLX puts in a custom kernel's function name
 # (``mlx/backend/cuda/custom_kernel.cpp``: ``template_arguments_hash``)
