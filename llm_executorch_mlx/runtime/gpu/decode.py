@@ -379,6 +379,22 @@ class Block:
                 and (rows == 1 or (rows <= attention.MOST_ROWS and x.shape[-2] == rows)))
 
 
+class MadeAtFirstCall:
+    """A block and its launch, made at the block's first call (when the init
+    chain has filled its weights): ``get(f)`` gives ``(block, launch)``, or
+    ``(None, None)`` where the kernel cannot run the block (``fits``).
+    ``make(f)`` makes the block from the call's frame."""
+
+    def __init__(self, runner, make):
+        self.runner, self.make, self.made = runner, make, None
+
+    def get(self, f) -> tuple:
+        if self.made is None:
+            block = self.make(f)
+            self.made = (block, self.runner.launcher(block)) if fits(block) else (None, None)
+        return self.made
+
+
 def fits(block: Block) -> bool:
     """Whether the kernel can run ``block`` at all (shapes, dtypes, layout);
     checked once at load."""

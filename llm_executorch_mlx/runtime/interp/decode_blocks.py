@@ -39,11 +39,12 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from ..gpu.decode import Block, Rotary, Weight, fits
+from ..gpu.decode import Block, MadeAtFirstCall, Rotary, Weight
 from ..pte.graph import node_name, tensor_fields
 from .fusion import GROUP, kept_slots, plan_rope, plan_swiglu, readers_after
 from .grouping import dense_weight
-from .ops.shape import int_list, text
+from .ops.quant import constant_weight
+from .ops.shape import int_list
 from .pairs import try_fuse_pair
 from .ops.table import BUILDERS
 
@@ -87,12 +88,8 @@ def _weight(ctx, instructions: list, j: int):
             return None
         w = view.T
         return op.mat1.idx, lambda f: Weight(w)
-    if not op.transpose or op.biases is None or text(op.mode) not in ("", "affine"):
-        return None
-    if ctx.fixed_constant(op.w.idx) is None or any(s.idx >= ctx.num_constants for s in (op.scales, op.biases)):
-        return None
-    w, s, b, bits, group = op.w.idx, op.scales.idx, op.biases.idx, op.bits, op.groupSize
-    return op.x.idx, lambda f: Weight(f[w], f[s], f[b], bits, group)
+    read = constant_weight(ctx, op)
+    return None if read is None else (op.x.idx, read)
 
 
 def _own(ctx, instructions: list, j: int):
@@ -130,20 +127,15 @@ def _norm_block(ctx, runner, instructions, i, claimed):
     own = {j: _own(ctx, instructions, j) for j in members}
     stashes = [ctx.scratch_slot() for _ in ([epilogue] if swiglu else members)]
     fused = ctx.scratch_slot()
-    made = []
-
-    def block(f):
-        if not made:
-            rotary = None if heads is None else heads.rotary
-            b = Block(tuple(read(f) for read in reads), (None if nw is None else f[nw], eps), epilogue, rotary)
-            made.append((b, runner.launcher(b)) if fits(b) else (None, None))
-        return made[0]
+    rotary = None if heads is None else heads.rotary
+    block = MadeAtFirstCall(runner, lambda f: Block(tuple(read(f) for read in reads),
+                                                    (None if nw is None else f[nw], eps), epilogue, rotary))
 
     position = None if heads is None else heads.position
 
     def first(f):
         xs = f[x]
-        b, launch = block(f)
+        b, launch = block.get(f)
         if b is None or not b.takes(xs):
             f[fused] = False
             own_norm(f)
@@ -286,17 +278,11 @@ def _product_add(ctx, runner, instructions, i, claimed):
         return None  # the residual must hold its value from the product on
     own_product, own_add = _own(ctx, instructions, i), _own(ctx, instructions, a)
     stash = ctx.scratch_slot()
-    made = []
-
-    def block(f):
-        if not made:
-            b = Block((read(f),), None, "add")
-            made.append((b, runner.launcher(b)) if fits(b) else (None, None))
-        return made[0]
+    block = MadeAtFirstCall(runner, lambda f: Block((read(f),), None, "add"))
 
     def first(f):
         xs, r = f[x], f[residual]
-        b, launch = block(f)
+        b, launch = block.get(f)
         if b is None or not b.takes(xs) or r is None or r.dtype != xs.dtype or r.shape != (*xs.shape[:-1], b.rows):
             f[stash] = None
             own_product(f)

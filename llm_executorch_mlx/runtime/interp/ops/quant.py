@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ...errors import PteError
-from ...gpu.decode import Block, Weight, fits
+from ...gpu.decode import Block, MadeAtFirstCall, Weight
 from ...plan import MLX_QMM_ROWS, Layout
 from ..layout import quantized_gather_at
 from .shape import text
@@ -128,15 +128,17 @@ def _quantized_matmul(n, ctx, last_row: bool):
     qmm = mx.quantized_matmul
     plan = ctx.plan
     if not (plan.cpu and transpose and mode == "affine" and biases is not None):
-        kernel = _product_kernel(n, ctx, bits, group_size, mode)
+        kernel = _product_kernel(n, ctx)
 
         def run(f):  # the decode hot path: no helper calls
             xs = f[x]
             if last_row and xs.shape[-2] > 1:
                 xs = xs[..., -1:, :]
-            if kernel is not None and kernel.takes(f, xs):
-                f[out] = kernel.launch(xs)
-                return
+            if kernel is not None:
+                block, launch = kernel.get(f)
+                if block is not None and block.takes(xs):
+                    f[out] = launch(xs)[0]
+                    return
             f[out] = qmm(
                 xs, f[w], f[scales], None if biases is None else f[biases],
                 transpose, group_size, bits, mode,
@@ -176,38 +178,28 @@ def _quantized_matmul(n, ctx, last_row: bool):
     return run
 
 
-class _ProductKernel:
-    """A constant weight's product as ``gpu/decode.py``'s kernel, for the
-    one product no decode block takes (a quantized LM head) in the calls
-    the blocks take (a step's row, a verifying call's few): MLX's
+def _product_kernel(n, ctx) -> MadeAtFirstCall | None:
+    """The plan's decode kernel (``plan.decode_blocks``) for the one
+    product no decode block takes (a quantized LM head), in the calls the
+    blocks take (a step's row, a verifying call's few): MLX's
     ``quantized_matmul`` reads the weights at a fraction of the bandwidth
-    for one row, and once a row for several. Made at the first call, when
-    the init chain has filled the weight."""
-
-    def __init__(self, runner, read):
-        self.runner, self.read, self.made = runner, read, None
-
-    def takes(self, f, x: mx.array) -> bool:
-        if self.made is None:
-            block = self.read(f)
-            self.made = (block, self.runner.launcher(block)) if fits(block) else (None, None)
-        block = self.made[0]
-        return block is not None and block.takes(x)
-
-    def launch(self, x: mx.array) -> mx.array:
-        return self.made[1](x)[0]
-
-
-def _product_kernel(n, ctx, bits: int, group_size: int, mode: str) -> _ProductKernel | None:
-    """The plan's decode kernel for this product (``plan.decode_blocks``),
-    or None: for an affine, transposed product of constant operands."""
-    runner = ctx.plan.decode_blocks
-    if runner is None or not n.transpose or n.biases is None or mode not in ("", "affine"):
+    for one row, and once a row for several. None off that route or for
+    operands that are not constant."""
+    runner, read = ctx.plan.decode_blocks, constant_weight(ctx, n)
+    if runner is None or read is None:
         return None
-    w, s, b = n.w.idx, n.scales.idx, n.biases.idx
-    if ctx.fixed_constant(w) is None or any(slot >= ctx.num_constants for slot in (s, b)):
+    return MadeAtFirstCall(runner, lambda f: Block((read(f),)))
+
+
+def constant_weight(ctx, n):
+    """``read(f) -> Weight`` for a transposed affine product whose operands
+    are constant slots (at most filled by the init chain), else None."""
+    if not n.transpose or n.biases is None or text(n.mode) not in ("", "affine"):
         return None
-    return _ProductKernel(runner, lambda f: Block((Weight(f[w], f[s], f[b], bits, group_size),)))
+    if ctx.fixed_constant(n.w.idx) is None or any(s.idx >= ctx.num_constants for s in (n.scales, n.biases)):
+        return None
+    w, s, b, bits, group = n.w.idx, n.scales.idx, n.biases.idx, n.bits, n.groupSize
+    return lambda f: Weight(f[w], f[s], f[b], bits, group)
 
 
 def _interleaved_matmul(plan, x, w, scales, biases, out, group_size, bits, last_row, where, layout):
