@@ -49,7 +49,7 @@ from llm_executorch_mlx.runtime import plan as plan_module
 from llm_executorch_mlx.runtime import steps as steps_module
 from llm_executorch_mlx.runtime.cpu import extension_ops, fastmath
 from llm_executorch_mlx.runtime.gpu import attention, decode
-from llm_executorch_mlx.runtime.interp import fusion
+from llm_executorch_mlx.runtime.interp import compiled_runs, fusion
 from llm_executorch_mlx.text import generate, store
 
 
@@ -224,6 +224,49 @@ def test_a_decode_step_is_queued_before_the_token_it_feeds_on_is_read(exported, 
     # the first decode step feeds a token already read; each later one is
     # queued before the wait for the token it feeds on
     assert all(events[i + 1:i + 3] == ["submit", "wait"] for i in decodes[1:])
+
+
+def test_a_call_of_several_tokens_is_handed_to_the_device_as_it_is_built(exported, calls, monkeypatch):
+    """On a GPU a call of several tokens built op by op (a prompt's chunk, a
+    speculative try's verifying call) queues what it has built every few
+    layers (up to a layer's attention), so the device computes the first
+    layers while the host builds the rest; the greedy tokens stay
+    transformers'."""
+    model_dir, pte = exported("llama")
+    submitted = []
+    real = plan_module.ON_BUILD
+
+    def submit(*arrays):
+        submitted.append(arrays)
+        real.submit(*arrays)
+
+    monkeypatch.setattr(plan_module, "ON_BUILD", steps_module.Steps(submit, real.wait, True))
+    monkeypatch.setattr(compiled_runs, "SUBMIT_EVERY", 1)
+    program = load_program(pte)
+    cache = program.new_cache(capacity=128, dtype="fp32")
+    forward = program.load_method("forward", cache=cache)
+    execute = forward.execute
+    during = []
+
+    def traced(inputs, last_position_only=False):
+        before = len(submitted)
+        out = execute(inputs, last_position_only)
+        during.append((mx.array(inputs[0]).size, len(submitted) - before, submitted[before:]))
+        return out
+
+    forward.execute = traced
+    prompt = prompt_for()
+    steps = generate.generate_tokens(forward, cache, prompt, 0, program.metadata.prefill_chunk,
+                                     lambda logits, history: mx.argmax(logits, axis=-1), NEW_TOKENS, generate.Timings())
+    tokens = [s.token for s in steps]
+    ref = reference_logits(model_dir, prompt + tokens[:-1])
+    assert tokens == ref[len(prompt) - 1:].argmax(-1).tolist()
+    layers, chunk = program.metadata.n_caches, program.metadata.prefill_chunk
+    several = [(size, n, arrays) for size, n, arrays in during if size > 1]
+    assert [size for size, _, _ in several] == [chunk, len(prompt) - chunk]  # the prompt's two chunks
+    assert all(n == layers for _, n, _ in several)  # one a layer: its attention's output
+    assert all(len(a) == 1 for _, _, arrays in several for a in arrays)
+    assert all(n == 0 for size, n, _ in during if size == 1)  # a one-token step is queued whole
 
 
 @pytest.fixture

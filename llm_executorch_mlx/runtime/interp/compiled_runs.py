@@ -55,6 +55,10 @@ HOST_OPS = frozenset({"UpdateAndAttendNode", ROTATED, "AllSum"})
 # reply's few calls of that length do not pay back: with them compiled,
 # prompt lookup on the 135M model gained less (docs/design.md).
 MOST_ENTRIES = 1
+# a call built op by op on a GPU hands the device what it has built so far
+# after this many layers' attention (``run_checked``'s ``submit``): the
+# device then computes those layers while the host builds the rest
+SUBMIT_EVERY = 4
 
 
 class _NeedsHost(Exception):
@@ -344,8 +348,12 @@ def _record_op(ops: list, recording: _Recording, i: int) -> None:
         raise PteError(f"{ops[i][0]} (instruction {i}) failed: {e}") from None
 
 
-def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None) -> None:
-    """Run ``ops[start:stop]``, turning any failure into a ``PteError`` naming the node."""
+def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None, submit=None) -> None:
+    """Run ``ops[start:stop]``, turning any failure into a ``PteError`` naming
+    the node; with ``submit``, hand it the output of every
+    ``SUBMIT_EVERY``-th op that names it (``run.writes``: a layer's cache
+    write and attention)."""
+    beyond = 0
     for i in range(start, len(ops) if stop is None else stop):
         name, run = ops[i]
         try:
@@ -354,4 +362,9 @@ def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None)
             raise
         except Exception as e:
             raise PteError(f"{name} (instruction {i}) failed: {e}") from None
+        writes = None if submit is None else getattr(run, "writes", None)
+        if writes is not None:
+            beyond += 1
+            if beyond % SUBMIT_EVERY == 0:
+                submit(frame[writes])
 

@@ -615,7 +615,7 @@ class GraphExecutor:
         # compiled runs (a token verified on the host and one sampled)
         if (last_position_only or one_position) and self._main_last_row is not None:
             ops = self._main_last_row
-        run = self._runner(ops, inputs)
+        run = self._runner(ops, inputs, one_position)
         cache = self._ctx.cache
         if cache is None:
             run(f)
@@ -639,14 +639,20 @@ class GraphExecutor:
         return outs
 
 
-    def _runner(self, ops: list[tuple[str, Run]], inputs: list) -> Run:
+    def _runner(self, ops: list[tuple[str, Run]], inputs: list, one_position: bool) -> Run:
         """How this step runs ``ops``: a decode step replays its chain's pure
         runs compiled (``compiled_runs``) once its shape has come twice. The
         first step of a shape runs op by op (a one-off, as a short prompt
-        often is, costs nothing more), the second while it is recorded."""
+        often is, costs nothing more), the second while it is recorded.
+        A call of several positions built op by op where steps are queued as
+        they are built (a GPU's: a speculative try's verifying call, a
+        chunk) is handed to the device a few layers at a time as it is built."""
         shape = None if self._compiled is None else compiled_runs.step_shape(inputs)
         if shape is None:
-            return lambda f: run_checked(ops, f)
+            steps = self._ctx.plan.steps
+            if one_position or not steps.queue_on_build:
+                return lambda f: run_checked(ops, f)
+            return lambda f: run_checked(ops, f, submit=steps.submit)
         key = (id(ops), shape)
         chain = self._compiled.get(key)
         if chain is not None:

@@ -120,6 +120,10 @@ def _build(n, ctx, rotated: RotatedAttention | None) -> Run:
             y = sdpa(Q, K, V, scale=scale, mask=mask)
         f[out] = y if out_dtype is None else y.astype(out_dtype)
 
+    # what a call built op by op hands the device after some layers (a GPU
+    # kernel writes the pools in place: its result, not the pools, depends
+    # on the write; compiled_runs.run_checked)
+    run.writes = out
     if rotated is None and at_array is not None:
         # A GPU's kernel writes the pools in place and reads the position
         # from an array, so a compiled decode step can replay it from its
