@@ -124,6 +124,11 @@ def main():
     drafts = ["none", "ngram"] + ([model] if model else [])
     for draft in drafts:  # load, build the kernels (a verifying call's too: copying proposes), warm
         turn(args.pte, tokenizer, PROMPTS["copy"], draft, 32, args.draft_tokens, args.draft)
+    if rates:  # the fixed rates' verifying calls too (a model of random weights copies nothing)
+        _, _, reply = turn(args.pte, tokenizer, PROMPTS["copy"], "none", 32, args.draft_tokens)
+        for rate in rates:
+            turn(args.pte, tokenizer, PROMPTS["copy"], model or "ngram", 32, args.draft_tokens, args.draft,
+                 lambda drafter, rate=rate: FixedAcceptance(drafter, reply, rate, 0))
     raw = {"machine": info, "pte": str(args.pte), "draft": str(args.draft), "reps": []}
     for rep in range(args.reps):
         runs = {}
