@@ -185,12 +185,32 @@ def test_a_cuda_gpu_runs_the_decode_kernels_unless_turned_off(monkeypatch):
     assert decode.for_device() is None
 
 
+def _greedy_queued_on_build(exported, monkeypatch, submit, wait, around):
+    """Greedy tokens from a prompt of two chunks with a GPU's step queue
+    (``ON_BUILD``) made of ``submit`` and ``wait``, each forward call passed
+    through ``around(execute, inputs, last_position_only)``; they must be
+    transformers' greedy tokens. Returns the program and the prompt's length."""
+    model_dir, pte = exported("llama")
+    monkeypatch.setattr(plan_module, "ON_BUILD", steps_module.Steps(submit, wait, True))
+    program = load_program(pte)
+    cache = program.new_cache(capacity=128, dtype="fp32")
+    forward = program.load_method("forward", cache=cache)
+    execute = forward.execute
+    forward.execute = lambda inputs, last_position_only=False: around(execute, inputs, last_position_only)
+    prompt = prompt_for()
+    steps = generate.generate_tokens(forward, cache, prompt, 0, program.metadata.prefill_chunk,
+                                     lambda logits, history: mx.argmax(logits, axis=-1), NEW_TOKENS, generate.Timings())
+    tokens = [s.token for s in steps]
+    ref = reference_logits(model_dir, prompt + tokens[:-1])
+    assert tokens == ref[len(prompt) - 1:].argmax(-1).tolist()
+    return program, len(prompt)
+
+
 def test_a_decode_step_is_queued_before_the_token_it_feeds_on_is_read(exported, calls, monkeypatch):
     """On a GPU queuing only hands the device work: each decode step is
     queued as soon as it is built, so the device computes it while the host
     reads the token before it and samples; the tokens are those of reading
     first (the transformers greedy reply)."""
-    model_dir, pte = exported("llama")
     events = []
     real = plan_module.ON_BUILD
 
@@ -202,23 +222,11 @@ def test_a_decode_step_is_queued_before_the_token_it_feeds_on_is_read(exported, 
         events.append("wait")
         real.wait(array)
 
-    monkeypatch.setattr(plan_module, "ON_BUILD", steps_module.Steps(submit, wait, True))
-    program = load_program(pte)
-    cache = program.new_cache(capacity=128, dtype="fp32")
-    forward = program.load_method("forward", cache=cache)
-    execute = forward.execute
-
-    def traced(inputs, last_position_only=False):
+    def around(execute, inputs, last_position_only):
         events.append("decode" if isinstance(inputs[0], mx.array) else "prefill")
         return execute(inputs, last_position_only)
 
-    forward.execute = traced
-    prompt = prompt_for()
-    steps = generate.generate_tokens(forward, cache, prompt, 0, program.metadata.prefill_chunk,
-                                     lambda logits, history: mx.argmax(logits, axis=-1), NEW_TOKENS, generate.Timings())
-    tokens = [s.token for s in steps]
-    ref = reference_logits(model_dir, prompt + tokens[:-1])
-    assert tokens == ref[len(prompt) - 1:].argmax(-1).tolist()
+    _greedy_queued_on_build(exported, monkeypatch, submit, wait, around)
     decodes = [i for i, e in enumerate(events) if e == "decode"]
     assert len(decodes) == NEW_TOKENS - 1
     # the first decode step feeds a token already read; each later one is
@@ -232,38 +240,24 @@ def test_a_call_of_several_tokens_is_handed_to_the_device_as_it_is_built(exporte
     layers (up to a layer's attention), so the device computes the first
     layers while the host builds the rest; the greedy tokens stay
     transformers'."""
-    model_dir, pte = exported("llama")
-    submitted = []
+    submitted, during = [], []
     real = plan_module.ON_BUILD
 
     def submit(*arrays):
         submitted.append(arrays)
         real.submit(*arrays)
 
-    monkeypatch.setattr(plan_module, "ON_BUILD", steps_module.Steps(submit, real.wait, True))
-    monkeypatch.setattr(compiled_runs, "SUBMIT_EVERY", 1)
-    program = load_program(pte)
-    cache = program.new_cache(capacity=128, dtype="fp32")
-    forward = program.load_method("forward", cache=cache)
-    execute = forward.execute
-    during = []
-
-    def traced(inputs, last_position_only=False):
+    def around(execute, inputs, last_position_only):
         before = len(submitted)
         out = execute(inputs, last_position_only)
         during.append((mx.array(inputs[0]).size, len(submitted) - before, submitted[before:]))
         return out
 
-    forward.execute = traced
-    prompt = prompt_for()
-    steps = generate.generate_tokens(forward, cache, prompt, 0, program.metadata.prefill_chunk,
-                                     lambda logits, history: mx.argmax(logits, axis=-1), NEW_TOKENS, generate.Timings())
-    tokens = [s.token for s in steps]
-    ref = reference_logits(model_dir, prompt + tokens[:-1])
-    assert tokens == ref[len(prompt) - 1:].argmax(-1).tolist()
+    monkeypatch.setattr(compiled_runs, "SUBMIT_EVERY", 1)
+    program, prompt_len = _greedy_queued_on_build(exported, monkeypatch, submit, real.wait, around)
     layers, chunk = program.metadata.n_caches, program.metadata.prefill_chunk
     several = [(size, n, arrays) for size, n, arrays in during if size > 1]
-    assert [size for size, _, _ in several] == [chunk, len(prompt) - chunk]  # the prompt's two chunks
+    assert [size for size, _, _ in several] == [chunk, prompt_len - chunk]  # the prompt's two chunks
     assert all(n == layers for _, n, _ in several)  # one a layer: its attention's output
     assert all(len(a) == 1 for _, _, arrays in several for a in arrays)
     assert all(n == 0 for size, n, _ in during if size == 1)  # a one-token step is queued whole
