@@ -353,7 +353,7 @@ def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None,
     the node; with ``submit``, hand it the output of every
     ``SUBMIT_EVERY``-th op that names it (``run.writes``: a layer's cache
     write and attention)."""
-    beyond = 0
+    named = 0  # ops passed that name their output
     for i in range(start, len(ops) if stop is None else stop):
         name, run = ops[i]
         try:
@@ -364,7 +364,7 @@ def run_checked(ops: list, frame: list, start: int = 0, stop: int | None = None,
             raise PteError(f"{name} (instruction {i}) failed: {e}") from None
         writes = None if submit is None else getattr(run, "writes", None)
         if writes is not None:
-            beyond += 1
-            if beyond % SUBMIT_EVERY == 0:
+            named += 1
+            if named % SUBMIT_EVERY == 0:
                 submit(frame[writes])
 
