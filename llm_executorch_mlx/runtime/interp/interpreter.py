@@ -520,6 +520,10 @@ class GraphExecutor:
         self.node_names = [name for name, _ in self._main]
         # decode steps' chains with their pure runs compiled, by (chain, step shape)
         self._compiled: dict[tuple, CompiledChain] | None = {} if ctx.plan.compiles_steps else None
+        # where steps are queued as built (a GPU), a call of several positions
+        # built op by op is queued in parts as it is built (_runner)
+        steps = ctx.plan.steps
+        self._submit_as_built = steps.submit if steps.queue_on_build else None
 
         template = [None] * ctx.frame_size
         template[: len(constants)] = constants
@@ -649,10 +653,8 @@ class GraphExecutor:
         chunk) is handed to the device a few layers at a time as it is built."""
         shape = None if self._compiled is None else compiled_runs.step_shape(inputs)
         if shape is None:
-            steps = self._ctx.plan.steps
-            if one_position or not steps.queue_on_build:
-                return lambda f: run_checked(ops, f)
-            return lambda f: run_checked(ops, f, submit=steps.submit)
+            submit = None if one_position else self._submit_as_built
+            return lambda f: run_checked(ops, f, submit=submit)
         key = (id(ops), shape)
         chain = self._compiled.get(key)
         if chain is not None:
