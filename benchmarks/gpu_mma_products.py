@@ -20,11 +20,12 @@ eight rows:
 
 Each column sums in the same order whatever the other columns hold, so a
 row of a call of several gets the bits a call of that row alone gets.
-``--check`` compares both kernels with MLX's ``quantized_matmul`` (fp32),
-then ncu times each launch (clocks and caches left alone; one kernel at a
-time, so a launch's start and finish count): the 1B shape's gate + up, q +
-k + v and output products, for 1 to 8 rows. ``down`` (K = 8192) is left out:
-eight of its rows of x do not fit a block's 48 KB of shared memory as staged.
+The script compares both kernels with MLX's ``quantized_matmul`` (fp32),
+then ncu times each launch (clocks left alone, caches flushed before
+each, so the weights come from DRAM; one kernel at a time, so a launch's
+start and finish count): the 1B shape's gate + up, q + k + v and output
+products, for 1 to 8 rows. ``down`` (K = 8192) is left out: eight of its
+rows of x do not fit a block's 48 KB of shared memory as staged.
 
     python benchmarks/gpu_mma_products.py            # on the GPU machine: check, then times
     python benchmarks/gpu_mma_products.py --no-time  # the check alone
