@@ -65,10 +65,15 @@ TILES_A_BLOCK = 4  # 16-row tiles a block's warps take, over all splits
 UNROLL = 4  # k-tiles (128 values) whose loads a lane has in flight
 
 
+def tiles_a_block(split: int) -> int:
+    """16-row tiles a block takes, ``split`` warps each."""
+    return max(1, TILES_A_BLOCK // split)
+
+
 def source(k: int, n: int, rows: int, split: int) -> str:
-    """The kernel's body: ``TILES_A_BLOCK // split`` 16-row tiles a block,
+    """The kernel's body: ``tiles_a_block(split)`` 16-row tiles a block,
     ``split`` warps a tile, each taking every ``split``-th k-tile."""
-    tiles = max(1, TILES_A_BLOCK // split)
+    tiles = tiles_a_block(split)
     return f"""
 constexpr int K = {k}, N = {n}, P = {rows}, SPLIT = {split}, RT = {tiles}, U = {UNROLL};
 constexpr int GROUPS = K / 32, TILES = K / 128, NT = (P + 1) / 2, THREADS = RT * SPLIT * 32;
@@ -78,12 +83,18 @@ __shared__ float joins[SPLIT > 1 ? THREADS * 2 * NT : 1];
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
 const int part = warp % SPLIT, R0 = (blockIdx.x * RT + warp / SPLIT) * 16 + g, R1 = R0 + 8;
 const uint4* w4 = reinterpret_cast<const uint4*>(w);
-uint4 qa[U], qb[U];  // the first k-tiles' loads, in flight while x is staged
-#pragma unroll
-for (int u = 0; u < U; ++u) {{
-  const int tile = part + u * SPLIT;
-  if (tile < TILES) {{ qa[u] = w4[size_t(R0) * GROUPS + tile * 4 + t]; qb[u] = w4[size_t(R1) * GROUPS + tile * 4 + t]; }}
-}}
+uint4 qa[U], qb[U];
+auto load = [&](int tile0) {{  // U k-tiles of the lane's two rows, from tile0 on
+  #pragma unroll
+  for (int u = 0; u < U; ++u) {{
+    const int tile = tile0 + u * SPLIT;
+    if (tile < TILES) {{
+      qa[u] = w4[size_t(R0) * GROUPS + tile * 4 + t];
+      qb[u] = w4[size_t(R1) * GROUPS + tile * 4 + t];
+    }}
+  }}
+}};
+load(part);  // the first loads in flight while x is staged
 for (int u = tid; u < P * K / 8; u += THREADS) {{
   const uint4 v = reinterpret_cast<const uint4*>(x)[u];
   xs[u * 2] = make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
@@ -104,13 +115,7 @@ __syncthreads();
 float acc[2][NT] = {{}};  // rows R0, R1 of y for x rows 2 * nt + t / 2 (half of their groups)
 const bool gives = t == (g & 3);  // this lane's group is its B column's
 for (int tile0 = part; tile0 < TILES; tile0 += SPLIT * U) {{
-  if (tile0 != part) {{
-    #pragma unroll
-    for (int u = 0; u < U; ++u) {{
-      const int tile = tile0 + u * SPLIT;
-      if (tile < TILES) {{ qa[u] = w4[size_t(R0) * GROUPS + tile * 4 + t]; qb[u] = w4[size_t(R1) * GROUPS + tile * 4 + t]; }}
-    }}
-  }}
+  if (tile0 != part) load(tile0);
   #pragma unroll
   for (int u = 0; u < U; ++u) {{
     const int tile = tile0 + u * SPLIT;
@@ -161,13 +166,19 @@ for (int nt = 0; nt < NT; ++nt) {{  // lanes t and t ^ 1 hold the two halves of 
 }}
 if (SPLIT > 1) {{  // join the warps of a tile, in order
   #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {{ joins[(tid * 2) * NT + nt] = acc[0][nt]; joins[(tid * 2 + 1) * NT + nt] = acc[1][nt]; }}
+  for (int nt = 0; nt < NT; ++nt) {{
+    joins[(tid * 2) * NT + nt] = acc[0][nt];
+    joins[(tid * 2 + 1) * NT + nt] = acc[1][nt];
+  }}
   __syncthreads();
   if (part != 0) return;
   #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {{
     float j0 = 0.f, j1 = 0.f;
-    for (int q = 0; q < SPLIT; ++q) {{ j0 += joins[((tid + q * 32) * 2) * NT + nt]; j1 += joins[((tid + q * 32) * 2 + 1) * NT + nt]; }}
+    for (int q = 0; q < SPLIT; ++q) {{
+      j0 += joins[((tid + q * 32) * 2) * NT + nt];
+      j1 += joins[((tid + q * 32) * 2 + 1) * NT + nt];
+    }}
     acc[0][nt] = j0;
     acc[1][nt] = j1;
   }}
@@ -176,7 +187,10 @@ if (t & 1) return;
 #pragma unroll
 for (int nt = 0; nt < NT; ++nt) {{
   const int xr = nt * 2 + (t >> 1);
-  if (xr < P) {{ y[size_t(xr) * N + R0] = static_cast<T>(acc[0][nt]); y[size_t(xr) * N + R1] = static_cast<T>(acc[1][nt]); }}
+  if (xr < P) {{
+    y[size_t(xr) * N + R0] = static_cast<T>(acc[0][nt]);
+    y[size_t(xr) * N + R1] = static_cast<T>(acc[1][nt]);
+  }}
 }}
 """
 
@@ -192,8 +206,8 @@ def mma_product(mx, x, w, s, b, split: int):
     if key not in _KERNELS:
         _KERNELS[key] = mx.fast.cuda_kernel(name=f"mma_q4_rows{rows}", input_names=["x", "w", "s", "b"],
                                             output_names=["y"], source=source(*key), header=HEADER)
-    threads = max(1, TILES_A_BLOCK // split) * split * 32
-    blocks = n // 16 // max(1, TILES_A_BLOCK // split)
+    threads = tiles_a_block(split) * split * 32
+    blocks = n // 16 // tiles_a_block(split)
     return _KERNELS[key](inputs=[x, w, s, b], template=[("T", x.dtype)], output_shapes=[(rows, n)],
                          output_dtypes=[x.dtype], grid=(blocks * threads, 1, 1), threadgroup=(threads, 1, 1))[0]
 
@@ -206,7 +220,11 @@ def run(args) -> None:
 
     from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, Weight
 
-    end = mx.fast.cuda_kernel(name="mark_end", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
+    def mark(label: str) -> None:  # a launch ncu lists by its name, between the timed ones
+        kernel = mx.fast.cuda_kernel(name=f"mark_{label}", input_names=["a"], output_names=["o"], source="o[0] = a[0];")
+        mx.eval(kernel(inputs=[mx.zeros((1,))], template=[], output_shapes=[(1,)], output_dtypes=[mx.float32],
+                       grid=(1, 1, 1), threadgroup=(1, 1, 1))[0])
+
     key = mx.random.key(0)
     for name, (n, k, split) in SHAPES.items():
         key, k1, k2 = mx.random.split(key, 3)
@@ -226,15 +244,11 @@ def run(args) -> None:
                   f"its own call: {'the same bits' if alone else 'OTHER BITS'}", flush=True)
             if not args.launches:
                 continue
-            marker = mx.fast.cuda_kernel(name=f"mark_{name.replace('+', '_')}_{rows}", input_names=["a"],
-                                         output_names=["o"], source="o[0] = a[0];")
-            mx.eval(marker(inputs=[mx.zeros((1,))], template=[], output_shapes=[(1,)], output_dtypes=[mx.float32],
-                           grid=(1, 1, 1), threadgroup=(1, 1, 1))[0])
+            mark(f"{name.replace('+', '_')}_{rows}")
             for _ in range(args.launches):
                 mx.eval(current(x.reshape(1, rows, k))[0])
                 mx.eval(mma_product(mx, x, w, s, b, split))
-            mx.eval(end(inputs=[mx.zeros((1,))], template=[], output_shapes=[(1,)], output_dtypes=[mx.float32],
-                        grid=(1, 1, 1), threadgroup=(1, 1, 1))[0])
+            mark("end")
             mx.synchronize()
 
 
@@ -255,7 +269,8 @@ def summarize(text: str) -> None:
             label = name.split("mark_")[1].split("_float")[0]
         elif label is not None:
             times[label]["tensor cores" if "mma_q4" in name else "decode-step kernel"].append(us)
-    print("| shape | rows of x | decode-step kernel µs | tensor cores µs | kernel ÷ tensor cores |\n|---|---|---|---|---|")
+    print("| shape | rows of x | decode-step kernel µs | tensor cores µs | kernel ÷ tensor cores |\n"
+          "|---|---|---|---|---|")
     for label, by in times.items():
         shape, rows = label.rsplit("_", 1)
         ours, cores = statistics.median(by["decode-step kernel"]), statistics.median(by["tensor cores"])
