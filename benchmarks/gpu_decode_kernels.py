@@ -15,6 +15,9 @@ real-model shapes:
 - **a few rows**: a launch of ``FEW`` rows of ``x`` (a verifying call's)
   agrees with MLX's ops as one row does, and each of its rows has the bits
   a launch of that row alone gives (at its own position where rotated);
+  on tensor cores (``tensor_cores.py``: 4-bit weights, 16-bit x), which
+  one-row launches do not take, the bits that row gets first in a launch
+  of two;
   the attention kernel's rows likewise, against one-row launches at
   successive positions and against MLX's SDPA with a causal mask;
 - **time** (``--time``): a decode step's four blocks at Llama-3.2-1B's shape,
@@ -40,8 +43,9 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx  # noqa: E402
 
-from llm_executorch_mlx.runtime.gpu import attention  # noqa: E402
-from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight, fits  # noqa: E402
+from llm_executorch_mlx.runtime.gpu import attention, tensor_cores  # noqa: E402
+from llm_executorch_mlx.runtime.gpu.decode import (  # noqa: E402
+    Block, CudaKernels, MlxOps, Rotary, Weight, fits, tensor_cores_here)
 
 # largest |kernel - MLX| / largest |MLX output|: a few units in the last place of each dtype
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 2e-2}
@@ -59,6 +63,8 @@ def weight(rows: int, k: int, dtype, bits: int, group: int, key) -> Weight:
 KINDS = ((0, 0), (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128))  # (bits, group); 0 bits: dense
 REAL, ODD = (2048, (2048, 512, 512)), (1536, (100, 36, 36))  # (K, rows): Llama-3.2-1B's q, k, v; odd rows
 LONG = (8192, (300,))  # Llama-3.2-1B's down product's K (a row split between warps), odd rows
+# SmolLM2-135M's q, k, v and down product: a K that is no whole number of a tensor-core tile's 128 values
+SMALL, SMALL_DOWN = (576, (576, 192, 192)), (1536, (576,))
 FEW = 5  # rows of x in a few-row launch: more than some blocks stage at once (several passes)
 
 
@@ -68,7 +74,9 @@ def cases():
     real and an odd shape, the real one also split into heads of 64 with
     the first two rotated; fp16 and fp32 at the odd one; every kind in bf16
     at a long K (a product and its add, SwiGLU's pair of rows); a quantized
-    product alone (an LM head's kernel, ``ops/quant.py``)."""
+    product alone (an LM head's kernel, ``ops/quant.py``); 4-bit blocks of
+    SmolLM2-135M's shapes in bf16 and fp16, and Llama-3.2-1B's down product
+    (the tensor cores' route for several rows)."""
     chosen = [(mx.bfloat16, kind, shape) for kind in KINDS for shape in (REAL, ODD)]
     chosen += [(mx.float16, kind, ODD) for kind in ((0, 0), (4, 32))]
     chosen += [(mx.float32, kind, ODD) for kind in ((0, 0), (8, 128))]
@@ -87,11 +95,19 @@ def cases():
         yield f"{label} 1+add", mx.bfloat16, bits, group, k, rows, False, "add", 0
         yield f"{label} norm+2+swiglu", mx.bfloat16, bits, group, k, rows * 2, True, "swiglu", 0
     yield "bf16 dense K=576 2 products", mx.bfloat16, 0, 0, 576, (192, 192), False, "", 0
+    for dtype, group in ((mx.bfloat16, 32), (mx.bfloat16, 64), (mx.float16, 32)):
+        label = f"{NAMES[dtype]} q4g{group}"
+        (k, rows), (down_k, down_rows) = SMALL, SMALL_DOWN
+        yield f"{label} K={k} norm+3+rope", dtype, 4, group, k, rows, True, "", 64
+        yield f"{label} K={k} norm+2+swiglu", dtype, 4, group, k, (down_k,) * 2, True, "swiglu", 0
+        yield f"{label} K={down_k} 1+add", dtype, 4, group, down_k, down_rows, False, "add", 0
+    # Llama-3.2-1B's down product: on tensor cores, a block stages fewer rows than FEW at once
+    yield "bf16 q4g32 K=8192 1+add", mx.bfloat16, 4, 32, 8192, (2048,), False, "add", 0
     yield "fp16 dense K=576 2 products+rope D=128", mx.float16, 0, 0, 576, (256, 128), False, "", 128
 
 
 def check(args) -> list[dict]:
-    kernels, ops = CudaKernels(), MlxOps()
+    kernels, ops = CudaKernels(tensor_cores_here()), MlxOps()
     results = []
     key = mx.random.key(args.seed)
     for name, dtype, bits, group, k, rows, norm, epilogue, head in cases():
@@ -128,24 +144,28 @@ def check(args) -> list[dict]:
 
 def check_rows(name: str, block: Block, kernels, ops, dtype, position, key) -> dict:
     """``FEW`` rows of x in one launch: against MLX's ops, and row by row
-    against one-row launches (bitwise)."""
+    (bitwise) against one-row launches, or on tensor cores (which one-row
+    launches do not take) against the row first in a launch of two rows."""
     x = mx.random.normal((1, FEW, block.k), key=key).astype(dtype)
     residual = mx.random.normal((1, FEW, block.rows), key=key).astype(dtype) if block.epilogue == "add" else None
     launch = kernels.launcher(block)
     ours = launch(x, residual, position)
     reference = ops.launcher(block)(x, residual, position)
     axis = 2 if block.rotary else 1  # rows of an output in heads: [1, heads, rows, dims]
-    alone = [launch(x[:, m:m + 1], None if residual is None else residual[:, m:m + 1],
+    mma = kernels.on_tensor_cores(block) and dtype in tensor_cores.DTYPES
+    with_row = (lambda a, m: mx.concatenate([a[:, m:m + 1]] * 2, axis=1)) if mma else (lambda a, m: a[:, m:m + 1])
+    alone = [launch(with_row(x, m), None if residual is None else with_row(residual, m),
                     None if position is None else position + m) for m in range(FEW)]
-    singles = [mx.concatenate([a[i] for a in alone], axis=axis) for i in range(len(ours))]
+    singles = [mx.concatenate([mx.take(a[i], mx.array([0]), axis=axis) for a in alone], axis=axis)
+               for i in range(len(ours))]
     mx.eval(ours, reference, singles)
     error = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in zip(ours, reference))
     scale = max(float(mx.abs(b.astype(mx.float32)).max()) for b in reference)
     same = all(a.shape == b.shape and bool(mx.array_equal(a, b)) for a, b in zip(ours, singles))
     ok = same and error <= TOLERANCE[dtype] * scale
-    print(f"{'ok  ' if ok else 'FAIL'} {name:40s} error/scale {error / scale:.2e}"
-          f"{'' if same else '  ROWS DIFFER FROM ONE-ROW LAUNCHES'}", flush=True)
-    return {"case": name, "relative_error": error / scale, "rows_as_alone": same, "ok": ok}
+    print(f"{'ok  ' if ok else 'FAIL'} {name + (' tensor cores' if mma else ''):40s} error/scale {error / scale:.2e}"
+          f"{'' if same else '  ROWS DIFFER FROM THEIR LAUNCHES ALONE'}", flush=True)
+    return {"case": name, "tensor_cores": mma, "relative_error": error / scale, "rows_as_alone": same, "ok": ok}
 
 
 def check_attention(seed: int) -> dict:
@@ -214,7 +234,7 @@ def timing(args) -> list[dict]:
             nbytes = sum(w.w.nbytes + (w.scales.nbytes + w.biases.nbytes if w.bits else 0) for w in block.weights)
             name = name if rows == 1 else f"{name} x{rows}"
             row = {"weights": label, "block": name, "bytes": nbytes}
-            for engine, runner in (("kernel", CudaKernels()), ("mlx_ops", MlxOps())):
+            for engine, runner in (("kernel", CudaKernels(tensor_cores_here())), ("mlx_ops", MlxOps())):
                 launch = runner.launcher(block)
                 mx.eval(launch(x, residual, position))
                 best = float("inf")

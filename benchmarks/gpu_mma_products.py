@@ -229,7 +229,7 @@ def run(args) -> None:
     for name, (n, k, split) in SHAPES.items():
         key, k1, k2 = mx.random.split(key, 3)
         w, s, b = mx.quantize((mx.random.normal((n, k), key=k1) * 0.02).astype(mx.bfloat16), group_size=32, bits=4)
-        current = CudaKernels().launcher(Block((Weight(w, s, b, 4, 32),)))
+        current = CudaKernels(False).launcher(Block((Weight(w, s, b, 4, 32),)))
         for rows in args.rows:
             x = mx.random.normal((rows, k), key=k2).astype(mx.bfloat16)
             ref = mx.quantized_matmul(x.astype(mx.float32), w, s.astype(mx.float32), b.astype(mx.float32),

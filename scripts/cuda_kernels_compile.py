@@ -4,8 +4,8 @@
 
 A GPU is lent for minutes at a time; a kernel that does not compile, or
 spills its registers, should not cost one of them. This makes every
-kernel ``runtime/gpu/decode.py`` and ``runtime/gpu/attention.py`` launch
-(the decode blocks of ``benchmarks/gpu_decode_kernels.py``'s cases, the
+kernel ``runtime/gpu/decode.py`` (with ``tensor_cores.py``) and
+``runtime/gpu/attention.py`` launch (the decode blocks of ``benchmarks/gpu_decode_kernels.py``'s cases, the
 attention kernel in every dtype at head sizes 64 and 128), writes each as
 MLX's CUDA backend would hand it to NVRTC (``mx.fast.cuda_kernel``'s
 wrapper: ``mlx/backend/cuda/custom_kernel.cpp``, ``build_kernel``), and
@@ -86,11 +86,12 @@ def record_all() -> list[tuple[str, str]]:
         weights = tuple(cases.weight(n, k, dtype, bits, group, key) for n in rows)
         rotary = Rotary(head, 500000.0 ** (mx.arange(0, head, 2) / head), 2) if head else None
         block = Block(weights, (mx.ones((k,), dtype), 1e-5) if norm else None, epilogue, rotary)
-        launch = CudaKernels().launcher(block)
-        for rows_x in (1, cases.FEW):  # a one-row launch's kernel and a few rows'
+        # a one-row launch's kernel and a few rows', on FMAs and (where they fit) on tensor cores
+        for tensor_cores, rows_x in ((False, 1), (False, cases.FEW), (True, cases.FEW)):
             residual = mx.zeros((1, rows_x, rows[0]), dtype) if epilogue == "add" else None
-            launch(mx.zeros((1, rows_x, k), dtype), residual, mx.array(5, mx.int32) if head else None)
-    return Recorded.sources
+            CudaKernels(tensor_cores).launcher(block)(mx.zeros((1, rows_x, k), dtype), residual,
+                                                      mx.array(5, mx.int32) if head else None)
+    return list(dict.fromkeys(Recorded.sources))  # each kernel once
 
 
 def main(argv=None) -> int:

@@ -399,3 +399,31 @@ def test_the_decode_kernels_refuse_blocks_they_cannot_read():
     assert not decode.fits(decode.Block((dense(8, 16384, mx.float32),), None))  # x past shared memory
     w, s, b = mx.quantize(mx.zeros((8, 64)), group_size=64, bits=3)
     assert not decode.fits(decode.Block((decode.Weight(w, s, b, 3, 64),), None))  # 3-bit words
+
+
+def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes():
+    """A call of several rows (a verifying call) runs 4-bit blocks of
+    SmolLM2-135M's and Llama-3.2-1B's shapes on tensor cores where the GPU
+    has them, and the FMA kernels otherwise: for 8-bit weights, for output
+    rows the 16-row tiles do not divide, and on a GPU without them."""
+    def q(n, k, bits=4, group=32):
+        w, s, b = mx.quantize(mx.zeros((n, k)), group_size=group, bits=bits)
+        return decode.Weight(w, s, b, bits, group)
+
+    def blocks(hidden, q_rows, kv_rows, inner, head, bits=4, group=32):
+        norm = (mx.ones((hidden,)), 1e-5)
+        rotary = decode.Rotary(head, mx.ones((head // 2,)), 2)
+        return [decode.Block((q(q_rows, hidden, bits, group), q(kv_rows, hidden, bits, group),
+                              q(kv_rows, hidden, bits, group)), norm, "", rotary),
+                decode.Block((q(hidden, q_rows, bits, group),), None, "add"),
+                decode.Block((q(inner, hidden, bits, group), q(inner, hidden, bits, group)), norm, "swiglu"),
+                decode.Block((q(hidden, inner, bits, group),), None, "add")]
+
+    smollm2, llama_1b = blocks(576, 576, 192, 1536, 64), blocks(2048, 2048, 512, 8192, 64, group=64)
+    for block in smollm2 + llama_1b:
+        assert decode.fits(block)
+        assert decode.CudaKernels(True).on_tensor_cores(block)
+        assert not decode.CudaKernels(False).on_tensor_cores(block)
+    for block in blocks(576, 576, 192, 1536, 64, bits=8):
+        assert not decode.CudaKernels(True).on_tensor_cores(block)
+    assert not decode.CudaKernels(True).on_tensor_cores(decode.Block((q(100, 576),), None, "add"))

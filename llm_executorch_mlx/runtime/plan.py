@@ -164,9 +164,11 @@ class Plan:
         call of that token alone gets, as close as greedy choices need: on
         the CPU, whose products sum each row in fp32 whatever the rows (in
         another order from some row count on: BLAS, AMX tiles); a GPU
-        runs other kernels (a GEMM's tiles, not a GEMV's) for several rows,
-        so a token decided there may differ where the top two logits are
-        within rounding (speculative decoding, ``generate.speculate``)."""
+        runs other kernels for several rows (tensor cores for 4-bit
+        products, ``gpu/tensor_cores.py``; MLX's GEMMs where no decode
+        kernel applies), so a token decided there may differ where the top
+        two logits are within rounding (speculative decoding,
+        ``generate.speculate``)."""
         return self.cpu
 
     @property

@@ -6,7 +6,10 @@ time to build and to encode whatever the GPU then does with it. One row of
 element-wise work on that row, so one kernel can take them along. A call
 of a few rows (speculative decoding's verifying call, a short chunk) takes
 the same kernels, each weight load serving every row, and each row gets
-the bits a call of that row alone gets (its sums in the same order):
+the bits a call of that row alone gets (its sums in the same order); but
+against 4-bit weights, 16-bit rows go to tensor cores where the GPU has
+them (``tensor_cores.py``: a few rows for about one row's time, each row
+summed in another order than the one-row kernel's). A block is:
 
 - ``norm``: RMSNorm of ``x`` first (the layer's input norm), each block
   normalising its own copy of ``x`` in shared memory;
@@ -39,7 +42,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import attention
+from . import attention, tensor_cores
 from .source import compact
 
 # 16-byte weight loads a lane has in flight at most, dense and quantized: about
@@ -469,7 +472,12 @@ def _product(x, w: Weight):
 
 class CudaKernels:
     """``Block``s as one custom CUDA kernel each (``mx.fast.cuda_kernel``),
-    compiled by MLX at first use, one per shape and dtype."""
+    compiled by MLX at first use, one per shape and dtype. With
+    ``tensor_cores`` (an sm_80 GPU or later), a call of several rows of
+    16-bit x against 4-bit weights takes them (``tensor_cores.py``)."""
+
+    def __init__(self, tensor_cores: bool):
+        self.tensor_cores = tensor_cores
 
     def launcher(self, block: Block):
         """``launch(x, residual=None) -> outputs`` for ``block``: all but
@@ -485,6 +493,7 @@ class CudaKernels:
             weights.append(rotary.freqs)
         signature = _signature(block)
         one, few = _kernel(signature + (0,)), _kernel(signature + (_pass_rows(block, signature[-1]),))
+        mma = _tensor_core_kernel(signature) if self.on_tensor_cores(block) else None
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
         scale_type = [("S", first.scales.dtype)] if first.bits else []
 
@@ -499,12 +508,20 @@ class CudaKernels:
                 inputs.append(residual)
             if position is not None:
                 inputs.append(position)
-            kernel, grid, threads = one if x.size == block.k else few
+            if x.size == block.k:
+                kernel, grid, threads = one
+            else:
+                kernel, grid, threads = mma if mma is not None and x.dtype in tensor_cores.DTYPES else few
             return kernel(inputs=inputs, template=[("T", x.dtype), *scale_type],
                           output_shapes=shapes(x.shape[:-1]), output_dtypes=[x.dtype] * len(width),
                           grid=grid, threadgroup=threads)
 
         return launch
+
+    def on_tensor_cores(self, block: Block) -> bool:
+        """Whether a launch of several rows of 16-bit x (``tensor_cores.
+        DTYPES``) runs ``block`` on tensor cores."""
+        return self.tensor_cores and _tensor_cores_fit(_signature(block))
 
     def update_and_attend(self, scale: float):
         """A flat cache layer's write and attention as one kernel (``attention.py``)."""
@@ -568,16 +585,7 @@ def _kernel(signature: tuple):
     ``_rows_a_block`` work items a block (output rows; a rotated pair of
     rows counts once), ``split`` warps an item."""
     rows, k, bits, group, norm, epilogue, rotary, split, pass_rows = signature
-    names = ["x"] + (["norm_w"] if norm and norm[0] else [])
-    for i in range(len(rows)):
-        names += [f"w{i}"] if not bits else [f"w{i}", f"s{i}", f"b{i}"]
-    if rotary:
-        names.append("freqs")
-    if epilogue == "add":
-        names.append("residual")
-    if rotary:
-        names.append("position")
-    outputs = ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
+    names, outputs = _names(rows, bits, norm, epilogue, rotary)
     total = rows[0] if epilogue == "swiglu" else sum(_items(rows, rotary))
     source = _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows)
     name = f"pte_decode_{'q%d' % bits if bits else 'dense'}_{epilogue or 'plain'}"
@@ -592,6 +600,86 @@ def _kernel(signature: tuple):
     if pass_rows:
         blocks = min(blocks, FEW_ROWS_BLOCKS)
     threads = per_block * split * 32
+    return kernel, (blocks * threads, 1, 1), (threads, 1, 1)
+
+
+def _names(rows, bits, norm, epilogue, rotary) -> tuple[list[str], list[str]]:
+    """A block kernel's input and output names, in the order ``launch``
+    passes them."""
+    names = ["x"] + (["norm_w"] if norm and norm[0] else [])
+    for i in range(len(rows)):
+        names += [f"w{i}"] if not bits else [f"w{i}", f"s{i}", f"b{i}"]
+    if rotary:
+        names.append("freqs")
+    if epilogue == "add":
+        names.append("residual")
+    if rotary:
+        names.append("position")
+    return names, ["out0"] if epilogue else [f"out{i}" for i in range(len(rows))]
+
+
+def _stage(norm, values: str) -> str:
+    """A ``stage_x`` call for row ``p`` of the pass (``m0``) in pieces of
+    ``values`` values, up to its lambda: the block's copy of that row of x,
+    normalised where ``norm``."""
+    has_weight = bool(norm and norm[0])
+    return (f"stage_x<T, K, THREADS, {values}, {(2 if has_weight else 1) if norm else 0}>"
+            f"(x + size_t(m0 + p) * K, {'norm_w' if has_weight else 'x'}, {float(norm[1]) if norm else 0.0!r}f, "
+            "squares, tid, ")
+
+
+def _paired(rows, epilogue, rotary) -> tuple[list[int], list[bool]]:
+    """Each output's work items (SwiGLU's: one, its gate and up rows paired)
+    and whether an item is a pair of rows."""
+    if epilogue == "swiglu":
+        return [rows[0]], [True]
+    rotated = rotary[1] if rotary else 0
+    return _items(rows, rotary), [i < rotated for i in range(len(rows))]
+
+
+def _tensor_cores_fit(signature: tuple) -> bool:
+    """Whether ``tensor_cores.py`` takes a block that ``fits``. Its shared
+    memory needs no check: a pass of one 16-bit row there takes less than
+    the one row of floats the FMA kernel stages, which ``fits`` bounds."""
+    rows, k, bits, group, _, epilogue, rotary, _ = signature
+    return tensor_cores.fits(*_paired(rows, epilogue, rotary), k, bits, group, rotary[0] // 2 if rotary else 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_core_kernel(signature: tuple):
+    """``(kernel, grid, threadgroup)`` for a launch of several rows of x on
+    tensor cores (``tensor_cores.py``), where ``_tensor_cores_fit``."""
+    rows, k, bits, group, norm, epilogue, rotary, _ = signature
+    names, outputs = _names(rows, bits, norm, epilogue, rotary)
+    items, paired = _paired(rows, epilogue, rotary)
+    groups = k // group
+
+    def at(side, w, row):  # A's rows g (side a) or g + 8 (side b): a weight row, its scales and biases
+        return (f"p{side} = reinterpret_cast<const uint4*>(w{w} + size_t({row}) * (K / 8)); "
+                f"s{side} = s{w} + size_t({row}) * {groups}; b{side} = b{w} + size_t({row}) * {groups};")
+
+    pointers, start = [], 0
+    for i, count in enumerate(items):
+        first = f"(item0 - {start})"
+        if epilogue == "swiglu":
+            pointers.append(at("a", 0, f"{first} + g") + " " + at("b", 1, f"{first} + g"))
+        elif paired[i]:  # the pair (a, a + half) of a head's rows
+            half = rotary[0] // 2
+            pointers.append(f"const int pr = {first} + g, a = pr / {half} * {rotary[0]} + pr % {half}; "
+                            + at("a", i, "a") + " " + at("b", i, f"a + {half}"))
+        else:
+            pointers.append(at("a", i, f"{first} + g") + " " + at("b", i, f"{first} + 8 + g"))
+        start += count
+    pass_rows = tensor_cores.pass_rows(k, norm is not None, SHARED_BYTES)
+    lines = [f"__shared__ float squares[{'K * sizeof(T) / 16' if norm else 1}];"]
+    if rotary:  # as in _source
+        lines += ["__shared__ int position0;", "if (tid == 0) position0 = position[0];"]
+    source = tensor_cores.source(k, group, lines, _stage(norm, "8"), pointers, items, paired, pass_rows,
+                                 _epilogue(rows, epilogue, rotary, "v"))
+    name = f"pte_decode_mma_q{bits}_{epilogue or 'plain'}"
+    kernel = mx.fast.cuda_kernel(name=name, input_names=names, output_names=outputs, source=compact(source),
+                                 header=_HEADERS[True] + compact(tensor_cores.HEADER))
+    blocks, threads = tensor_cores.grid(items, paired)
     return kernel, (blocks * threads, 1, 1), (threads, 1, 1)
 
 
@@ -625,7 +713,6 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
     warp writes each row (the epilogue). A row is summed in the same order
     in either kernel."""
     n = len(rows)
-    has_weight = bool(norm and norm[0])
     per_block = _rows_a_block(split, pass_rows > 0)
     lines = [
         f"constexpr int K = {k}, SPLIT = {split}, THREADS = {per_block * split * 32}, P = {max(pass_rows, 1)};",
@@ -645,9 +732,7 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
     else:
         lines += ["constexpr int M = 1;", f"const int r = blockIdx.x * {per_block} + warp / SPLIT;"]
     lines += _prefetch(rows, k, bits, epilogue, rotary)
-    stage = (f"stage_x<T, K, THREADS, V, {(2 if has_weight else 1) if norm else 0}>"
-             f"(x + size_t(m0 + p) * K, {'norm_w' if has_weight else 'x'}, {float(norm[1]) if norm else 0.0!r}f, "
-             "squares, tid, ")
+    stage = _stage(norm, "V")
     if bits:
         # x as floats in padded chunks, each chunk's sum beside (dot_quantized):
         # staged 16 bytes of x a thread, as for dense weights, then each chunk
@@ -746,17 +831,30 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
         f"if (r < {total} && part == 0 && lane == 0) for (int p = 0; p < here; ++p) {{",
         "const int m = m0 + p;",
     ]
-    # the epilogue, by the item's first lane, for row m of x
+    lines += _epilogue(rows, epilogue, rotary, "acc[p]")  # by the item's first lane, for row m of x
+    lines += ["}", "}"] + (["}"] if pass_rows else [])
+    return "\n".join(lines)
+
+
+def _epilogue(rows, epilogue, rotary, value: str) -> list[str]:
+    """Lines writing row ``m`` of x's outputs for item ``r`` from ``value``
+    (a float2 expression: a pair's two sums, or a row's in ``.x``)."""
+    n = len(rows)
+    items = _items(rows, rotary)
+    rotated = rotary[1] if rotary else 0
+    half = rotary[0] // 2 if rotary else 0
+    pair_row = f"const int a = pr / {half} * {rotary[0]} + pr % {half};" if rotary else ""
+    lines = []
     if epilogue == "swiglu":
         lines += [
-            "const float gate = static_cast<float>(round_to<T>(acc[p].x));",
-            "const float up = static_cast<float>(round_to<T>(acc[p].y));",
+            f"const float gate = static_cast<float>(round_to<T>({value}.x));",
+            f"const float up = static_cast<float>(round_to<T>({value}.y));",
             "const float s = static_cast<float>(round_to<T>(1.f / (1.f + expf(-gate))));",
             f"out0[size_t(m) * {rows[0]} + r] = round_to<T>(static_cast<float>(round_to<T>(gate * s)) * up);",
         ]
     elif epilogue == "add":
         lines += [
-            "const float y = static_cast<float>(round_to<T>(acc[p].x));",
+            f"const float y = static_cast<float>(round_to<T>({value}.x));",
             f"const size_t at = size_t(m) * {rows[0]} + r;",
             "out0[at] = round_to<T>(y + static_cast<float>(residual[at]));",
         ]
@@ -773,8 +871,8 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
                 lines += [
                     f"{cond} (r < {start + items[i]}) {{",
                     f"  const int pr = r - {start}, j = pr % {half}; {pair_row}",
-                    "  const float x1 = static_cast<float>(round_to<T>(acc[p].x));",
-                    "  const float x2 = static_cast<float>(round_to<T>(acc[p].y));",
+                    f"  const float x1 = static_cast<float>(round_to<T>({value}.x));",
+                    f"  const float x2 = static_cast<float>(round_to<T>({value}.y));",
                     "  const float inv_freq = 1.0 / freqs[j];",
                     "  const float theta = static_cast<float>(position0 + m) * inv_freq;",
                     "  const float c = cos(theta), s = sin(theta);",
@@ -784,10 +882,9 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
                 ]
             else:
                 lines.append(f"{cond} (r < {start + items[i]}) "
-                             f"out{i}[{at.format(f'r - {start}', rows[i])}] = round_to<T>(acc[p].x);")
+                             f"out{i}[{at.format(f'r - {start}', rows[i])}] = round_to<T>({value}.x);")
             start += items[i]
-    lines += ["}", "}"] + (["}"] if pass_rows else [])
-    return "\n".join(lines)
+    return lines
 
 
 PREFETCH_BYTES = 16 * 1024  # most of a row prefetched
@@ -819,6 +916,7 @@ def _prefetch(rows, k, bits, epilogue, rotary) -> list[str]:
     return lines
 
 
+TENSOR_CORES_MAJOR = 8  # the compute capability with bf16 mma.m16n8k16 (sm_80)
 KERNELS_FLAG = "LLM_PTE_GPU_KERNELS"  # "0": MLX's own ops on a CUDA GPU, not the kernels
 
 
@@ -831,4 +929,10 @@ def for_device():
     (``mx.fast.metal_kernel`` has the same shape; not ported)."""
     if os.environ.get(KERNELS_FLAG) == "0" or not mx.cuda.is_available():
         return None
-    return CudaKernels()
+    return CudaKernels(tensor_cores_here())
+
+
+def tensor_cores_here() -> bool:
+    """Whether the default device is a GPU with the tensor cores
+    ``tensor_cores.py`` uses."""
+    return mx.device_info().get("compute_capability_major", 0) >= TENSOR_CORES_MAJOR
