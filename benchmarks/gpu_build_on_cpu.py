@@ -49,7 +49,7 @@ def see_a_cuda_gpu() -> None:
         if name.startswith("llm_executorch_mlx") and getattr(module, "on_cpu", None) is real:
             module.on_cpu = lambda: False
     mx.fast.cuda_kernel = StandInKernel
-    decode.for_device = decode.CudaKernels
+    decode.for_device = lambda: decode.CudaKernels(True)  # an sm_80 GPU or later: tensor cores too
 
 
 # prompt tokens a call: as many as the decode-step kernels take, so they
