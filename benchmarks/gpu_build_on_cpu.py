@@ -7,12 +7,14 @@ as ``tests/test_gpu_branches.py`` makes it), with the decode-step kernels
 and the cache's kernel (``runtime/gpu/``), each custom CUDA kernel standing
 in as one MLX op of its output's shape (garbage values: only the build is
 timed; MLX's own call of a custom kernel, which builds and hashes its
-source, is not in it). It prints the mean build time of a one-token step
-after the compiled runs are traced (``interp/compiled_runs.py``), and how
-many compiled calls a step made. Run it with ``LLM_PTE_COMPILED_STEPS=0``
-to compare with every op built from Python.
+source, is not in it). It prints the mean build time of a step (one token,
+or ``--rows``: a speculative try's verifying call) after the compiled runs
+are traced (``interp/compiled_runs.py``), how many compiled calls a step
+made, and what the first steps' builds cost (the recording and the trace
+included). Run it with ``LLM_PTE_COMPILED_STEPS=0`` to compare with every
+op built from Python.
 
-    python benchmarks/gpu_build_on_cpu.py --pte model.pte
+    python benchmarks/gpu_build_on_cpu.py --pte model.pte [--rows 6]
 """
 
 from __future__ import annotations
@@ -62,18 +64,26 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pte", type=pathlib.Path, required=True)
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default: 16)")
-    p.add_argument("--steps", type=int, default=50, help="one-token steps timed (default: 50)")
+    p.add_argument("--steps", type=int, default=50, help="steps timed (default: 50)")
+    p.add_argument("--rows", type=int, default=1,
+                   help="tokens a step (default: 1; more: a speculative try's verifying call)")
     args = p.parse_args(argv)
     see_a_cuda_gpu()
     program = load_program(args.pte, compute="auto")
-    cache = program.new_cache(capacity=args.prompt_tokens + args.steps + 8)
+    rows = args.rows
+    cache = program.new_cache(capacity=args.prompt_tokens + (args.steps + 4) * rows + 8)
     forward = program.load_method("forward", cache=cache)
     n = args.prompt_tokens
     generate.prefill(forward, cache, list(range(5, n + 5)), 0, PROMPT_CALL)
     mx.eval(cache.state)  # the last call's logits are not needed
-    token = mx.array([[7]], dtype=mx.uint32)
-    for i in range(4):  # the first step, the recording, the trace, one replay
-        mx.eval(forward.execute([token, np.array([n + i])]))
+    token = mx.array([[7] * rows], dtype=mx.uint32)
+    at = lambda i: np.arange(n + i * rows, n + (i + 1) * rows)  # noqa: E731
+    first = []  # the first step, the recording, the trace, one replay: each one's build
+    for i in range(4):
+        start = time.perf_counter()
+        out = forward.execute([token, at(i)])
+        first.append(time.perf_counter() - start)
+        mx.eval(out)
     calls = 0
     replay = compiled_runs._Run.call
 
@@ -86,11 +96,13 @@ def main(argv=None) -> int:
     build = 0.0
     for i in range(args.steps):
         start = time.perf_counter()
-        out = forward.execute([token, np.array([n + 4 + i])])
+        out = forward.execute([token, at(4 + i)])
         build += time.perf_counter() - start
         mx.eval(out)
-    print(f"{args.pte.name}: build {1e3 * build / args.steps:.3f} ms a step, "
-          f"{calls / args.steps:.0f} compiled calls a step ({len(forward.op_names)} instructions)")
+    print(f"{args.pte.name}: {rows} rows, build {1e3 * build / args.steps:.3f} ms a step, "
+          f"{calls / args.steps:.0f} compiled calls a step ({len(forward.op_names)} instructions); "
+          f"the first four steps' builds (plain, recording, trace, replay): "
+          f"{', '.join(f'{1e3 * t:.1f}' for t in first)} ms")
     return 0
 
 

@@ -48,9 +48,9 @@ def chains(monkeypatch):
         made.append(record(cls, *args))
         return made[-1]
 
-    def counted(self, ops, frame):
+    def counted(self, ops, frame, rows):
         replays.append(self.trace is not None)
-        return call(self, ops, frame)
+        return call(self, ops, frame, rows)
 
     monkeypatch.setattr(CompiledChain, "record", classmethod(recording))
     monkeypatch.setattr(compiled_runs._Run, "call", counted)
@@ -81,20 +81,26 @@ def test_the_flag_turns_compiled_runs_off(monkeypatch):
     assert Plan(cpu=True).compiles_steps
 
 
-def test_only_decode_steps_are_compiled():
-    assert compiled_runs.step_shape([mx.zeros((1, 1)), 3]) is not None
-    assert compiled_runs.step_shape([np.zeros((1, 1), np.int64), np.zeros(1, np.int64)]) is not None
-    for rows in (2, 6, 128):  # a speculative try, a prefill chunk
-        assert compiled_runs.step_shape([np.zeros((1, rows), np.int64), np.arange(rows)]) is None
+def test_a_cpu_compiles_decode_steps_alone_and_a_gpu_verifying_calls_too():
+    cpu, gpu = Plan(cpu=True).compiled_rows, Plan(cpu=False).compiled_rows
+    for most in (cpu, gpu):
+        assert compiled_runs.step_shape([mx.zeros((1, 1)), 3], most) is not None
+        assert compiled_runs.step_shape([np.zeros((1, 1), np.int64), np.zeros(1, np.int64)], most) is not None
+    for rows in (2, 6):  # a speculative try's verifying call
+        step = [np.zeros((1, rows), np.int64), np.arange(rows)]
+        assert compiled_runs.step_rows(step) == rows
+        assert compiled_runs.step_shape(step, cpu) is None
+        assert compiled_runs.step_shape(step, gpu) is not None
+    assert compiled_runs.step_shape([np.zeros((1, 128), np.int64), np.arange(128)], gpu) is None  # a prefill chunk
 
 
 def test_a_step_fed_from_the_host_shares_the_compiled_runs_of_one_fed_arrays():
     # a token verified on the host and one sampled on the device: one chain, one recording
     token, position = np.zeros((1, 1), np.uint32), np.zeros(1, np.int64)
-    assert compiled_runs.step_shape([token, position]) == compiled_runs.step_shape(
-        [mx.array(token), mx.array(position)])
-    assert compiled_runs.step_shape([token.astype(np.int64), position]) != compiled_runs.step_shape(
-        [mx.array(token), mx.array(position)])
+    assert compiled_runs.step_shape([token, position], 1) == compiled_runs.step_shape(
+        [mx.array(token), mx.array(position)], 1)
+    assert compiled_runs.step_shape([token.astype(np.int64), position], 1) != compiled_runs.step_shape(
+        [mx.array(token), mx.array(position)], 1)
 
 
 # Hand-made chains: a frame of [x, n, y, z, w, v]; slot 0 a constant, unless told.
@@ -119,7 +125,7 @@ def run_steps(ops, values, constants=1):
     for n in values:
         frame = [x, n, None, None, None, None]
         if compiled is None:
-            compiled = CompiledChain.record(ops, frame, kept={V}, constants=constants)
+            compiled = CompiledChain.record(ops, frame, kept={V}, constants=constants, rows=1)
         else:
             compiled.run(frame)
         results.append((np.array(frame[Z]), np.array(frame[V])))
@@ -204,7 +210,7 @@ def test_a_cache_op_with_a_prelude_joins_the_run_and_a_replaced_pool_is_traced_a
             pools.pool = mx.array([-1.0, 0.5, 4.0])  # grown or restored: a new array
         frame = [mx.array(x), n, None, None, None, None]
         if compiled is None:
-            compiled = CompiledChain.record(ops, frame, kept={V}, constants=1)
+            compiled = CompiledChain.record(ops, frame, kept={V}, constants=1, rows=1)
         else:
             compiled.run(frame)
         np.testing.assert_array_equal(np.array(frame[V]), -(2 * x + 2) + np.array(pools.pool))

@@ -375,6 +375,31 @@ def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exporte
     assert verifying >= 2 * 4 * load_program(pte).metadata.n_caches
 
 
+def test_a_speculative_reply_on_a_gpu_replays_its_verifying_calls_compiled(exported, compiled_steps, blocks,
+                                                                            tmp_path, monkeypatch):
+    """On a GPU a verifying call's build is most of it, so calls of a few
+    rows are compiled as decode steps are: a length that came twice replays
+    its pure runs from their trace (the cache's kernel in them, its prelude
+    reserving the call's rows), and the reply is transformers' greedy one."""
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    made, record = [], compiled_runs.CompiledChain.record.__func__
+    monkeypatch.setattr(compiled_runs.CompiledChain, "record",
+                        classmethod(lambda cls, *args: made.append(record(cls, *args)) or made[-1]))
+    model_dir, pte = exported("llama")
+    tok = make_tokenizer(tmp_path / "tok")
+    r = CliRunner().invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    prompt = "the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
+    _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 40)
+    reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=40, draft="ngram", draft_tokens=4)
+    assert reply.text() == expected
+    assert reply.response_json["accepted_tokens"] > 0
+    verifying = [chain for chain in made if chain.rows > 1]
+    assert verifying and all(not run.off for chain in verifying for run in chain.runs.values())
+    assert any(run.trace is not None for chain in verifying for run in chain.runs.values())  # replayed
+
+
 def test_the_decode_kernels_refuse_blocks_they_cannot_read():
     """What ``decode.fits`` refuses runs as each node's own MLX op: weights
     of mixed kinds or widths, a norm weight of another length, a ``K`` the

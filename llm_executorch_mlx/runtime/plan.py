@@ -260,6 +260,16 @@ class Plan:
         return os.environ.get(COMPILED_STEPS_FLAG, "1") != "0"
 
     @property
+    def compiled_rows(self) -> int:
+        """The most tokens a step holds for its pure runs to be compiled
+        (``compiles_steps``): one on a CPU, where a speculative try's
+        verifying calls, in many lengths, do not pay back each length's
+        recording and traces (docs/design.md); on a GPU as many as a
+        verifying call has (``gpu.attention.MOST_ROWS``), whose build op by
+        op is most of the call there."""
+        return 1 if self.cpu else attention.MOST_ROWS
+
+    @property
     def steps(self) -> Steps:
         """How a step is submitted: on a GPU as soon as it is built; on a
         CPU with the host thread helping the extension's products, or

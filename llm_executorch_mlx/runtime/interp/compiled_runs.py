@@ -23,14 +23,16 @@ trace read, so a replay never sees other values than its trace did: an op
 found reading a value that changes (a position on the host) is built op by
 op from then on and the runs around it re-planned, and a run that cannot
 be traced (an op that reads a value on the host) is built op by op. Only
-decode steps are compiled: a prefill chunk is bound by its arithmetic, and
-each new chunk length would cost a recording and traces.
+short steps are compiled (``Plan.compiled_rows``): decode steps, and on a
+GPU a speculative try's verifying calls, whose build op by op is most of
+such a call there; a prefill chunk is bound by its arithmetic, and each
+new chunk length would cost a recording and traces.
 
 An op beyond the frame joins a run where it has a prelude (``run.prelude``,
 ``run.traced``): a GPU's cache kernel, which writes the pools in place and
 reads the position from an array. Its prelude does the host's part at every
-call, before the run (the cache's bookkeeping), and returns the arrays its
-traced part captures (the pools'); a run is traced again where those changed
+call, before the run (the cache's bookkeeping for the step's tokens), and
+returns the arrays its traced part captures (the pools'); a run is traced again where those changed
 (a pool grown or replaced). Its reads are the host's, not the run's.
 """
 
@@ -48,13 +50,6 @@ from .ops.attention import ROTATED
 # they act beyond the frame: the cache (its attention, with or without its
 # RoPE: ops/attention.py), a collective
 HOST_OPS = frozenset({"UpdateAndAttendNode", ROTATED, "AllSum"})
-# compiled: steps whose every input holds at most this many entries: decode,
-# a token a step, which is what a prelude reserves the cache for (a longer
-# step would have to hand its preludes its own length). A speculative try's
-# steps come in many lengths, each costing a recording and traces that a
-# reply's few calls of that length do not pay back: with them compiled,
-# prompt lookup on the 135M model gained less (docs/design.md).
-MOST_ENTRIES = 1
 # a call built op by op on a GPU hands the device what it has built so far
 # after this many layers' attention (``run_checked``'s ``submit``): the
 # device then computes those layers while the host builds the rest
@@ -77,17 +72,23 @@ class _Varies(Exception):
         self.slots = slots
 
 
-def step_shape(inputs: list) -> tuple | None:
+def step_rows(inputs: list) -> int:
+    """A step's tokens: the most entries an input of it holds."""
+    return max((math.prod(x.shape) for x in inputs if hasattr(x, "shape")), default=1)
+
+
+def step_shape(inputs: list, most_rows: int) -> tuple | None:
     """The key a step's compiled runs are kept under: its inputs' shapes and
-    dtypes (a host value's type), or None for a step too long to compile."""
+    dtypes (a host value's type), or None for a step of more than
+    ``most_rows`` tokens (not compiled)."""
+    if step_rows(inputs) > most_rows:
+        return None
     key = []
     for x in inputs:
         shape = getattr(x, "shape", None)
         if shape is None:
             key.append(type(x))
             continue
-        if math.prod(shape) > MOST_ENTRIES:
-            return None
         # the dtype's name alone: a numpy input becomes an MLX array of the
         # same name, so a step fed from the host shares the compiled runs of
         # one fed with arrays ("uint32", not "mlx.core.uint32")
@@ -128,12 +129,12 @@ class _Run:
     captured_arrays: tuple = ()  # the arrays its preludes gave the trace
     off: bool = False  # built op by op from now on
 
-    def call(self, ops: list, frame: list) -> None:
-        """Replay the run (its first call traces it, as does a call whose
-        preludes give other arrays); ``_Varies`` where it reads other fixed
+    def call(self, ops: list, frame: list, rows: int) -> None:
+        """Replay the run, in a step of ``rows`` tokens (its first call
+        traces it, as does a call whose preludes give other arrays); ``_Varies`` where it reads other fixed
         values than its trace did; ``_NeedsHost`` where an op with a prelude
         cannot be traced at this step (nothing but the preludes run then)."""
-        reserved = {i: ops[i][1].prelude(frame, MOST_ENTRIES) for i in self.preludes}
+        reserved = {i: ops[i][1].prelude(frame, rows) for i in self.preludes}
         given = tuple(a for arrays in reserved.values() for a in arrays)
         if self.trace is not None and (len(given) != len(self.captured_arrays)
                                        or any(a is not b for a, b in zip(given, self.captured_arrays))):
@@ -149,7 +150,7 @@ class _Run:
         key = tuple(key)
         if self.trace is None:
             self.key, self.captured_arrays = key, given
-            self.trace = self._trace(ops, frame, arrays, reserved)
+            self.trace = self._trace(ops, frame, arrays, reserved, rows)
             if self.trace is None:  # an op that cannot be traced
                 self.off = True
                 self.run_ops(ops, frame)
@@ -162,7 +163,7 @@ class _Run:
         for slot, value in host_outputs:
             frame[slot] = value
 
-    def _trace(self, ops: list, frame: list, arrays: list[int], reserved: dict):
+    def _trace(self, ops: list, frame: list, arrays: list[int], reserved: dict, rows: int):
         """Trace the run on this call's inputs and write its outputs:
         ``(compiled, array output slots, host outputs)``, or None where the
         run cannot be traced (nothing written then); ``_NeedsHost`` where
@@ -182,7 +183,7 @@ class _Run:
                     run(f)
                     continue
                 try:
-                    run.traced(f, reserved[i], MOST_ENTRIES)
+                    run.traced(f, reserved[i], rows)
                 except NeedsHost:
                     raise _NeedsHost(i) from None
             written[:] = [f]
@@ -218,23 +219,24 @@ class CompiledChain:
     value that changes from step to step (a position, on the host) is built
     op by op from then on, the runs re-planned around it."""
 
-    def __init__(self, ops: list, log: list[tuple[int, bool, int]], kept: set[int], constants: int):
-        self.ops, self._log, self._kept, self._constants = ops, log, kept, constants
+    def __init__(self, ops: list, log: list[tuple[int, bool, int]], kept: set[int], constants: int, rows: int):
+        self.ops, self._log, self._kept, self._constants, self.rows = ops, log, kept, constants, rows
         self._host_ops: set[int] = set()  # ops read values that change
         self.runs = {r.first: r for r in _plan_runs(ops, log, kept, constants, self._host_ops)}
 
     @classmethod
-    def record(cls, ops: list, frame: list, kept: set[int], constants: int) -> "CompiledChain":
-        """Run ``ops`` on ``frame`` as ``run_checked`` does, and plan the
-        compiled runs. ``kept``: slots read after the chain (its outputs,
-        mutable buffers); ``constants``: slots below it are the program's
-        constants, captured rather than passed."""
+    def record(cls, ops: list, frame: list, kept: set[int], constants: int, rows: int) -> "CompiledChain":
+        """Run ``ops`` on ``frame`` (a step of ``rows`` tokens) as
+        ``run_checked`` does, and plan the compiled runs. ``kept``: slots
+        read after the chain (its outputs, mutable buffers); ``constants``:
+        slots below it are the program's constants, captured rather than
+        passed."""
         recording = _Recording(frame)
         for i in range(len(ops)):
             recording.op = i
-            _record_op(ops, recording, i)
+            _record_op(ops, recording, i, rows)
         frame[:] = recording
-        return cls(ops, recording.log, kept, constants)
+        return cls(ops, recording.log, kept, constants, rows)
 
     def run(self, frame: list) -> None:
         ops = self.ops
@@ -246,7 +248,7 @@ class CompiledChain:
                 i += 1
                 continue
             try:
-                r.call(ops, frame)
+                r.call(ops, frame, self.rows)
             except _Varies as v:
                 self._build_apart(r, v.slots)
                 continue  # from op i again, as re-planned
@@ -326,7 +328,7 @@ def _read_after(events: list[tuple[int, bool]], last: int, kept: bool) -> bool:
     return kept
 
 
-def _record_op(ops: list, recording: _Recording, i: int) -> None:
+def _record_op(ops: list, recording: _Recording, i: int, rows: int) -> None:
     """Run op ``i`` on ``recording`` as ``run_checked`` does, logging only
     what a trace of it would read: an op with a prelude runs its prelude
     unlogged, then its traced part (or, where that needs the host, the op)."""
@@ -336,9 +338,9 @@ def _record_op(ops: list, recording: _Recording, i: int) -> None:
         return
     recording.op = None
     try:
-        reserved = run.prelude(recording, MOST_ENTRIES)
+        reserved = run.prelude(recording, rows)
         recording.op = i
-        run.traced(recording, reserved, MOST_ENTRIES)
+        run.traced(recording, reserved, rows)
     except NeedsHost:
         recording.op = i
         run_checked(ops, recording, i, i + 1)  # the prelude's bookkeeping bears repeating

@@ -651,7 +651,7 @@ class GraphExecutor:
         A call of several positions built op by op where steps are queued as
         they are built (a GPU's: a speculative try's verifying call, a
         chunk) is handed to the device a few layers at a time as it is built."""
-        shape = None if self._compiled is None else compiled_runs.step_shape(inputs)
+        shape = None if self._compiled is None else compiled_runs.step_shape(inputs, self._ctx.plan.compiled_rows)
         if shape is None:
             submit = None if one_position else self._submit_as_built
             return lambda f: run_checked(ops, f, submit=submit)
@@ -665,7 +665,8 @@ class GraphExecutor:
         kept = set(self.output_slots) | set(self._mutable)
 
         def record(f):
-            self._compiled[key] = CompiledChain.record(ops, f, kept, self._ctx.num_constants)
+            self._compiled[key] = CompiledChain.record(ops, f, kept, self._ctx.num_constants,
+                                                       compiled_runs.step_rows(inputs))
 
         return record
 
