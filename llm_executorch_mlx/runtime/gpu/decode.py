@@ -642,7 +642,7 @@ def _tensor_cores_fit(signature: tuple) -> bool:
     memory needs no check: a pass of one 16-bit row there takes less than
     the one row of floats the FMA kernel stages, which ``fits`` bounds."""
     rows, k, bits, group, _, epilogue, rotary, _ = signature
-    return tensor_cores.fits(*_paired(rows, epilogue, rotary), k, bits, group, rotary[0] // 2 if rotary else 0)
+    return tensor_cores.fits(*_paired(rows, epilogue, rotary), k, bits, group)
 
 
 @functools.lru_cache(maxsize=None)

@@ -89,12 +89,11 @@ def tile_items(paired: bool) -> int:
     return 8 if paired else 16
 
 
-def fits(items: list[int], paired: list[bool], k: int, bits: int, group: int, half: int) -> bool:
+def fits(items: list[int], paired: list[bool], k: int, bits: int, group: int) -> bool:
     """Whether a block's products can run here: 4-bit weights in groups of
     a whole number of 32-value chunks, K in chunks, each output's items in
-    whole tiles, and a rotated pair's rows 8 tiles' rows apart at least
-    (``half``: half a head, 0 if not rotated)."""
-    return (bits == WEIGHT_BITS and group % 32 == 0 and k % 32 == 0 and half % 8 == 0
+    whole tiles."""
+    return (bits == WEIGHT_BITS and group % 32 == 0 and k % 32 == 0
             and all(n % tile_items(p) == 0 for n, p in zip(items, paired)))
 
 
@@ -135,13 +134,14 @@ def grid(items: list[int], paired: list[bool]) -> tuple[int, int]:
 def source(k: int, group: int, declarations: list[str], stage: str, pointers: list[str], items: list[int],
            paired: list[bool], pass_rows: int, epilogue: list[str]) -> str:
     """The kernel's body. ``declarations``: lines after the kernel's own
-    (``tid`` and ``K`` declared), before its first barrier; ``stage``: a ``stage_x`` call up to its lambda (it
-    calls it with each piece of 8 values of row ``p`` of x, ``u`` the
-    piece's index); ``pointers[i]``: the statement setting ``pa``, ``sa``,
-    ``ba`` (and ``pb``, ``sb``, ``bb``) to the rows A's rows ``g`` and
-    ``g + 8`` come from for output ``i``'s tile whose first item is
-    ``item0``; ``epilogue``: the lines writing row ``m`` of x for item ``r``
-    from ``v`` (a float2: a pair's two sums, or a row's in ``.x``)."""
+    (``tid`` and ``K`` declared), before its first barrier; ``stage``: a
+    ``stage_x`` call up to its lambda (it calls it with each piece of 8
+    values of row ``p`` of x, ``u`` the piece's index); ``pointers[i]``:
+    the statement setting ``pa``, ``sa``, ``ba`` (and ``pb``, ``sb``,
+    ``bb``) to the rows A's rows ``g`` and ``g + 8`` come from for output
+    ``i``'s tile whose first item is ``item0``; ``epilogue``: the lines
+    writing row ``m`` of x for item ``r`` from ``v`` (a float2: a pair's
+    two sums, or a row's in ``.x``)."""
     tiles, split, per_block = layout(items, paired)
     chunks = k // 32
     lines = [
