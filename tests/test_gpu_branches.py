@@ -354,17 +354,23 @@ def test_compiled_steps_replay_the_blocks_and_build_a_cache_op_that_needs_the_ho
     assert launched < 4 * calls_taken * layers  # replayed steps launch none from Python
 
 
-def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exported, calls, blocks, tmp_path,
-                                                                        monkeypatch):
-    """Prompt lookup on a GPU: a call verifying proposals takes the decode
-    blocks with its few rows, as a step takes them with one, and the reply
-    is transformers' greedy one."""
+def _registered_tiny(exported, tmp_path, monkeypatch):
+    """The tiny Llama registered as ``pte:tiny``: its HF dir, .pte and tokenizer."""
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     model_dir, pte = exported("llama")
     tok = make_tokenizer(tmp_path / "tok")
     r = CliRunner().invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
+    return model_dir, pte, tok
+
+
+def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exported, calls, blocks, tmp_path,
+                                                                        monkeypatch):
+    """Prompt lookup on a GPU: a call verifying proposals takes the decode
+    blocks with its few rows, as a step takes them with one, and the reply
+    is transformers' greedy one."""
+    model_dir, pte, tok = _registered_tiny(exported, tmp_path, monkeypatch)
     prompt = "the cat sat on the mat, the cat sat on the mat"
     _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 30)
     reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=30, draft="ngram", draft_tokens=4)
@@ -379,17 +385,13 @@ def test_a_speculative_reply_on_a_gpu_replays_its_verifying_calls_compiled(expor
                                                                             tmp_path, monkeypatch):
     """On a GPU a verifying call's build is most of it, so calls of a few
     rows are compiled as decode steps are: a length that came twice replays
-    its pure runs from their trace (the cache's kernel in them, its prelude
-    reserving the call's rows), and the reply is transformers' greedy one."""
-    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    its pure runs from their trace (the cache op, MLX's here, built from
+    Python between them; ``gpu_build_on_cpu.py --rows`` traces the CUDA
+    kernel's), and the reply is transformers' greedy one."""
     made, record = [], compiled_runs.CompiledChain.record.__func__
     monkeypatch.setattr(compiled_runs.CompiledChain, "record",
                         classmethod(lambda cls, *args: made.append(record(cls, *args)) or made[-1]))
-    model_dir, pte = exported("llama")
-    tok = make_tokenizer(tmp_path / "tok")
-    r = CliRunner().invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny"],
-                           catch_exceptions=False)
-    assert r.exit_code == 0, r.output
+    model_dir, _, tok = _registered_tiny(exported, tmp_path, monkeypatch)
     prompt = "the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
     _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 40)
     reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=40, draft="ngram", draft_tokens=4)
