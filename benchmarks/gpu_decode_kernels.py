@@ -43,7 +43,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx  # noqa: E402
 
-from llm_executorch_mlx.runtime.gpu import attention, tensor_cores  # noqa: E402
+from llm_executorch_mlx.runtime.gpu import attention  # noqa: E402
 from llm_executorch_mlx.runtime.gpu.decode import (  # noqa: E402
     Block, CudaKernels, MlxOps, Rotary, Weight, fits, tensor_cores_here)
 
@@ -101,7 +101,9 @@ def cases():
         yield f"{label} K={k} norm+3+rope", dtype, 4, group, k, rows, True, "", 64
         yield f"{label} K={k} norm+2+swiglu", dtype, 4, group, k, (down_k,) * 2, True, "swiglu", 0
         yield f"{label} K={down_k} 1+add", dtype, 4, group, down_k, down_rows, False, "add", 0
-    # Llama-3.2-1B's down product: on tensor cores, a block stages fewer rows than FEW at once
+    # Llama-3.2-1B's gate and up, and its down product: on tensor cores, the first a launch of
+    # unsplit tiles, the second a block staging fewer rows than FEW at once
+    yield "bf16 q4g32 K=2048 norm+2+swiglu 8192", mx.bfloat16, 4, 32, 2048, (8192, 8192), True, "swiglu", 0
     yield "bf16 q4g32 K=8192 1+add", mx.bfloat16, 4, 32, 8192, (2048,), False, "add", 0
     yield "fp16 dense K=576 2 products+rope D=128", mx.float16, 0, 0, 576, (256, 128), False, "", 128
 
@@ -152,7 +154,7 @@ def check_rows(name: str, block: Block, kernels, ops, dtype, position, key) -> d
     ours = launch(x, residual, position)
     reference = ops.launcher(block)(x, residual, position)
     axis = 2 if block.rotary else 1  # rows of an output in heads: [1, heads, rows, dims]
-    mma = kernels.on_tensor_cores(block) and dtype in tensor_cores.DTYPES
+    mma = kernels.on_tensor_cores(block, dtype)
     with_row = (lambda a, m: mx.concatenate([a[:, m:m + 1]] * 2, axis=1)) if mma else (lambda a, m: a[:, m:m + 1])
     alone = [launch(with_row(x, m), None if residual is None else with_row(residual, m),
                     None if position is None else position + m) for m in range(FEW)]

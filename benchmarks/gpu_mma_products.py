@@ -229,12 +229,12 @@ def run(args) -> None:
     for name, (n, k, split) in SHAPES.items():
         key, k1, k2 = mx.random.split(key, 3)
         w, s, b = mx.quantize((mx.random.normal((n, k), key=k1) * 0.02).astype(mx.bfloat16), group_size=32, bits=4)
-        current = CudaKernels(False).launcher(Block((Weight(w, s, b, 4, 32),)))
+        fma = CudaKernels(False).launcher(Block((Weight(w, s, b, 4, 32),)))
         for rows in args.rows:
             x = mx.random.normal((rows, k), key=k2).astype(mx.bfloat16)
             ref = mx.quantized_matmul(x.astype(mx.float32), w, s.astype(mx.float32), b.astype(mx.float32),
                                       True, 32, 4)
-            ours, theirs = mma_product(mx, x, w, s, b, split), current(x.reshape(1, rows, k))[0].reshape(rows, n)
+            ours, theirs = mma_product(mx, x, w, s, b, split), fma(x.reshape(1, rows, k))[0].reshape(rows, n)
             alone = all(mx.array_equal(ours[i], mma_product(mx, x[i:i + 1], w, s, b, split)[0]).item()
                         for i in range(rows))
             top = mx.abs(ref).max().item()
@@ -246,7 +246,7 @@ def run(args) -> None:
                 continue
             mark(f"{name.replace('+', '_')}_{rows}")
             for _ in range(args.launches):
-                mx.eval(current(x.reshape(1, rows, k))[0])
+                mx.eval(fma(x.reshape(1, rows, k))[0])
                 mx.eval(mma_product(mx, x, w, s, b, split))
             mark("end")
             mx.synchronize()

@@ -15,6 +15,8 @@ import pytest
 from test_parity import prompt_for
 
 from llm_executorch_mlx.runtime import load_program
+from llm_executorch_mlx.runtime.gpu import attention
+from llm_executorch_mlx.runtime.gpu import decode as gpu_decode
 from llm_executorch_mlx.runtime.errors import NeedsHost
 from llm_executorch_mlx.runtime.interp import compiled_runs
 from llm_executorch_mlx.runtime.interp.compiled_runs import CompiledChain
@@ -81,26 +83,27 @@ def test_the_flag_turns_compiled_runs_off(monkeypatch):
     assert Plan(cpu=True).compiles_steps
 
 
-def test_a_cpu_compiles_decode_steps_alone_and_a_gpu_verifying_calls_too():
-    cpu, gpu = Plan(cpu=True).compiled_rows, Plan(cpu=False).compiled_rows
-    for most in (cpu, gpu):
-        assert compiled_runs.step_shape([mx.zeros((1, 1)), 3], most) is not None
-        assert compiled_runs.step_shape([np.zeros((1, 1), np.int64), np.zeros(1, np.int64)], most) is not None
-    for rows in (2, 6):  # a speculative try's verifying call
-        step = [np.zeros((1, rows), np.int64), np.arange(rows)]
-        assert compiled_runs.step_rows(step) == rows
-        assert compiled_runs.step_shape(step, cpu) is None
-        assert compiled_runs.step_shape(step, gpu) is not None
-    assert compiled_runs.step_shape([np.zeros((1, 128), np.int64), np.arange(128)], gpu) is None  # a prefill chunk
+def test_a_cpu_compiles_decode_steps_alone_and_a_cuda_gpu_verifying_calls_too(monkeypatch):
+    assert Plan(cpu=True).compiled_rows == 1
+    monkeypatch.setattr(gpu_decode, "for_device", lambda: None)  # a GPU without the CUDA kernels (Metal)
+    assert Plan(cpu=False).compiled_rows == 1
+    monkeypatch.setattr(gpu_decode, "for_device", gpu_decode.MlxOps)
+    assert Plan(cpu=False).compiled_rows == attention.MOST_ROWS
+
+
+def test_steps_of_other_lengths_are_kept_apart():
+    arrays = [compiled_runs.step_shape([np.zeros((1, rows), np.int64), np.arange(rows)]) for rows in (1, 2, 6)]
+    lists = [compiled_runs.step_shape([[[5] * rows], list(range(rows))]) for rows in (1, 2, 6)]  # as to_mlx takes
+    assert len(set(arrays)) == 3 and lists == arrays
 
 
 def test_a_step_fed_from_the_host_shares_the_compiled_runs_of_one_fed_arrays():
     # a token verified on the host and one sampled on the device: one chain, one recording
     token, position = np.zeros((1, 1), np.uint32), np.zeros(1, np.int64)
-    assert compiled_runs.step_shape([token, position], 1) == compiled_runs.step_shape(
-        [mx.array(token), mx.array(position)], 1)
-    assert compiled_runs.step_shape([token.astype(np.int64), position], 1) != compiled_runs.step_shape(
-        [mx.array(token), mx.array(position)], 1)
+    assert compiled_runs.step_shape([token, position]) == compiled_runs.step_shape(
+        [mx.array(token), mx.array(position)])
+    assert compiled_runs.step_shape([token.astype(np.int64), position]) != compiled_runs.step_shape(
+        [mx.array(token), mx.array(position)])
 
 
 # Hand-made chains: a frame of [x, n, y, z, w, v]; slot 0 a constant, unless told.
@@ -178,6 +181,7 @@ class Pools:
     def __init__(self):
         self.pool = mx.array([10.0, 20.0, 30.0])
         self.steps = []  # the host value each prelude read
+        self.rows = []  # the tokens each prelude and trace were told the step has
 
     def op(self, needs_host=False):
         """``UpdateAndAttendNode`` with a prelude, as a GPU's cache kernel has
@@ -185,9 +189,11 @@ class Pools:
 
         def prelude(f, rows):
             self.steps.append(f[N])  # a host value that changes: the host's read, not the run's
+            self.rows.append(rows)
             return (self.pool,)
 
         def traced(f, captured, rows):
+            self.rows.append(rows)
             if needs_host:
                 raise NeedsHost("refused")
             f[V] = f[V] + captured[0]
@@ -204,17 +210,18 @@ def test_a_cache_op_with_a_prelude_joins_the_run_and_a_replaced_pool_is_traced_a
     ops = chain(lambda f: f.__setitem__(Z, f[Y] + 1))
     ops[-1] = ("UpdateAndAttendNode", pools.op())
     x = np.array([1.0, -2.0, 3.0], np.float32)
-    compiled, expected = None, []
+    compiled = None
     for n in range(6):
         if n == 3:
             pools.pool = mx.array([-1.0, 0.5, 4.0])  # grown or restored: a new array
         frame = [mx.array(x), n, None, None, None, None]
-        if compiled is None:
-            compiled = CompiledChain.record(ops, frame, kept={V}, constants=1, rows=1)
+        if compiled is None:  # a step of three tokens (a verifying call's): what the cache op reserves for
+            compiled = CompiledChain.record(ops, frame, kept={V}, constants=1, rows=3)
         else:
             compiled.run(frame)
         np.testing.assert_array_equal(np.array(frame[V]), -(2 * x + 2) + np.array(pools.pool))
     assert pools.steps == list(range(6))  # every step's prelude, once
+    assert set(pools.rows) == {3}
     assert spans(compiled) == [(0, 4)]  # the cache op inside the run
     run = compiled.runs[0]
     assert N not in run.reads and run.preludes == [4]

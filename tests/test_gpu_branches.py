@@ -428,11 +428,12 @@ def test_the_decode_kernels_refuse_blocks_they_cannot_read():
     assert not decode.fits(decode.Block((decode.Weight(w, s, b, 3, 64),), None))  # 3-bit words
 
 
-def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes():
-    """A call of several rows (a verifying call) runs 4-bit blocks of
-    SmolLM2-135M's and Llama-3.2-1B's shapes on tensor cores where the GPU
-    has them, and the FMA kernels otherwise: for 8-bit weights, for output
-    rows the 16-row tiles do not divide, and on a GPU without them."""
+def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes(monkeypatch):
+    """A call of several rows of bf16 or fp16 x (a verifying call) runs
+    4-bit blocks of SmolLM2-135M's and Llama-3.2-1B's shapes on tensor
+    cores where the GPU has them; one row, fp32 x, 8-bit weights, output
+    rows the 16-row tiles do not divide, and a GPU without them take the
+    FMA kernels."""
     def q(n, k, bits=4, group=32):
         w, s, b = mx.quantize(mx.zeros((n, k)), group_size=group, bits=bits)
         return decode.Weight(w, s, b, bits, group)
@@ -446,11 +447,23 @@ def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes(
                 decode.Block((q(inner, hidden, bits, group), q(inner, hidden, bits, group)), norm, "swiglu"),
                 decode.Block((q(hidden, inner, bits, group),), None, "add")]
 
+    def kernel(route):  # a kernel that answers which route launched it
+        return lambda inputs, output_shapes, output_dtypes, **_: [route], None, None
+
+    monkeypatch.setattr(decode, "_kernel", lambda signature: kernel("few" if signature[-1] else "one"))
+    monkeypatch.setattr(decode, "_tensor_core_kernel", lambda signature: kernel("tensor cores"))
+
+    def routes(kernels, block):
+        position = mx.array(5, mx.int32) if block.rotary else None
+        launch = kernels.launcher(block)
+        return [launch(mx.zeros((1, rows, block.k), dtype), mx.zeros((1, rows, block.rows), dtype)
+                       if block.epilogue == "add" else None, position)[0]
+                for rows, dtype in ((1, mx.bfloat16), (6, mx.bfloat16), (6, mx.float16), (6, mx.float32))]
+
     smollm2, llama_1b = blocks(576, 576, 192, 1536, 64), blocks(2048, 2048, 512, 8192, 64, group=64)
     for block in smollm2 + llama_1b:
         assert decode.fits(block)
-        assert decode.CudaKernels(True).on_tensor_cores(block)
-        assert not decode.CudaKernels(False).on_tensor_cores(block)
-    for block in blocks(576, 576, 192, 1536, 64, bits=8):
-        assert not decode.CudaKernels(True).on_tensor_cores(block)
-    assert not decode.CudaKernels(True).on_tensor_cores(decode.Block((q(100, 576),), None, "add"))
+        assert routes(decode.CudaKernels(True), block) == ["one", "tensor cores", "tensor cores", "few"]
+        assert routes(decode.CudaKernels(False), block) == ["one", "few", "few", "few"]
+    for block in blocks(576, 576, 192, 1536, 64, bits=8) + [decode.Block((q(100, 576),), None, "add")]:
+        assert routes(decode.CudaKernels(True), block) == ["one", "few", "few", "few"]

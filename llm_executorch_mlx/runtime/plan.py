@@ -253,21 +253,21 @@ class Plan:
 
     @property
     def compiles_steps(self) -> bool:
-        """Whether a decode step replays the ops
-        between two layers' attention as one compiled call
-        (``interp/compiled_runs.py``), on any device; ``LLM_PTE_COMPILED_STEPS=0``:
-        every op built from Python."""
+        """Whether a short step (``compiled_rows``) replays its runs of pure
+        ops as compiled calls (``interp/compiled_runs.py``), on any device;
+        ``LLM_PTE_COMPILED_STEPS=0``: every op built from Python."""
         return os.environ.get(COMPILED_STEPS_FLAG, "1") != "0"
 
     @property
     def compiled_rows(self) -> int:
         """The most tokens a step holds for its pure runs to be compiled
-        (``compiles_steps``): one on a CPU, where a speculative try's
-        verifying calls, in many lengths, do not pay back each length's
-        recording and traces (docs/design.md); on a GPU as many as a
-        verifying call has (``gpu.attention.MOST_ROWS``), whose build op by
-        op is most of the call there."""
-        return 1 if self.cpu else attention.MOST_ROWS
+        (``compiles_steps``): one, where a speculative try's verifying
+        calls, in many lengths, do not pay back each length's recording and
+        traces (a CPU: docs/design.md); with a CUDA GPU's decode kernels
+        (``decode_blocks``) as many as a verifying call has
+        (``gpu.attention.MOST_ROWS``), whose build op by op is most of the
+        call there."""
+        return 1 if self.decode_blocks is None else attention.MOST_ROWS
 
     @property
     def steps(self) -> Steps:

@@ -493,7 +493,6 @@ class CudaKernels:
             weights.append(rotary.freqs)
         signature = _signature(block)
         one, few = _kernel(signature + (0,)), _kernel(signature + (_pass_rows(block, signature[-1]),))
-        mma = _tensor_core_kernel(signature) if self.on_tensor_cores(block) else None
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
         scale_type = [("S", first.scales.dtype)] if first.bits else []
 
@@ -510,18 +509,20 @@ class CudaKernels:
                 inputs.append(position)
             if x.size == block.k:
                 kernel, grid, threads = one
+            elif self.on_tensor_cores(block, x.dtype):
+                kernel, grid, threads = _tensor_core_kernel(signature)
             else:
-                kernel, grid, threads = mma if mma is not None and x.dtype in tensor_cores.DTYPES else few
+                kernel, grid, threads = few
             return kernel(inputs=inputs, template=[("T", x.dtype), *scale_type],
                           output_shapes=shapes(x.shape[:-1]), output_dtypes=[x.dtype] * len(width),
                           grid=grid, threadgroup=threads)
 
         return launch
 
-    def on_tensor_cores(self, block: Block) -> bool:
-        """Whether a launch of several rows of 16-bit x (``tensor_cores.
-        DTYPES``) runs ``block`` on tensor cores."""
-        return self.tensor_cores and _tensor_cores_fit(_signature(block))
+    def on_tensor_cores(self, block: Block, dtype: mx.Dtype) -> bool:
+        """Whether a launch of several rows of x in ``dtype`` runs ``block``
+        on tensor cores (``launch`` asks at each such call)."""
+        return self.tensor_cores and dtype in tensor_cores.DTYPES and _tensor_cores_fit(_signature(block))
 
     def update_and_attend(self, scale: float):
         """A flat cache layer's write and attention as one kernel (``attention.py``)."""
@@ -628,6 +629,13 @@ def _stage(norm, values: str) -> str:
             "squares, tid, ")
 
 
+def _pair_row(pair: str, dims: int) -> str:
+    """The first row ``a`` of rotated pair ``pair`` (a C expression, in
+    parentheses where compound) in heads of ``dims`` rows: the pair is
+    ``(a, a + dims / 2)``, as ``mx.fast.rope`` rotates a head's halves."""
+    return f"{pair} / {dims // 2} * {dims} + {pair} % {dims // 2}"
+
+
 def _paired(rows, epilogue, rotary) -> tuple[list[int], list[bool]]:
     """Each output's work items (SwiGLU's: one, its gate and up rows paired)
     and whether an item is a pair of rows."""
@@ -641,8 +649,8 @@ def _tensor_cores_fit(signature: tuple) -> bool:
     """Whether ``tensor_cores.py`` takes a block that ``fits``. Its shared
     memory needs no check: a pass of one 16-bit row there takes less than
     the one row of floats the FMA kernel stages, which ``fits`` bounds."""
-    rows, k, bits, group, _, epilogue, rotary, _ = signature
-    return tensor_cores.fits(*_paired(rows, epilogue, rotary), k, bits, group)
+    rows, _, bits, _, _, epilogue, rotary, _ = signature
+    return tensor_cores.fits(*_paired(rows, epilogue, rotary), bits)
 
 
 @functools.lru_cache(maxsize=None)
@@ -665,7 +673,7 @@ def _tensor_core_kernel(signature: tuple):
             pointers.append(at("a", 0, f"{first} + g") + " " + at("b", 1, f"{first} + g"))
         elif paired[i]:  # the pair (a, a + half) of a head's rows
             half = rotary[0] // 2
-            pointers.append(f"const int pr = {first} + g, a = pr / {half} * {rotary[0]} + pr % {half}; "
+            pointers.append(f"const int pr = {first} + g, a = {_pair_row('pr', rotary[0])}; "
                             + at("a", i, "a") + " " + at("b", i, f"a + {half}"))
         else:
             pointers.append(at("a", i, f"{first} + g") + " " + at("b", i, f"{first} + 8 + g"))
@@ -802,7 +810,7 @@ def _source(rows, k, bits, group, norm, epilogue, rotary, split, pass_rows) -> s
     lines.append("float2 acc[P] = {};")
     rotated = rotary[1] if rotary else 0
     half = rotary[0] // 2 if rotary else 0
-    pair_row = f"const int a = pr / {half} * {rotary[0]} + pr % {half};" if rotary else ""
+    pair_row = f"const int a = {_pair_row('pr', rotary[0])};" if rotary else ""
     if epilogue == "swiglu":
         lines.append(f"if (r < {total}) {dot(2, 0, 'r', 1, 'r')};")
     elif epilogue == "add":
@@ -843,7 +851,7 @@ def _epilogue(rows, epilogue, rotary, value: str) -> list[str]:
     items = _items(rows, rotary)
     rotated = rotary[1] if rotary else 0
     half = rotary[0] // 2 if rotary else 0
-    pair_row = f"const int a = pr / {half} * {rotary[0]} + pr % {half};" if rotary else ""
+    pair_row = f"const int a = {_pair_row('pr', rotary[0])};" if rotary else ""
     lines = []
     if epilogue == "swiglu":
         lines += [
@@ -908,7 +916,7 @@ def _prefetch(rows, k, bits, epilogue, rotary) -> list[str]:
         cond = f"{'if' if i == 0 else 'else if'} (r < {start + n})"
         if i < rotated:  # the pair (a, a + half) of a head's rows, as the products read them
             dims, half = rotary[0], rotary[0] // 2
-            lines.append(f"{cond} {{ const int a = (r - {start}) / {half} * {dims} + (r - {start}) % {half}; "
+            lines.append(f"{cond} {{ const int a = {_pair_row(f'(r - {start})', dims)}; "
                          f"{fetch(i, 'a')} {fetch(i, f'(a + {half})')} }}")
         else:
             lines.append(f"{cond} {fetch(i, f'(r - {start})')}")

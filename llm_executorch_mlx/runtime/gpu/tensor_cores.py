@@ -38,7 +38,7 @@ import mlx.core as mx
 from . import attention
 
 DTYPES = (mx.bfloat16, mx.float16)  # the 16-bit types an mma multiplies
-TILES_A_BLOCK = 4  # a block's warps' tiles (its warps: that many, or times the warps a tile is split between)
+WARPS_A_BLOCK = 4  # each its own tile, or its part of a tile split between warps
 WEIGHT_BITS = 4
 
 HEADER = r"""
@@ -89,21 +89,21 @@ def tile_items(paired: bool) -> int:
     return 8 if paired else 16
 
 
-def fits(items: list[int], paired: list[bool], k: int, bits: int, group: int) -> bool:
-    """Whether a block's products can run here: 4-bit weights in groups of
-    a whole number of 32-value chunks, K in chunks, each output's items in
-    whole tiles."""
-    return (bits == WEIGHT_BITS and group % 32 == 0 and k % 32 == 0
-            and all(n % tile_items(p) == 0 for n, p in zip(items, paired)))
+def fits(items: list[int], paired: list[bool], bits: int) -> bool:
+    """Whether a block the decode kernels take (``decode.fits``: groups of
+    32, 64 or 128, K in groups) can run here: 4-bit weights, each output's
+    items in whole tiles."""
+    return bits == WEIGHT_BITS and all(n % tile_items(p) == 0 for n, p in zip(items, paired))
 
 
 def shared_bytes(k: int, norm: bool, rows: int) -> int:
-    """A block's shared memory staging ``rows`` rows of x (as ``source``
-    declares it): per row its values (2 bytes each), its chunks' sums and
-    its share of the tiles' results; the joins of a split tile's parts per
-    pair of rows; a norm's sums."""
-    return (rows * (k * 2 + k // 32 * 4 + TILES_A_BLOCK * 16 * 8) + (k // 2 if norm else 0)
-            + TILES_A_BLOCK * 32 * 2 * ((rows + 1) // 2) * 4)
+    """A bound on a block's shared memory staging ``rows`` rows of x (what
+    ``source`` declares, the few bytes of ``declarations`` aside): per row
+    its values (2 bytes each), its chunks' sums and its share of the
+    tiles' results; the joins of a split tile's parts per pair of rows; a
+    norm's sums."""
+    return (rows * (k * 2 + k // 32 * 4 + WARPS_A_BLOCK * 16 * 8) + (k // 2 if norm else 0)
+            + WARPS_A_BLOCK * 32 * 2 * ((rows + 1) // 2) * 4)
 
 
 def pass_rows(k: int, norm: bool, limit: int) -> int:
@@ -122,7 +122,7 @@ def layout(items: list[int], paired: list[bool]) -> tuple[int, int, int]:
     a block."""
     tiles = sum(n // tile_items(p) for n, p in zip(items, paired))
     split = 1 if tiles >= 512 else 2 if tiles >= 160 else 4
-    return tiles, split, max(1, TILES_A_BLOCK // split)
+    return tiles, split, max(1, WARPS_A_BLOCK // split)
 
 
 def grid(items: list[int], paired: list[bool]) -> tuple[int, int]:
@@ -132,7 +132,7 @@ def grid(items: list[int], paired: list[bool]) -> tuple[int, int]:
 
 
 def source(k: int, group: int, declarations: list[str], stage: str, pointers: list[str], items: list[int],
-           paired: list[bool], pass_rows: int, epilogue: list[str]) -> str:
+           paired: list[bool], staged_rows: int, epilogue: list[str]) -> str:
     """The kernel's body. ``declarations``: lines after the kernel's own
     (``tid`` and ``K`` declared), before its first barrier; ``stage``: a
     ``stage_x`` call up to its lambda (it calls it with each piece of 8
@@ -145,7 +145,7 @@ def source(k: int, group: int, declarations: list[str], stage: str, pointers: li
     tiles, split, per_block = layout(items, paired)
     chunks = k // 32
     lines = [
-        f"constexpr int K = {k}, P = {pass_rows}, SPLIT = {split}, TB = {per_block}, THREADS = TB * SPLIT * 32;",
+        f"constexpr int K = {k}, P = {staged_rows}, SPLIT = {split}, TB = {per_block}, THREADS = TB * SPLIT * 32;",
         # a lane's loads in flight: U k-tiles of its two rows
         f"constexpr int CHUNKS = {chunks}, KT = (CHUNKS + 3) / 4, NT = (P + 1) / 2, U = 4;",
         "__shared__ __align__(16) uint2 xs[P * K / 4];",
@@ -239,15 +239,15 @@ def source(k: int, group: int, declarations: list[str], stage: str, pointers: li
         "        const int chunk = kt * 4 + 2 * (t & 1) + e;",
         "        if (chunk >= CHUNKS) continue;",
         f"        const int gi = chunk * 32 / {group};",
-        "        const float s0 = static_cast<float>(sa[gi]), b0 = static_cast<float>(ba[gi]);",
-        "        const float s1 = static_cast<float>(sb[gi]), b1 = static_cast<float>(bb[gi]);",
+        "        const float scale_a = static_cast<float>(sa[gi]), bias_a = static_cast<float>(ba[gi]);",
+        "        const float scale_b = static_cast<float>(sb[gi]), bias_b = static_cast<float>(bb[gi]);",
         "        #pragma unroll",
         "        for (int nt = 0; nt < NT; ++nt) {",
         "          const int xr = nt * 2 + (t >> 1);",
         "          if (xr >= here) continue;",
         "          const float xm = xsum[xr * CHUNKS + chunk];",
-        "          acc[0][nt] += s0 * c[nt][e] + (b0 - Mma<T>::OFFSET * s0) * xm;",
-        "          acc[1][nt] += s1 * c[nt][2 + e] + (b1 - Mma<T>::OFFSET * s1) * xm;",
+        "          acc[0][nt] += scale_a * c[nt][e] + (bias_a - Mma<T>::OFFSET * scale_a) * xm;",
+        "          acc[1][nt] += scale_b * c[nt][2 + e] + (bias_b - Mma<T>::OFFSET * scale_b) * xm;",
         "        }",
         "      }",
         "    }",

@@ -39,10 +39,10 @@ returns the arrays its traced part captures (the pools'); a run is traced again 
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..errors import NeedsHost, PteError
 from .ops.attention import ROTATED
@@ -72,19 +72,13 @@ class _Varies(Exception):
         self.slots = slots
 
 
-def step_rows(inputs: list) -> int:
-    """A step's tokens: the most entries an input of it holds."""
-    return max((math.prod(x.shape) for x in inputs if hasattr(x, "shape")), default=1)
-
-
-def step_shape(inputs: list, most_rows: int) -> tuple | None:
+def step_shape(inputs: list) -> tuple:
     """The key a step's compiled runs are kept under: its inputs' shapes and
-    dtypes (a host value's type), or None for a step of more than
-    ``most_rows`` tokens (not compiled)."""
-    if step_rows(inputs) > most_rows:
-        return None
+    dtypes (a host value's type)."""
     key = []
     for x in inputs:
+        if isinstance(x, (list, tuple)):  # as ``to_mlx`` takes it
+            x = np.asarray(x)
         shape = getattr(x, "shape", None)
         if shape is None:
             key.append(type(x))

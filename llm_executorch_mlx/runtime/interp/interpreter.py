@@ -518,8 +518,9 @@ class GraphExecutor:
         self._main = build_chain(ctx, graph.mainChainIdx)
         self._main_last_row = self._last_row_variant()
         self.node_names = [name for name, _ in self._main]
-        # decode steps' chains with their pure runs compiled, by (chain, step shape)
+        # short steps' chains with their pure runs compiled, by (chain, step shape)
         self._compiled: dict[tuple, CompiledChain] | None = {} if ctx.plan.compiles_steps else None
+        self._compiled_rows = ctx.plan.compiled_rows
         # where steps are queued as built (a GPU), a call of several positions
         # built op by op is queued in parts as it is built (_runner)
         steps = ctx.plan.steps
@@ -597,7 +598,7 @@ class GraphExecutor:
                 f"the program takes {len(self.input_slots)} inputs, got {len(inputs)}"
             )
         f = self._template.copy()
-        one_position = True  # every input array of one value at most: a one-token step
+        rows = 1  # the step's tokens: the most values an input array holds
         for k, ((slot, host_slot), meta, x) in enumerate(
             zip(self._host_slots, self.input_meta, inputs)
         ):
@@ -606,7 +607,7 @@ class GraphExecutor:
                 continue
             arr, host = to_mlx(x, meta, k, self._ctx.dtype_map)
             f[slot] = arr
-            one_position = one_position and arr.size <= 1
+            rows = max(rows, arr.size)
             if host_slot is not None:
                 f[host_slot] = int(host.reshape(-1)[0]) if host is not None else int(
                     arr.reshape(-1)[0].item()
@@ -617,9 +618,9 @@ class GraphExecutor:
         # a one-token step's last row is all of it: the last-row chain
         # whether asked for or not, so every one-token step shares its
         # compiled runs (a token verified on the host and one sampled)
-        if (last_position_only or one_position) and self._main_last_row is not None:
+        if (last_position_only or rows == 1) and self._main_last_row is not None:
             ops = self._main_last_row
-        run = self._runner(ops, inputs, one_position)
+        run = self._runner(ops, inputs, rows)
         cache = self._ctx.cache
         if cache is None:
             run(f)
@@ -643,30 +644,31 @@ class GraphExecutor:
         return outs
 
 
-    def _runner(self, ops: list[tuple[str, Run]], inputs: list, one_position: bool) -> Run:
-        """How this step runs ``ops``: a decode step replays its chain's pure
-        runs compiled (``compiled_runs``) once its shape has come twice. The
-        first step of a shape runs op by op (a one-off, as a short prompt
-        often is, costs nothing more), the second while it is recorded.
-        A call of several positions built op by op where steps are queued as
-        they are built (a GPU's: a speculative try's verifying call, a
-        chunk) is handed to the device a few layers at a time as it is built."""
-        shape = None if self._compiled is None else compiled_runs.step_shape(inputs, self._ctx.plan.compiled_rows)
-        if shape is None:
-            submit = None if one_position else self._submit_as_built
+    def _runner(self, ops: list[tuple[str, Run]], inputs: list, rows: int) -> Run:
+        """How this step of ``rows`` tokens runs ``ops``: a short step (one
+        token; on a GPU up to a verifying call's few, ``Plan.compiled_rows``)
+        replays its chain's pure runs compiled (``compiled_runs``) once its
+        shape has come twice. The first step of a shape runs op by op (a
+        one-off, as a short prompt often is, costs nothing more), the second
+        while it is recorded. A call of several positions built op by op
+        where steps are queued as they are built (a GPU's: a verifying call,
+        a chunk) is handed to the device a few layers at a time as it is
+        built."""
+        submit = None if rows == 1 else self._submit_as_built
+        if self._compiled is None or rows > self._compiled_rows:
             return lambda f: run_checked(ops, f, submit=submit)
+        shape = compiled_runs.step_shape(inputs)
         key = (id(ops), shape)
         chain = self._compiled.get(key)
         if chain is not None:
             return chain.run
         if key not in self._compiled:
             self._compiled[key] = None
-            return lambda f: run_checked(ops, f)
+            return lambda f: run_checked(ops, f, submit=submit)
         kept = set(self.output_slots) | set(self._mutable)
 
         def record(f):
-            self._compiled[key] = CompiledChain.record(ops, f, kept, self._ctx.num_constants,
-                                                       compiled_runs.step_rows(inputs))
+            self._compiled[key] = CompiledChain.record(ops, f, kept, self._ctx.num_constants, rows)
 
         return record
 
