@@ -354,15 +354,23 @@ def test_compiled_steps_replay_the_blocks_and_build_a_cache_op_that_needs_the_ho
     assert launched < 4 * calls_taken * layers  # replayed steps launch none from Python
 
 
-def _registered_tiny(exported, tmp_path, monkeypatch):
-    """The tiny Llama registered as ``pte:tiny``: its HF dir, .pte and tokenizer."""
+def _greedy_reply_with_prompt_lookup(exported, tmp_path, monkeypatch, prompt: str, tokens: int):
+    """The tiny Llama registered as ``pte:tiny`` answers ``prompt`` with
+    prompt lookup, some proposals kept, as transformers' greedy reply;
+    its .pte."""
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     model_dir, pte = exported("llama")
     tok = make_tokenizer(tmp_path / "tok")
     r = CliRunner().invoke(cli, ["pte", "register", str(pte), "--tokenizer", str(tok), "--name", "tiny"],
                            catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    return model_dir, pte, tok
+    prompt = prompt.rstrip(", ")
+    _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], tokens)
+    reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=tokens, draft="ngram",
+                                                             draft_tokens=4)
+    assert reply.text() == expected
+    assert reply.response_json["accepted_tokens"] > 0
+    return pte
 
 
 def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exported, calls, blocks, tmp_path,
@@ -370,12 +378,7 @@ def test_a_speculative_reply_verifies_its_proposals_in_the_decode_blocks(exporte
     """Prompt lookup on a GPU: a call verifying proposals takes the decode
     blocks with its few rows, as a step takes them with one, and the reply
     is transformers' greedy one."""
-    model_dir, pte, tok = _registered_tiny(exported, tmp_path, monkeypatch)
-    prompt = "the cat sat on the mat, the cat sat on the mat"
-    _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 30)
-    reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=30, draft="ngram", draft_tokens=4)
-    assert reply.text() == expected
-    assert reply.response_json["accepted_tokens"] > 0
+    pte = _greedy_reply_with_prompt_lookup(exported, tmp_path, monkeypatch, "the cat sat on the mat, " * 2, 30)
     verifying = sum(n for kind, n in blocks.items() if kind[0] == "rows" and 1 < kind[1] <= 5)
     # four blocks a layer a call; more calls than a prompt's short last chunk
     assert verifying >= 2 * 4 * load_program(pte).metadata.n_caches
@@ -391,12 +394,7 @@ def test_a_speculative_reply_on_a_gpu_replays_its_verifying_calls_compiled(expor
     made, record = [], compiled_runs.CompiledChain.record.__func__
     monkeypatch.setattr(compiled_runs.CompiledChain, "record",
                         classmethod(lambda cls, *args: made.append(record(cls, *args)) or made[-1]))
-    model_dir, _, tok = _registered_tiny(exported, tmp_path, monkeypatch)
-    prompt = "the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
-    _, expected = models.hf_greedy(tok.parent, model_dir, [{"role": "user", "content": prompt}], 40)
-    reply = llm.get_model("pte:tiny").conversation().prompt(prompt, max_tokens=40, draft="ngram", draft_tokens=4)
-    assert reply.text() == expected
-    assert reply.response_json["accepted_tokens"] > 0
+    _greedy_reply_with_prompt_lookup(exported, tmp_path, monkeypatch, "the cat sat on the mat, " * 3, 40)
     verifying = [chain for chain in made if chain.rows > 1]
     assert verifying and all(not run.off for chain in verifying for run in chain.runs.values())
     assert any(run.trace is not None for chain in verifying for run in chain.runs.values())  # replayed
