@@ -509,7 +509,7 @@ class CudaKernels:
                 inputs.append(position)
             if x.size == block.k:
                 kernel, grid, threads = one
-            elif self.on_tensor_cores(block, x.dtype):
+            elif self._on_tensor_cores(signature, x.dtype):
                 kernel, grid, threads = _tensor_core_kernel(signature)
             else:
                 kernel, grid, threads = few
@@ -522,7 +522,10 @@ class CudaKernels:
     def on_tensor_cores(self, block: Block, dtype: mx.Dtype) -> bool:
         """Whether a launch of several rows of x in ``dtype`` runs ``block``
         on tensor cores (``launch`` asks at each such call)."""
-        return self.tensor_cores and dtype in tensor_cores.DTYPES and _tensor_cores_fit(_signature(block))
+        return self._on_tensor_cores(_signature(block), dtype)
+
+    def _on_tensor_cores(self, signature: tuple, dtype: mx.Dtype) -> bool:
+        return self.tensor_cores and dtype in tensor_cores.DTYPES and _tensor_cores_fit(signature)
 
     def update_and_attend(self, scale: float):
         """A flat cache layer's write and attention as one kernel (``attention.py``)."""
@@ -645,6 +648,7 @@ def _paired(rows, epilogue, rotary) -> tuple[list[int], list[bool]]:
     return _items(rows, rotary), [i < rotated for i in range(len(rows))]
 
 
+@functools.lru_cache(maxsize=None)
 def _tensor_cores_fit(signature: tuple) -> bool:
     """Whether ``tensor_cores.py`` takes a block that ``fits``. Its shared
     memory needs no check: a pass of one 16-bit row there takes less than

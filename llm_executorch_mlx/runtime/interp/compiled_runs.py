@@ -32,8 +32,9 @@ An op beyond the frame joins a run where it has a prelude (``run.prelude``,
 ``run.traced``): a GPU's cache kernel, which writes the pools in place and
 reads the position from an array. Its prelude does the host's part at every
 call, before the run (the cache's bookkeeping for the step's tokens), and
-returns the arrays its traced part captures (the pools'); a run is traced again where those changed
-(a pool grown or replaced). Its reads are the host's, not the run's.
+returns the arrays its traced part captures (the pools'); a run is traced
+again where those changed (a pool grown or replaced). Its reads are the
+host's, not the run's.
 """
 
 from __future__ import annotations
@@ -125,9 +126,10 @@ class _Run:
 
     def call(self, ops: list, frame: list, rows: int) -> None:
         """Replay the run, in a step of ``rows`` tokens (its first call
-        traces it, as does a call whose preludes give other arrays); ``_Varies`` where it reads other fixed
-        values than its trace did; ``_NeedsHost`` where an op with a prelude
-        cannot be traced at this step (nothing but the preludes run then)."""
+        traces it, as does a call whose preludes give other arrays);
+        ``_Varies`` where it reads other fixed values than its trace did;
+        ``_NeedsHost`` where an op with a prelude cannot be traced at this
+        step (nothing but the preludes run then)."""
         reserved = {i: ops[i][1].prelude(frame, rows) for i in self.preludes}
         given = tuple(a for arrays in reserved.values() for a in arrays)
         if self.trace is not None and (len(given) != len(self.captured_arrays)
