@@ -283,6 +283,7 @@ class ReplayDrafter:
         self.ids, self.start, self.reply = list(ids), len(ids), reply
         self.hit, self.cost, self.clock, self.vocab, self.read = hit, cost, clock, vocab, read
         self.seen = len(ids)
+        self.asked = 0
 
     def extend(self, ids):
         self.ids.extend(ids)
@@ -294,6 +295,7 @@ class ReplayDrafter:
         return len(self.ids) - self.seen
 
     def propose(self, most):
+        self.asked += 1
         at = len(self.ids) - self.start
         proposed = self.reply[at:at + most]
         self.clock.now += self.cost * len(proposed) + self.read * self.behind()
@@ -311,7 +313,8 @@ def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_o
     before a plain step is timed; proposals that are all kept go on to the
     end. Where a call's rows may not match one-token steps (a GPU), a token
     sampled on the device keeps its own step, and the first try costs it.
-    Proposals that cost more than a step each are not tried again. A
+    Proposals that cost more than a step each are not tried again, and a
+    draft that proposes nothing is asked again only after backing off. A
     drafter that reads every id it missed before proposing (a draft
     model's catching up, a tenth of a step an id) keeps to the budget too,
     though each try after a longer backoff costs more than the one before."""
@@ -349,6 +352,11 @@ def test_proposals_that_miss_cost_at_most_the_budget_and_proposals_that_pay_go_o
     assert ids == reply and drafted.accepted_tokens == drafted.drafted_tokens
     assert drafted.drafted_tokens > (room - 1) * tokens / (tokens + 1) - 2 * tokens
     assert drafted.decode_seconds < plain.decode_seconds
+    # a draft with nothing to propose (its cache full, an id past its
+    # embedding) is asked again only after backing off, as after a miss
+    nothing = ReplayDrafter(prompt, [], True, cost, clock, vocab)
+    ids, idle = decode(nothing)
+    assert ids == reply and idle.drafted_tokens == 0 and nothing.asked <= generate.MAX_BACKOFF + 2
     # proposals that cost a step each to make cannot pay, kept or not: no try after the first
     for hit in (True, False):
         ids, costly = decode(ReplayDrafter(prompt, reply, hit, 1.5, clock, vocab))

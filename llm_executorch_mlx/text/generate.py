@@ -240,7 +240,8 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
     one for a drafter whose proposals are not ``free``) and
     fall by one after proposals that missed before their last; after
     proposals that all missed, the next 2, 4, ... ``2**MAX_BACKOFF`` steps
-    propose none. And a step tries the drafter only where ``worth_trying``
+    propose none, as after a try of a drafter that is not free which
+    proposed nothing. And a step tries the drafter only where ``worth_trying``
     (what proposals cost against the plain steps that would have made the
     tokens they gave, a plain step timed from token to token): so drafts
     that miss cost at most ``BUDGET`` of the decoding time after the first
@@ -307,6 +308,12 @@ def speculate(forward, cache, history: list[int], y: mx.array, position: int, ma
             each_took = (clock() - started) / len(draft)
             making = min(making, each_took) if making else each_took
         idle = max(0, idle - 1)
+        if trying and not draft and not drafter.free:
+            # a draft model with nothing to propose (its cache full, an id
+            # past its embedding) backs off as after proposals that missed:
+            # each try cost the look-ahead of the token it would have joined
+            misses += 1
+            idle = 2 ** min(misses, MAX_BACKOFF)
         if ahead and not draft:
             y = speculation.sample(queued, history)
             forward.submit(y)
