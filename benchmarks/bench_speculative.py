@@ -120,6 +120,11 @@ def main():
     rates = [float(r) for r in args.acceptance.split(",") if r.strip()]
     info = machine_info(bind_blas_and_import_mlx())
     tokenizer = cli.tokenizer_of(args)
+    from llm_executorch_mlx.text.sidecar import read_sidecar
+
+    if read_sidecar(tokenizer.parent).chat_template is None:
+        ap.error(f"no chat template beside {tokenizer} (tokenizer_config.json or chat_template.jinja): "
+                 "the prompts would reach the model without their chat markup")
     model = f"{args.draft.parent.name}/{args.draft.stem}" if args.draft else None  # the draft model's route
     drafts = ["none", "ngram"] + ([model] if model else [])
     for draft in drafts:  # load, build the kernels (a verifying call's too: copying proposes), warm
