@@ -51,7 +51,7 @@ def see_a_cuda_gpu() -> None:
         if name.startswith("llm_executorch_mlx") and getattr(module, "on_cpu", None) is real:
             module.on_cpu = lambda: False
     mx.fast.cuda_kernel = StandInKernel
-    decode.for_device = lambda: decode.CudaKernels(True)  # an sm_80 GPU or later: tensor cores too
+    decode.for_device = lambda: decode.CudaKernels(False)  # the default route: a few rows on the FMA kernels
 
 
 # prompt tokens a call: as many as the decode-step kernels take, so they

@@ -57,7 +57,7 @@ def blocks() -> None:
 
     from gpu_decode_kernels import weight
     from llm_executorch_mlx.runtime.gpu import decode
-    from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, tensor_cores_here
+    from llm_executorch_mlx.runtime.gpu.decode import Block, MlxOps
 
     k, rows = 2048, (2048, 512, 512)
     source = "const int i = threadIdx.x + blockIdx.x * blockDim.x; out0[i] = x[i];"
@@ -72,7 +72,7 @@ def blocks() -> None:
         keys = mx.random.split(mx.random.key(0), 4)
         block = Block(tuple(weight(n, k, mx.bfloat16, bits, 32, keys[i]) for i, n in enumerate(rows)),
                       (mx.ones((k,), mx.bfloat16), 1e-5))
-        kernel = CudaKernels(tensor_cores_here()).launcher(block)
+        kernel = decode.for_device().launcher(block)  # the runtime's route
         routes = {
             "MLX ops": MlxOps().launcher(block),
             "kernel": kernel,

@@ -15,15 +15,17 @@ real-model shapes:
 - **a few rows**: a launch of ``FEW`` rows of ``x`` (a verifying call's)
   agrees with MLX's ops as one row does, and each of its rows has the bits
   a launch of that row alone gives (at its own position where rotated);
-  on tensor cores (``tensor_cores.py``: 4-bit weights, 16-bit x), which
-  one-row launches do not take, the bits that row gets first in a launch
-  of two;
+  where the GPU has tensor cores, the same launch on them too
+  (``LLM_PTE_GPU_TENSOR_CORES=1``, ``tensor_cores.py``: 4-bit weights,
+  16-bit x), whose rows, which one-row launches do not take, have the
+  bits that row gets first in a launch of two;
   the attention kernel's rows likewise, against one-row launches at
   successive positions and against MLX's SDPA with a causal mask;
 - **time** (``--time``): a decode step's four blocks at Llama-3.2-1B's shape,
   each launched ``--iters`` times and evaluated at once (GPU time with the
   host's encoding overlapped), and the bandwidth the weights' bytes imply;
-  for one row of x and for ``FEW``.
+  for one row of x and for ``FEW``, on the route the runtime takes
+  (``decode.for_device``: tensor cores where ``LLM_PTE_GPU_TENSOR_CORES=1``).
 
     python benchmarks/gpu_decode_kernels.py --time     # on the GPU machine, with mlx-cuda
 """
@@ -45,7 +47,7 @@ import mlx.core as mx  # noqa: E402
 
 from llm_executorch_mlx.runtime.gpu import attention  # noqa: E402
 from llm_executorch_mlx.runtime.gpu.decode import (  # noqa: E402
-    Block, CudaKernels, MlxOps, Rotary, Weight, fits, tensor_cores_here)
+    Block, CudaKernels, MlxOps, Rotary, Weight, fits, for_device, tensor_cores_here)
 
 # largest |kernel - MLX| / largest |MLX output|: a few units in the last place of each dtype
 TOLERANCE = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 2e-2}
@@ -109,7 +111,8 @@ def cases():
 
 
 def check(args) -> list[dict]:
-    kernels, ops = CudaKernels(tensor_cores_here()), MlxOps()
+    kernels, ops = CudaKernels(False), MlxOps()
+    tensor = CudaKernels(True) if tensor_cores_here() else None  # LLM_PTE_GPU_TENSOR_CORES=1's few rows
     results = []
     key = mx.random.key(args.seed)
     for name, dtype, bits, group, k, rows, norm, epilogue, head in cases():
@@ -139,6 +142,8 @@ def check(args) -> list[dict]:
         print(f"{'ok  ' if ok else 'FAIL'} {name:40s} error/scale {error / scale:.2e}"
               f"{'' if same else '  NOT DETERMINISTIC'}{'' if shapes else '  SHAPES DIFFER'}", flush=True)
         results.append(check_rows(f"{name} x{FEW}", block, kernels, ops, dtype, position, keys[-2]))
+        if tensor is not None and tensor.on_tensor_cores(block, dtype):
+            results.append(check_rows(f"{name} x{FEW}", block, tensor, ops, dtype, position, keys[-2]))
     if not args.only or re.search(args.only, "attention"):
         results.append(check_attention(args.seed))
     return results
@@ -236,7 +241,7 @@ def timing(args) -> list[dict]:
             nbytes = sum(w.w.nbytes + (w.scales.nbytes + w.biases.nbytes if w.bits else 0) for w in block.weights)
             name = name if rows == 1 else f"{name} x{rows}"
             row = {"weights": label, "block": name, "bytes": nbytes}
-            for engine, runner in (("kernel", CudaKernels(tensor_cores_here())), ("mlx_ops", MlxOps())):
+            for engine, runner in (("kernel", for_device()), ("mlx_ops", MlxOps())):
                 launch = runner.launcher(block)
                 mx.eval(launch(x, residual, position))
                 best = float("inf")
@@ -267,6 +272,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not mx.cuda.is_available():
         print("gpu_decode_kernels.py needs MLX on a CUDA GPU (mlx[cuda12] or mlx[cuda13])", file=sys.stderr)
+        return 2
+    if for_device() is None:
+        print("gpu_decode_kernels.py checks the decode-step kernels: unset LLM_PTE_GPU_KERNELS=0", file=sys.stderr)
         return 2
     results = {"mlx": mx.__version__, "device": str(mx.default_device()), "checks": check(args)}
     if args.time:

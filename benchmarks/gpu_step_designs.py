@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from llm_executorch_mlx.runtime.gpu import attention
 import gpu_decode_kernels
-from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight, tensor_cores_here
+from llm_executorch_mlx.runtime.gpu.decode import Block, CudaKernels, MlxOps, Rotary, Weight
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, VOCAB = 2048, 32, 8, 64, 8192, 16, 128256
 EPS, BASE, CONTEXT, CAPACITY = 1e-5, 500000.0, 512, 2048
@@ -70,7 +70,7 @@ class Layer:
         self.vpool = mx.random.normal(pool, key=keys[6]).astype(mx.bfloat16)
         if not mx.cuda.is_available():
             return
-        kernels = CudaKernels(tensor_cores_here())
+        kernels = CudaKernels(False)  # a decode step: one row, never on tensor cores
         self.qkv = kernels.launcher(Block((self.q, self.k, self.v), (self.norms[0], EPS)))
         freqs = BASE ** (mx.arange(0, HEAD_DIM, 2) / HEAD_DIM)
         self.heads_rope = kernels.launcher(Block((self.q, self.k, self.v), (self.norms[0], EPS), "",

@@ -176,11 +176,20 @@ def test_the_plugin_answers_as_transformers_does(exported, calls, tmp_path, monk
 
 
 def test_a_cuda_gpu_runs_the_decode_kernels_unless_turned_off(monkeypatch):
-    monkeypatch.delenv(decode.KERNELS_FLAG, raising=False)
+    """A CUDA GPU runs the decode kernels, their few-row products on tensor
+    cores only where asked and the GPU has them (their rows round otherwise
+    than one-token steps)."""
+    for flag in (decode.KERNELS_FLAG, decode.TENSOR_CORES_FLAG):
+        monkeypatch.delenv(flag, raising=False)
     monkeypatch.setattr(mx.cuda, "is_available", lambda: False)
     assert decode.for_device() is None  # no CUDA GPU: MLX's own ops
     monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
-    assert isinstance(decode.for_device(), decode.CudaKernels)
+    monkeypatch.setattr(decode, "tensor_cores_here", lambda: True)
+    assert isinstance(decode.for_device(), decode.CudaKernels) and not decode.for_device().tensor_cores
+    monkeypatch.setenv(decode.TENSOR_CORES_FLAG, "1")
+    assert decode.for_device().tensor_cores
+    monkeypatch.setattr(decode, "tensor_cores_here", lambda: False)  # before sm_80
+    assert not decode.for_device().tensor_cores
     monkeypatch.setenv(decode.KERNELS_FLAG, "0")
     assert decode.for_device() is None
 

@@ -163,12 +163,13 @@ class Plan:
         """Whether each row of a call of several tokens gets the logits a
         call of that token alone gets, as close as greedy choices need: on
         the CPU, whose products sum each row in fp32 whatever the rows (in
-        another order from some row count on: BLAS, AMX tiles); a GPU
-        runs other kernels for several rows (tensor cores for 4-bit
-        products, ``gpu/tensor_cores.py``; MLX's GEMMs where no decode
-        kernel applies), so a token decided there may differ where the top
-        two logits are within rounding (speculative decoding,
-        ``generate.speculate``)."""
+        another order from some row count on: BLAS, AMX tiles). A GPU's
+        decode-step kernels give each row a one-token step's bits, but
+        MLX's GEMMs take several rows where no decode kernel applies (a
+        bf16 LM head; every product without the kernels), as tensor cores
+        do where asked (``gpu/decode.py``), so a token decided there may
+        differ where the top two logits are within rounding (speculative
+        decoding, ``generate.speculate``)."""
         return self.cpu
 
     @property

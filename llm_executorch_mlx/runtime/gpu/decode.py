@@ -6,10 +6,11 @@ time to build and to encode whatever the GPU then does with it. One row of
 element-wise work on that row, so one kernel can take them along. A call
 of a few rows (speculative decoding's verifying call, a short chunk) takes
 the same kernels, each weight load serving every row, and each row gets
-the bits a call of that row alone gets (its sums in the same order); but
-against 4-bit weights, 16-bit rows go to tensor cores where the GPU has
-them (``tensor_cores.py``: a few rows for about one row's time, each row
-summed in another order than the one-row kernel's). A block is:
+the bits a call of that row alone gets (its sums in the same order), so
+a verifying call chooses what one-token steps would. Where asked
+(``TENSOR_CORES_FLAG``), 16-bit rows against 4-bit weights go to tensor
+cores instead (``tensor_cores.py``: a few rows for about one row's time,
+each row summed in another order than the one-row kernel's). A block is:
 
 - ``norm``: RMSNorm of ``x`` first (the layer's input norm), each block
   normalising its own copy of ``x`` in shared memory;
@@ -930,6 +931,10 @@ def _prefetch(rows, k, bits, epilogue, rotary) -> list[str]:
 
 TENSOR_CORES_MAJOR = 8  # the compute capability with bf16 mma.m16n8k16 (sm_80)
 KERNELS_FLAG = "LLM_PTE_GPU_KERNELS"  # "0": MLX's own ops on a CUDA GPU, not the kernels
+# "1": a call of a few rows on tensor cores where the GPU has them; its rows
+# then round otherwise than one-token steps, so a greedy speculative reply
+# may part from plain decoding where two logits are within that rounding
+TENSOR_CORES_FLAG = "LLM_PTE_GPU_TENSOR_CORES"
 
 
 def for_device():
@@ -937,11 +942,12 @@ def for_device():
     a CUDA GPU, unless ``LLM_PTE_GPU_KERNELS=0`` asks for MLX's own ops;
     else None (each node its own MLX op). With them a step is about a third
     of the launches, and the host's work a step shorter than the device's
-    (``docs/design.md``, "The GPU route"). Apple GPUs: none
-    (``mx.fast.metal_kernel`` has the same shape; not ported)."""
+    (``docs/design.md``, "The GPU route"). Their few-row products run on
+    tensor cores only where ``LLM_PTE_GPU_TENSOR_CORES=1`` asks. Apple
+    GPUs: none (``mx.fast.metal_kernel`` has the same shape; not ported)."""
     if os.environ.get(KERNELS_FLAG) == "0" or not mx.cuda.is_available():
         return None
-    return CudaKernels(tensor_cores_here())
+    return CudaKernels(os.environ.get(TENSOR_CORES_FLAG) == "1" and tensor_cores_here())
 
 
 def tensor_cores_here() -> bool:
