@@ -1,12 +1,13 @@
 """Speed of a quantized KV cache (``-o kv_storage_dtype``, ``-o
-kv_value_dtype``) against the fp16 cache, at long contexts, beside
+kv_value_dtype``) and of an fp32 one (a CPU's default for a model that
+computes in fp32) against the fp16 cache, at long contexts, beside
 llama.cpp's caches of the same widths.
 
 One process, interleaved: per repetition and context length, a prompt of
 that many tokens then ``--new-tokens`` greedy ones, through ``generate_tokens``
 (the plugin's loop) with a fresh cache in each storage, and, given
-``--gguf``, llama.cpp with its cache in F16, Q8_0, Q8_0/Q4_0 and Q4_0 (its
-flash attention on for all four: a quantized value cache needs it). The
+``--gguf``, llama.cpp with its cache in F16, Q8_0, Q8_0/Q4_0, Q4_0 and F32
+(its flash attention on for all: a quantized value cache needs it). The
 table gives prefill and decode tok/s and, per repetition, each storage's
 speed ÷ the same engine's fp16 cache, and ours ÷ llama.cpp at the same
 widths.
@@ -28,7 +29,7 @@ from harness.timing import settle
 
 # ours (keys, values) beside llama.cpp's cache of the same widths
 STORAGES = {("fp16", "fp16"): "f16", ("int8", "int8"): "q8_0", ("int8", "int4"): "q8_0/q4_0",
-            ("int4", "int4"): "q4_0"}
+            ("int4", "int4"): "q4_0", ("fp32", "fp32"): "f32"}
 
 
 def main():

@@ -28,7 +28,6 @@ import numpy as np
 from .models import kv_bytes_per_token, model_shape
 from .timing import Run, timed
 
-# per llama.cpp KV type: its ggml_type value (Llama(type_k=, type_v=)) and our cache dtype of the same width
 # llama.cpp's cache types (``--kv``; "K/V" for two): GGML type, our storage of
 # the same width (kv_storage.py), bytes a value takes in it
 LLAMA_KV_TYPES = {"f32": (0, "fp32", 4), "f16": (1, "fp16", 2), "q8_0": (8, "int8", 34 / 32),
