@@ -42,31 +42,25 @@ WARPS_A_BLOCK = 4  # each its own tile, or its part of a tile split between warp
 WEIGHT_BITS = 4
 
 HEADER = r"""
-// mma.m16n8k16 with fp32 sums, for each 16-bit type; MAGIC is OFFSET's bits
-// in both halves of a word, OFFSET the value whose low mantissa bits are q
+// mma.m16n8k16 with fp32 sums, for each 16-bit type (its PTX name is part
+// of the instruction's text); MAGIC is OFFSET's bits in both halves of a
+// word, OFFSET the value whose low mantissa bits are q
 template <typename T> struct Mma;
-template <> struct Mma<__nv_bfloat16> {
-  static constexpr uint32_t MAGIC = 0x43004300u;
-  static constexpr float OFFSET = 128.f;
-  __device__ static void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                             uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
-template <> struct Mma<__half> {
-  static constexpr uint32_t MAGIC = 0x64006400u;
-  static constexpr float OFFSET = 1024.f;
-  __device__ static void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                             uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-  }
-};
+#define PTE_MMA(TYPE, PTX, MAGIC_BITS, OFFSET_VALUE) \
+  template <> struct Mma<TYPE> { \
+    static constexpr uint32_t MAGIC = MAGIC_BITS; \
+    static constexpr float OFFSET = OFFSET_VALUE; \
+    __device__ static void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, \
+                               uint32_t b1) { \
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX "." PTX ".f32 {%0,%1,%2,%3}, " \
+                   "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};" \
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) \
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1)); \
+    } \
+  };
+PTE_MMA(__nv_bfloat16, "bf16", 0x43004300u, 128.f)
+PTE_MMA(__half, "f16", 0x64006400u, 1024.f)
+#undef PTE_MMA
 
 // the 4-bit values i and i + 4 of a word as two 16-bit OFFSET + q
 template <typename T> __device__ __forceinline__ uint32_t offset_pair(uint32_t w, int i) {
