@@ -17,8 +17,7 @@ real-model shapes:
   a launch of that row alone gives (at its own position where rotated);
   where the GPU has tensor cores, the same launch on them too
   (``LLM_PTE_GPU_TENSOR_CORES=1``, ``tensor_cores.py``: 4-bit weights,
-  16-bit x), whose rows, which one-row launches do not take, have the
-  bits that row gets first in a launch of two;
+  16-bit x), each row against a one-row launch on them;
   the attention kernel's rows likewise, against one-row launches at
   successive positions and against MLX's SDPA with a causal mask;
 - **time** (``--time``): a decode step's four blocks at Llama-3.2-1B's shape,
@@ -151,8 +150,7 @@ def check(args) -> list[dict]:
 
 def check_rows(name: str, block: Block, kernels, ops, dtype, position, key) -> dict:
     """``FEW`` rows of x in one launch: against MLX's ops, and row by row
-    (bitwise) against one-row launches, or on tensor cores (which one-row
-    launches do not take) against the row first in a launch of two rows."""
+    (bitwise) against one-row launches on the same route."""
     x = mx.random.normal((1, FEW, block.k), key=key).astype(dtype)
     residual = mx.random.normal((1, FEW, block.rows), key=key).astype(dtype) if block.epilogue == "add" else None
     launch = kernels.launcher(block)
@@ -160,11 +158,9 @@ def check_rows(name: str, block: Block, kernels, ops, dtype, position, key) -> d
     reference = ops.launcher(block)(x, residual, position)
     axis = 2 if block.rotary else 1  # rows of an output in heads: [1, heads, rows, dims]
     mma = kernels.on_tensor_cores(block, dtype)
-    with_row = (lambda a, m: mx.concatenate([a[:, m:m + 1]] * 2, axis=1)) if mma else (lambda a, m: a[:, m:m + 1])
-    alone = [launch(with_row(x, m), None if residual is None else with_row(residual, m),
+    alone = [launch(x[:, m:m + 1], None if residual is None else residual[:, m:m + 1],
                     None if position is None else position + m) for m in range(FEW)]
-    singles = [mx.concatenate([mx.take(a[i], mx.array([0]), axis=axis) for a in alone], axis=axis)
-               for i in range(len(ours))]
+    singles = [mx.concatenate([a[i] for a in alone], axis=axis) for i in range(len(ours))]
     mx.eval(ours, reference, singles)
     error = max(float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) for a, b in zip(ours, reference))
     scale = max(float(mx.abs(b.astype(mx.float32)).max()) for b in reference)

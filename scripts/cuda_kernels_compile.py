@@ -87,7 +87,7 @@ def record_all() -> list[tuple[str, str]]:
         rotary = Rotary(head, 500000.0 ** (mx.arange(0, head, 2) / head), 2) if head else None
         block = Block(weights, (mx.ones((k,), dtype), 1e-5) if norm else None, epilogue, rotary)
         # a one-row launch's kernel and a few rows', on FMAs and (where they fit) on tensor cores
-        for tensor_cores, rows_x in ((False, 1), (False, cases.FEW), (True, cases.FEW)):
+        for tensor_cores, rows_x in ((False, 1), (False, cases.FEW), (True, 1), (True, cases.FEW)):
             residual = mx.zeros((1, rows_x, rows[0]), dtype) if epilogue == "add" else None
             CudaKernels(tensor_cores).launcher(block)(mx.zeros((1, rows_x, k), dtype), residual,
                                                       mx.array(5, mx.int32) if head else None)

@@ -435,12 +435,12 @@ def test_the_decode_kernels_refuse_blocks_they_cannot_read():
     assert not decode.fits(decode.Block((decode.Weight(w, s, b, 3, 64),), None))  # 3-bit words
 
 
-def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes(monkeypatch):
-    """A call of several rows of bf16 or fp16 x (a verifying call) runs
-    4-bit blocks of SmolLM2-135M's and Llama-3.2-1B's shapes on tensor
-    cores where the GPU has them; one row, fp32 x, 8-bit weights, output
-    rows the 16-row tiles do not divide, and a GPU without them take the
-    FMA kernels."""
+def test_asked_for_tensor_cores_every_16bit_launch_against_4bit_weights_takes_them(monkeypatch):
+    """Asked for tensor cores, every launch of bf16 or fp16 x, one row (a
+    decode step's) and several (a verifying call's), runs 4-bit blocks of
+    SmolLM2-135M's and Llama-3.2-1B's shapes on them, so each row rounds
+    alike whatever the call; fp32 x, 8-bit weights, output rows the 16-row
+    tiles do not divide, and a GPU without them take the FMA kernels."""
     def q(n, k, bits=4, group=32):
         w, s, b = mx.quantize(mx.zeros((n, k)), group_size=group, bits=bits)
         return decode.Weight(w, s, b, bits, group)
@@ -458,7 +458,8 @@ def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes(
         return lambda inputs, output_shapes, output_dtypes, **_: [route], None, None
 
     monkeypatch.setattr(decode, "_kernel", lambda signature: kernel("few" if signature[-1] else "one"))
-    monkeypatch.setattr(decode, "_tensor_core_kernel", lambda signature: kernel("tensor cores"))
+    monkeypatch.setattr(decode, "_tensor_core_kernel",
+                        lambda signature, one_row: kernel("tensor cores, one row" if one_row else "tensor cores"))
 
     def routes(kernels, block):
         position = mx.array(5, mx.int32) if block.rotary else None
@@ -470,7 +471,8 @@ def test_a_few_rows_against_4bit_weights_take_tensor_cores_at_real_model_shapes(
     smollm2, llama_1b = blocks(576, 576, 192, 1536, 64), blocks(2048, 2048, 512, 8192, 64, group=64)
     for block in smollm2 + llama_1b:
         assert decode.fits(block)
-        assert routes(decode.CudaKernels(True), block) == ["one", "tensor cores", "tensor cores", "few"]
+        assert routes(decode.CudaKernels(True), block) == ["tensor cores, one row", "tensor cores", "tensor cores",
+                                                            "few"]
         assert routes(decode.CudaKernels(False), block) == ["one", "few", "few", "few"]
     for block in blocks(576, 576, 192, 1536, 64, bits=8) + [decode.Block((q(100, 576),), None, "add")]:
         assert routes(decode.CudaKernels(True), block) == ["one", "few", "few", "few"]

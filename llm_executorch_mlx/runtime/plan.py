@@ -164,10 +164,10 @@ class Plan:
         call of that token alone gets, as close as greedy choices need: on
         the CPU, whose products sum each row in fp32 whatever the rows (in
         another order from some row count on: BLAS, AMX tiles). A GPU's
-        decode-step kernels give each row a one-token step's bits, but
-        MLX's GEMMs take several rows where no decode kernel applies (a
-        bf16 LM head; every product without the kernels), as tensor cores
-        do where asked (``gpu/decode.py``), so a token decided there may
+        decode-step kernels give each row a one-token step's bits (on
+        tensor cores too, where asked: ``gpu/decode.py``), but MLX's GEMMs
+        take several rows where no decode kernel applies (a bf16 LM head;
+        every product without the kernels), so a token decided there may
         differ where the top two logits are within rounding (speculative
         decoding, ``generate.speculate``)."""
         return self.cpu

@@ -9,8 +9,9 @@ the same kernels, each weight load serving every row, and each row gets
 the bits a call of that row alone gets (its sums in the same order), so
 a verifying call chooses what one-token steps would. Where asked
 (``TENSOR_CORES_FLAG``), 16-bit rows against 4-bit weights go to tensor
-cores instead (``tensor_cores.py``: a few rows for about one row's time,
-each row summed in another order than the one-row kernel's). A block is:
+cores instead, one row and several alike (``tensor_cores.py``: a few rows
+for about one row's time, every row summed in the same order there, which
+is not the FMA kernels' order). A block is:
 
 - ``norm``: RMSNorm of ``x`` first (the layer's input norm), each block
   normalising its own copy of ``x`` in shared memory;
@@ -474,8 +475,9 @@ def _product(x, w: Weight):
 class CudaKernels:
     """``Block``s as one custom CUDA kernel each (``mx.fast.cuda_kernel``),
     compiled by MLX at first use, one per shape and dtype. With
-    ``tensor_cores`` (an sm_80 GPU or later), a call of several rows of
-    16-bit x against 4-bit weights takes them (``tensor_cores.py``)."""
+    ``tensor_cores`` (an sm_80 GPU or later), every launch of 16-bit x
+    against 4-bit weights takes them, one row too, so that a row rounds
+    alike in a one-token step and in a verifying call (``tensor_cores.py``)."""
 
     def __init__(self, tensor_cores: bool):
         self.tensor_cores = tensor_cores
@@ -508,10 +510,10 @@ class CudaKernels:
                 inputs.append(residual)
             if position is not None:
                 inputs.append(position)
-            if x.size == block.k:
+            if self._on_tensor_cores(signature, x.dtype):
+                kernel, grid, threads = _tensor_core_kernel(signature, x.size == block.k)
+            elif x.size == block.k:
                 kernel, grid, threads = one
-            elif self._on_tensor_cores(signature, x.dtype):
-                kernel, grid, threads = _tensor_core_kernel(signature)
             else:
                 kernel, grid, threads = few
             return kernel(inputs=inputs, template=[("T", x.dtype), *scale_type],
@@ -521,8 +523,8 @@ class CudaKernels:
         return launch
 
     def on_tensor_cores(self, block: Block, dtype: mx.Dtype) -> bool:
-        """Whether a launch of several rows of x in ``dtype`` runs ``block``
-        on tensor cores (``launch`` asks at each such call)."""
+        """Whether a launch of x in ``dtype`` runs ``block`` on tensor cores
+        (``launch`` asks at each call)."""
         return self._on_tensor_cores(_signature(block), dtype)
 
     def _on_tensor_cores(self, signature: tuple, dtype: mx.Dtype) -> bool:
@@ -659,9 +661,10 @@ def _tensor_cores_fit(signature: tuple) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _tensor_core_kernel(signature: tuple):
-    """``(kernel, grid, threadgroup)`` for a launch of several rows of x on
-    tensor cores (``tensor_cores.py``), where ``_tensor_cores_fit``."""
+def _tensor_core_kernel(signature: tuple, one_row: bool):
+    """``(kernel, grid, threadgroup)`` for a launch on tensor cores
+    (``tensor_cores.py``), where ``_tensor_cores_fit``: of one row of x, or
+    of several."""
     rows, k, bits, group, norm, epilogue, rotary, _ = signature
     names, outputs = _names(rows, bits, norm, epilogue, rotary)
     items, paired = _paired(rows, epilogue, rotary)
@@ -683,7 +686,7 @@ def _tensor_core_kernel(signature: tuple):
         else:
             pointers.append(at("a", i, f"{first} + g") + " " + at("b", i, f"{first} + 8 + g"))
         start += count
-    pass_rows = tensor_cores.pass_rows(k, norm is not None, SHARED_BYTES)
+    pass_rows = 1 if one_row else tensor_cores.pass_rows(k, norm is not None, SHARED_BYTES)
     lines = [f"__shared__ float squares[{'K * sizeof(T) / 16' if norm else 1}];"]
     if rotary:  # as in _source
         lines += ["__shared__ int position0;", "if (tid == 0) position0 = position[0];"]
@@ -942,7 +945,7 @@ def for_device():
     a CUDA GPU, unless ``LLM_PTE_GPU_KERNELS=0`` asks for MLX's own ops;
     else None (each node its own MLX op). With them a step is about a third
     of the launches, and the host's work a step shorter than the device's
-    (``docs/design.md``, "The GPU route"). Their few-row products run on
+    (``docs/design.md``, "The GPU route"). Their 4-bit products run on
     tensor cores only where ``LLM_PTE_GPU_TENSOR_CORES=1`` asks. Apple
     GPUs: none (``mx.fast.metal_kernel`` has the same shape; not ported)."""
     if os.environ.get(KERNELS_FLAG) == "0" or not mx.cuda.is_available():

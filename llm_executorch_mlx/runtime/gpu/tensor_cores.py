@@ -1,5 +1,6 @@
-"""A few rows of ``x`` against 4-bit weights on tensor cores: a decode block's
-products for a call of 2 to ``attention.MOST_ROWS`` rows.
+"""Rows of ``x`` against 4-bit weights on tensor cores: a decode block's
+products for a call of 1 to ``attention.MOST_ROWS`` rows, where asked
+(``decode.TENSOR_CORES_FLAG``).
 
 One row's products are a GEMV, and ``decode.py``'s kernel sums them with
 FMAs at the weights' bandwidth. Several rows multiply that arithmetic: the
@@ -7,7 +8,9 @@ few-row form of that kernel pays each row's unpacking and FMAs again, so a
 call of six rows cost about four one-row launches. Here a warp's
 ``mma.m16n8k16`` (16-bit inputs, fp32 sums) does the arithmetic of up to
 eight rows at once, so such a call costs about one row's launch
-(``benchmarks/gpu_mma_products.py`` measures both).
+(``benchmarks/gpu_mma_products.py`` measures both). One row costs more here
+than on the FMA kernel, but it must come here too: a verifying call's rows
+must round as one-token steps do.
 
 The operands, for a warp and a k-tile of 128 values:
 
@@ -27,8 +30,8 @@ The operands, for a warp and a k-tile of 128 values:
 x is staged rounded to its own dtype (as MLX's ops hand it to the product)
 with each chunk's sum in fp32. Every row of x is summed the same way
 whatever the other rows of the call, so each row gets the bits that row
-alone gets here; not the bits of ``decode.py``'s one-row kernel, whose FMAs
-sum in another order (``Plan.rows_match_steps``).
+alone gets here (not the bits of ``decode.py``'s FMA kernels, which sum in
+another order).
 """
 
 from __future__ import annotations
