@@ -3,7 +3,8 @@ costs in accuracy on the real model.
 
 SmolLM2-135M-Instruct in fp32 (so the cache is the only rounding), exported
 once with a 4,096-token context under ``--workdir``; for each storage of keys
-/ values against the fp16 cache:
+/ values against the fp16 cache (the default where a model computes in fp32;
+the fp32 row is the exact cache):
 
 - **perplexity** of a fixed text (the repository's LICENSE, 2,048 tokens by
   default: the later positions attend over a long quantized history), and the
@@ -32,7 +33,8 @@ from harness.report import row, table
 from harness.timing import common_prefix
 
 HERE = pathlib.Path(__file__).resolve().parent
-STORAGES = (("fp16", "fp16"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4"))
+# fp32: the exact cache of a model computing in fp32, whose default is fp16
+STORAGES = (("fp16", "fp16"), ("fp32", "fp32"), ("int8", "int8"), ("int8", "int4"), ("int4", "int4"))
 # llama.cpp's cache types beside ours: GGML_TYPE_F16, Q8_0, Q4_0
 LLAMA_CPP_KV = (("f16", 1, 1), ("q8_0", 8, 8), ("q8_0/q4_0", 8, 2), ("q4_0", 2, 2))
 

@@ -276,9 +276,9 @@ def test_cache_geometry_beyond_any_model_is_refused_at_load(facts, problem):
 
 
 def test_a_cache_no_machine_can_hold_is_refused_before_it_is_allocated(exported):
-    """Ring pools are allocated up front: a window of 2**30 positions is ~1.5 TiB."""
+    """Ring pools are allocated up front: a window of 2**30 positions in fp16 is ~768 GiB."""
     program = load_program(exported(*fuzzing.KINDS["gemma3-ring"])[1])
-    with pytest.raises(PteError, match=r"the cache needs 1536\.0 GiB up front .*pass a smaller capacity= or windows="):
+    with pytest.raises(PteError, match=r"the cache needs 768\.0 GiB up front .*pass a smaller capacity= or windows="):
         program.new_cache(capacity=(1 << 31) - 1, windows=str(1 << 30))
     with pytest.raises(PteError, match=r"capacity 17179869184 is more than the 2147483647 positions"):
         program.new_cache(capacity=1 << 34)

@@ -26,7 +26,11 @@ def greedy(pte, prompt, new_tokens, kv_dtype=None, compute="auto", int8_activati
     program = load_program(pte, compute=compute, int8_activations=int8_activations,
                            bf16_activations=bf16_activations)
     program.prepare_cpu_kernels()  # as a generation does: the CPU kernels, built if need be
-    cache = program.new_cache(capacity=128, dtype=kv_dtype, value_dtype=kv_value_dtype)
+    # the exact cache where the program computes in fp32, unless a test asks
+    # for another: these tests hold the compute to transformers; the default
+    # fp16 cache is held to it apart (test_default_cache_...)
+    exact = "fp32" if program.compute_dtype == "fp32" else None
+    cache = program.new_cache(capacity=128, dtype=kv_dtype or exact, value_dtype=kv_value_dtype)
     forward = program.load_method("forward", cache=cache)
     chunk = program.metadata.prefill_chunk
     rows = []
@@ -155,6 +159,22 @@ def test_quantized_cache_logits_stay_within_its_contract(exported, keys, values,
                           bf16_activations=False)
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
     assert_close_where_decisive(tokens, ours[:-1], ref, tol)
+
+
+# The default cache of a program computing in fp32 (a CPU's route) stores
+# keys and values in fp16: each within 2^-11 of itself, which moved the
+# fixture's logits by ~2e-4 of their scale; 1e-3 leaves room for other
+# prompts, where a wrong cast (bf16's 2^-8) or a misplaced cell would not.
+FP16_KV_TOL = 1e-3
+
+
+def test_default_cache_of_fp32_compute_is_fp16_within_its_contract(exported):
+    model_dir, pte = exported("gemma3", trained=True, dtype="bf16")
+    assert load_program(pte, compute="fp32").kv_dtype == "fp16"
+    assert load_program(pte, compute="native").kv_dtype == "bf16"  # a GPU's: the compute's own
+    tokens, ours = greedy(pte, prompt_for(), NEW_TOKENS, kv_dtype="fp16", compute="fp32", bf16_activations=False)
+    ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
+    assert_close_where_decisive(tokens, ours[:-1], ref, FP16_KV_TOL)
 
 
 def assert_products_grouped(program):

@@ -210,7 +210,8 @@ def test_usage_and_response_json(tiny):
     assert j["prefilled_tokens"] == response.input_tokens
     assert j["finish_reason"] in ("stop", "length")
     assert j["cache_capacity"] == 128 and j["cache_length"] > 0
-    assert j["kv_bytes_in_use"] == j["cache_length"] * 2 * 2 * 2 * 16 * 4
+    # 2 layers x K,V x 2 heads x 16 dims x 2 bytes: an fp32-computing model's cache is fp16
+    assert j["kv_bytes_in_use"] == j["cache_length"] * 2 * 2 * 2 * 16 * 2
     assert response.token_details == {"cached": 0}
 
 
@@ -327,7 +328,7 @@ def test_half_precision_models_compute_in_fp32_on_a_cpu_unless_told(exported, ti
     native = model.prompt("Hello", max_tokens=3, compute_dtype="native")
     native.text()
     assert widened.response_json["compute_dtype"] == "fp32"
-    assert widened.response_json["kv_storage_dtype"] == "fp32"  # the cache follows the compute
+    assert widened.response_json["kv_storage_dtype"] == "fp16"  # half the bytes of the fp32 compute
     assert native.response_json["compute_dtype"] == "bf16"
     assert native.response_json["kv_storage_dtype"] == "bf16"
 
@@ -459,7 +460,7 @@ def test_cache_options_change_the_cache_and_rebuild_it_between_turns(tiny):
     r2 = conversation.prompt("Tell me a story", max_tokens=4, kv_windows="8")
     r2.text()
     j2 = r2.response_json
-    assert j2["kv_windows"] == [8, 8] and j2["kv_storage_dtype"] == "fp32"
+    assert j2["kv_windows"] == [8, 8] and j2["kv_storage_dtype"] == "fp16"  # the default for fp32 compute
     assert j2["cache_path"] == "cold" and j2["prefilled_tokens"] == j2["prompt_tokens"]
 
 

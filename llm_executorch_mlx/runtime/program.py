@@ -396,7 +396,7 @@ class Program:
         Args:
             capacity: most tokens the sequence may hold (default: max context).
             dtype: the keys' storage, "bf16" | "fp16" | "fp32" | "int8" |
-                "int4" (default: the dtype activations compute in, else bf16).
+                "int4" (default: ``kv_dtype``).
             initial_capacity: starting slots of flat pools (default 512).
             windows: a window pattern replacing the model's own.
             value_dtype: the values' storage (default: ``dtype``).
@@ -420,7 +420,7 @@ class Program:
         cache = SequenceCache(
             layers,
             capacity=capacity,
-            dtype=dtype or self.compute_dtype or "bf16",
+            dtype=dtype or self.kv_dtype,
             value_dtype=value_dtype,
             initial_capacity=initial_capacity,
             max_write=max_write,
@@ -453,6 +453,16 @@ class Program:
         if act is not None and KV_DTYPES[act] in self._dtype_map:
             return kv_dtype_name(self._dtype_map[KV_DTYPES[act]])
         return act
+
+    @property
+    def kv_dtype(self) -> str:
+        """A cache's storage unless asked otherwise: the dtype activations
+        compute in (bf16 where the file says none), but fp16 where that is
+        fp32, as a CPU computes quantized and 16-bit files: a decode step
+        then reads half the cache's bytes, each key and value within fp16's
+        rounding (docs/design.md, "The cache's storage")."""
+        compute = self.compute_dtype or "bf16"
+        return "fp16" if compute == "fp32" else compute
 
     def weight_bytes(self, as_stored: bool = False) -> int:
         """Bytes of every delegated method's constants, from metadata alone:

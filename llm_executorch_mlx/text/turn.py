@@ -51,10 +51,10 @@ class TurnResult:
 def draft_policy(policy: CachePolicy, program) -> CachePolicy:
     """The cache a draft model (``-o draft MODEL``) keeps beside a target's
     cache of ``policy``: as long, as far as the draft's context allows, in
-    the dtype it computes in."""
+    its own default storage."""
     meta = program.metadata
     return CachePolicy(capacity=min(policy.capacity, meta.max_context or policy.capacity),
-                       dtype=program.compute_dtype or "bf16")
+                       dtype=program.kv_dtype)
 
 
 def cache_policy(opts: TurnOptions, program) -> CachePolicy:
@@ -65,7 +65,7 @@ def cache_policy(opts: TurnOptions, program) -> CachePolicy:
         raise TextError(f"kv_max_capacity {capacity} exceeds the model's max context {meta.max_context}")
     return CachePolicy(
         capacity=capacity,
-        dtype=opts.kv_storage_dtype or program.compute_dtype or "bf16",
+        dtype=opts.kv_storage_dtype or program.kv_dtype,
         initial_capacity=opts.kv_initial_capacity,
         windows=opts.kv_windows,
         value_dtype=opts.kv_value_dtype,
