@@ -227,6 +227,7 @@ def register_commands(cli):
         }
         if m.has_offgraph_cache:
             facts["kv_bytes_per_token"] = _kv_bytes_per_token(m.kv_heads, m.head_dims)
+            facts["kv_storage_dtype"] = program.kv_dtype
         facts["runtime"] = _runtime_facts()
         if as_json:
             click.echo(json.dumps(facts, indent=2, default=str))
@@ -246,7 +247,8 @@ def register_commands(cli):
             click.echo(f"[cache] off-graph seq | {layers_text(m.windows)}")
             click.echo(f"        kv heads {m.kv_heads}, head dims {m.head_dims}")
             click.echo("        KV bytes/token: " + ", ".join(
-                f"{dt} {n:,}" for dt, n in facts["kv_bytes_per_token"].items()))
+                f"{dt} {n:,}" for dt, n in facts["kv_bytes_per_token"].items())
+                + f" ({program.kv_dtype} unless -o kv_storage_dtype says otherwise)")
         else:
             click.echo("[cache] none published (in-graph or not an LLM)")
         runtime = facts["runtime"]

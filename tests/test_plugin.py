@@ -78,6 +78,8 @@ def test_register_list_info_remove(tiny, compiler):
     # 2 layers x (K+V) x 2 kv heads x head dim 16, at 4 bytes per fp32 value
     assert info_json["kv_bytes_per_token"]["fp32"] == 2 * 2 * 2 * 16 * 4
     assert set(info_json["kv_bytes_per_token"]) == {"bf16", "fp16", "fp32"}  # no group of 32 in a head of 16
+    # the tiny fp32 model's cache: fp16 by default (half the bytes of its compute dtype)
+    assert info_json["kv_storage_dtype"] == "fp16" and "(fp16 unless -o kv_storage_dtype" in info
     # where it would run here: the CPU, the BLAS bound at import, the kernels
     # (without a compiler: MLX ops and BLAS, saying why)
     backend = f"mlx {importlib.metadata.version('mlx')} with mlx-cpu {importlib.metadata.version('mlx-cpu')} (CPU)"
