@@ -137,7 +137,7 @@ _DECLARED = (
     Option("kv_storage_dtype", str, None,
            "KV cache storage dtype: bf16, fp16, fp32, or int8/int4 (quantized in groups along each head, "
            "about 0.53x/0.28x of fp16's bytes; the accuracy in docs/design.md) (default: the dtype the "
-           "model computes in, fp16 where that is fp32); the keys', and the values' unless kv_value_dtype "
+           "model computes in; on a CPU fp16 where that is fp32); the keys', and the values' unless kv_value_dtype "
            "says otherwise",
            choices=("bf16", "fp16", "fp32", "int8", "int4")),
     Option("kv_value_dtype", str, None,

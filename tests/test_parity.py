@@ -170,8 +170,11 @@ FP16_KV_TOL = 1e-3
 
 def test_default_cache_of_fp32_compute_is_fp16_within_its_contract(exported):
     model_dir, pte = exported("gemma3", trained=True, dtype="bf16")
+    from llm_executorch_mlx.runtime.plan import Plan
+
     assert load_program(pte, compute="fp32").kv_dtype == "fp16"
-    assert load_program(pte, compute="native").kv_dtype == "bf16"  # a GPU's: the compute's own
+    assert load_program(pte, compute="native").kv_dtype == "bf16"  # the compute's own
+    assert Plan(cpu=False).cache_dtype("fp32") == "fp32"  # a GPU's attention kernel reads the query's dtype
     tokens, ours = greedy(pte, prompt_for(), NEW_TOKENS, kv_dtype="fp16", compute="fp32", bf16_activations=False)
     ref = reference_logits(model_dir, tokens[:-1], dtype=torch.bfloat16, compute_dtype=torch.float32)
     assert_close_where_decisive(tokens, ours[:-1], ref, FP16_KV_TOL)

@@ -158,6 +158,15 @@ class Plan:
             return Layout.MLX
         return Layout.INT8 if self.int8_activations and bits in self.limits.int8_bits else Layout.INTERLEAVED
 
+    def cache_dtype(self, compute: str) -> str:
+        """A cache's storage unless asked otherwise, for activations that
+        compute in ``compute``: that dtype, but on a CPU fp16 where it is
+        fp32 (as a CPU computes quantized and 16-bit files), so that a
+        decode step reads half the cache's bytes, each key and value within
+        fp16's rounding (docs/design.md, "The cache's storage"). A GPU's
+        attention kernel reads pools of the query's dtype."""
+        return "fp16" if self.cpu and compute == "fp32" else compute
+
     @property
     def rows_match_steps(self) -> bool:
         """Whether each row of a call of several tokens gets the logits a

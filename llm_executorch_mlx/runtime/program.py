@@ -456,13 +456,8 @@ class Program:
 
     @property
     def kv_dtype(self) -> str:
-        """A cache's storage unless asked otherwise: the dtype activations
-        compute in (bf16 where the file says none), but fp16 where that is
-        fp32, as a CPU computes quantized and 16-bit files: a decode step
-        then reads half the cache's bytes, each key and value within fp16's
-        rounding (docs/design.md, "The cache's storage")."""
-        compute = self.compute_dtype or "bf16"
-        return "fp16" if compute == "fp32" else compute
+        """A cache's storage unless asked otherwise (``Plan.cache_dtype``)."""
+        return self.plan.cache_dtype(self.compute_dtype or "bf16")
 
     def weight_bytes(self, as_stored: bool = False) -> int:
         """Bytes of every delegated method's constants, from metadata alone:
