@@ -498,6 +498,7 @@ class CudaKernels:
         one, few = _kernel(signature + (0,)), _kernel(signature + (_pass_rows(block, signature[-1]),))
         width = [block.weights[0].rows] if block.epilogue else [w.rows for w in block.weights]
         scale_type = [("S", first.scales.dtype)] if first.bits else []
+        mma = self.tensor_cores and _tensor_cores_fit(signature)  # for 16-bit x (tensor_cores.DTYPES)
 
         def shapes(lead):
             if rotary is None:
@@ -510,7 +511,7 @@ class CudaKernels:
                 inputs.append(residual)
             if position is not None:
                 inputs.append(position)
-            if self._on_tensor_cores(signature, x.dtype):
+            if mma and x.dtype in tensor_cores.DTYPES:
                 kernel, grid, threads = _tensor_core_kernel(signature, x.size == block.k)
             elif x.size == block.k:
                 kernel, grid, threads = one
