@@ -67,9 +67,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from harness import cli, machine
+from harness import cli, machine, peak
 from harness.engines import LLAMA_KV_TYPES, IkLlamaBench, LlamaCpp, MlxLm, Ours
-from harness.models import in_child
+from harness.models import in_child, model_shape, prefill_macs_per_token
 from harness.report import fmt, log, ratio_spread, spread, summarize_runs, table, write_json
 from harness.timing import Run, rep_entry, settle
 
@@ -413,6 +413,8 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
         n: ratio_spread([s[n] for s in shorts], [s["ours"] for s in shorts]) for n in names if n != "ours"
     }
     summary["read_rate"] = {n: spread([r[n] for r in rates]) for n in names}
+    macs = prefill_macs_per_token(model_shape(art.hf), args.prompt_len)
+    summary["prefill_macs"] = {n: spread([r[n]["prefill_tps"] * macs for r in reps]) for n in names}
     summary["decode_of_bound"] = {
         n: spread([r[n]["decode_tps"] * step_bytes[n] / rate[n] for r, rate in zip(reps, rates)]) for n in names
     }
@@ -427,19 +429,29 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
 # -- reporting ----------------------------------------------------------------
 
 
+def gmacs(rate: float | None) -> str:
+    return "unknown (no C compiler)" if rate is None else f"{rate / 1e9:.0f}"
+
+
 def markdown(results: list[dict], art: Artifacts, args, info: dict) -> str:
     blas = info["blas"]["global_sgemm_library"] or "MLX's reference BLAS"
+    peaks = info["multiply_add_peaks"]
     speeds, same_tokens = [], []
+
+    def of_peak(macs: dict) -> str:
+        return " · ".join("–" if peaks[kind] is None else fmt({k: v / peaks[kind] for k, v in macs.items()}, "{:.2f}")
+                          for kind in ("int8", "fp32"))
     for r in results:
         s, name = r["summary"], r["format"]
         for n, engine in r["engines"].items():
             speeds.append([name, n, engine["weights"], f"{engine['weight_bytes'] / 1e6:.0f}",
-                           fmt(s["prefill_tps"][n]), fmt(s["decode_tps"][n], "{:.2f}"), fmt(s["short_ms"][n]),
+                           fmt(s["prefill_tps"][n]), of_peak(s["prefill_macs"][n]),
+                           fmt(s["decode_tps"][n], "{:.2f}"), fmt(s["short_ms"][n]),
                            f"{engine['step_bytes'] / 1e6:.0f}",
                            fmt({k: v / 1e9 for k, v in s["read_rate"][n].items()}),
                            fmt(s["decode_of_bound"][n], "{:.2f}")])
         for n in s["prefill_tps"]["ratio"]:
-            speeds.append([name, f"ours ÷ {n}", "", "", fmt(s["prefill_tps"]["ratio"][n], "{:.2f}"),
+            speeds.append([name, f"ours ÷ {n}", "", "", fmt(s["prefill_tps"]["ratio"][n], "{:.2f}"), "",
                            fmt(s["decode_tps"]["ratio"][n], "{:.2f}"), fmt(s["short_ms"]["ratio"][n], "{:.2f}"),
                            "", "", ""])
         same = s["same_tokens"]
@@ -457,9 +469,11 @@ def markdown(results: list[dict], art: Artifacts, args, info: dict) -> str:
         f"{'' if art.llama_extra_bufts else ', no extra buffer types (they fault here)'}; "
         f"short = {args.short_len} tokens after {args.short_history}, to the first token; "
         f"{args.reps} interleaved reps after 1 warmup; median [min–max]; ratios are ours ÷ peer per rep "
-        f"(above 1: ours faster); MLX BLAS: {blas}",
+        f"(above 1: ours faster); MLX BLAS: {blas}; multiply-add peaks on {args.threads} threads, measured "
+        f"(harness/peak.c): int8 {gmacs(peaks['int8'])}, fp32 {gmacs(peaks['fp32'])} GMAC/s",
         "",
-        *table(["format", "engine", "weights", "MB", "prefill tok/s", "decode tok/s", "short ms", "MB a step reads",
+        *table(["format", "engine", "weights", "MB", "prefill tok/s", "prefill ÷ int8 · fp32 peak", "decode tok/s",
+                "short ms", "MB a step reads",
                 "read GB/s", "decode ÷ bound"], speeds),
         "",
         f"Leading greedy tokens equal to ours (of {args.new_tokens}):",
@@ -479,6 +493,7 @@ def main(argv=None) -> None:
     info["versions"]["llama-cpp-python"] = importlib.metadata.version("llama-cpp-python")
     results = [bench_format(name, art, prompt, args) for name in args.formats]
     info["loadavg_end"] = os.getloadavg()
+    info["multiply_add_peaks"] = peak.multiply_add_peaks(args.workdir, args.threads)
     print(markdown(results, art, args, info))
     if args.json:
         report = {"args": vars(args), "artifacts": vars(art), "prompt": prompt, "machine": info,

@@ -153,6 +153,17 @@ def kv_bytes_per_token(shape: dict, dtype: str) -> int:
     return shape["layers"] * 2 * shape["kv_heads"] * shape["head_dim"] * DTYPE_BYTES[dtype]
 
 
+def prefill_macs_per_token(shape: dict, prompt_len: int) -> float:
+    """Multiply-adds one token of a ``prompt_len`` prompt costs: every layer's
+    linears, and attention's scores and weighted values over the mean causal
+    context. The LM head, which a prefill runs for its last position only, is
+    left out."""
+    h, q, kv = shape["hidden"], shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    linears = h * (q + 2 * kv) + q * h + 3 * h * shape["intermediate"]
+    attention = 2 * q * (prompt_len + 1) / 2
+    return shape["layers"] * (linears + attention)
+
+
 def random_prompt(seed: int, vocab_size: int, n: int) -> list[int]:
     """``n`` seeded random ids of a vocabulary."""
     import numpy as np

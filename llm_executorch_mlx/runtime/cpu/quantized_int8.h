@@ -278,8 +278,9 @@ inline vi dot_bytes(vi acc, vi w, vi size, vi x) { return widen_pairs(acc, pair_
 template <int BITS, int MR, int NB, int S = 1>
 void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
   constexpr int L = kLanes32, per = quad_values(BITS);
+  constexpr int kRunChunks = 32 / per;  // a run of 32 values; every group (32, 64, 128) is whole runs
   const int64_t K = r.K, groups = K / r.group, block_bytes = K * BITS / 8 * L;
-  const int chunks = r.group / per;
+  const int runs = r.group / 32;
   const int8_t* x = r.xq + int64_t(m0) * K;
   vf acc[MR][NB];
   for (int m = 0; m < MR; ++m)
@@ -287,35 +288,43 @@ void int8_tile(const Int8Rows& r, int64_t block, int m0, bool fetch) {
   const uint8_t* w = r.w + block * block_bytes;
   for (int64_t g = 0; g < groups; ++g) {
     vi dot[MR][NB][S];
-    [[maybe_unused]] vi pairs[MR][NB];  // 4 bits without VNNI: a run of 32 values in int16 lanes
     for (int m = 0; m < MR; ++m)
       for (int b = 0; b < NB; ++b)
         for (int a = 0; a < S; ++a) dot[m][b][a] = zero_i();
-    for (int c = 0; c < chunks; ++c) {
-      const int64_t k = g * r.group + c * per;
-      for (int b = 0; b < NB; ++b) {
-        const uint8_t* chunk = w + b * block_bytes + (k / per) * 4 * L;
-        if (fetch) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kInt8Ahead, _MM_HINT_T1);  // never faults
-        const vi q = load_vi(chunk);
-        if constexpr (BITS == 8) {
-          const vi w8 = kOffsetBytes ? offset_bytes(q) : q, size = kOffsetBytes ? byte_sizes(w8) : q;
-          for (int m = 0; m < MR; ++m) {
-            vi& sum = dot[m][b][c % S];
-            sum = dot_bytes(sum, w8, size, four_bytes_everywhere(x + m * K + k));
-          }
-        } else {
-          const vi low = low4(q), high = high4(q);
-          for (int m = 0; m < MR; ++m) {
+    for (int run = 0; run < runs; ++run) {
+      // The run's chunks, rows and blocks unrolled, so that each sum is a register of its own and the
+      // chunk's place in the run is known where it is compiled (a loop over them compiles to branches).
+      [[maybe_unused]] vi pairs[MR][NB];  // 4 bits without VNNI: the run's 32 values in int16 lanes
+#pragma GCC unroll 8
+      for (int c = 0; c < kRunChunks; ++c) {
+        const int64_t k = g * r.group + run * 32 + c * per;
+#pragma GCC unroll 4
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* chunk = w + b * block_bytes + (k / per) * 4 * L;
+          if (fetch) _mm_prefetch(reinterpret_cast<const char*>(chunk) + kInt8Ahead, _MM_HINT_T1);  // never faults
+          const vi q = load_vi(chunk);
+          if constexpr (BITS == 8) {
+            const vi w8 = kOffsetBytes ? offset_bytes(q) : q, size = kOffsetBytes ? byte_sizes(w8) : q;
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) {
+              vi& sum = dot[m][b][c % S];
+              sum = dot_bytes(sum, w8, size, four_bytes_everywhere(x + m * K + k));
+            }
+          } else {
+            const vi low = low4(q), high = high4(q);
+#pragma GCC unroll 8
+            for (int m = 0; m < MR; ++m) {
 #if LLM_PTE_VNNI
-            vi &even = dot[m][b][2 * c % S], &odd = dot[m][b][(2 * c + 1) % S];
-            even = dot_quads(even, low, four_bytes_everywhere(x + m * K + k));
-            odd = dot_quads(odd, high, four_bytes_everywhere(x + m * K + k + 4));
-#else  // 4 chunks of 8 values: 32
-            const vi two = add_pairs(pair_products(low, four_bytes_everywhere(x + m * K + k)),
-                                     pair_products(high, four_bytes_everywhere(x + m * K + k + 4)));
-            pairs[m][b] = c % 4 ? add_pairs(pairs[m][b], two) : two;
-            if (c % 4 == 3) dot[m][b][0] = widen_pairs(dot[m][b][0], pairs[m][b]);
+              vi &even = dot[m][b][2 * c % S], &odd = dot[m][b][(2 * c + 1) % S];
+              even = dot_quads(even, low, four_bytes_everywhere(x + m * K + k));
+              odd = dot_quads(odd, high, four_bytes_everywhere(x + m * K + k + 4));
+#else
+              const vi two = add_pairs(pair_products(low, four_bytes_everywhere(x + m * K + k)),
+                                       pair_products(high, four_bytes_everywhere(x + m * K + k + 4)));
+              pairs[m][b] = c ? add_pairs(pairs[m][b], two) : two;
+              if (c == kRunChunks - 1) dot[m][b][0] = widen_pairs(dot[m][b][0], pairs[m][b]);
 #endif
+            }
           }
         }
       }
