@@ -430,7 +430,7 @@ def bench_format(name: str, art: Artifacts, prompt: list[int], args) -> dict:
 
 
 def gmacs(rate: float | None) -> str:
-    return "unknown (no C compiler)" if rate is None else f"{rate / 1e9:.0f}"
+    return "unknown" if rate is None else f"{rate / 1e9:.0f}"
 
 
 def markdown(results: list[dict], art: Artifacts, args, info: dict) -> str:

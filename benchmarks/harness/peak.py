@@ -4,7 +4,8 @@ speed can be read as a share of what the vector units could do.
 ``peak.c`` is built with the machine's C compiler for ``-march=native`` into
 the benchmark's work directory; one copy of each loop runs on every thread
 (ctypes lets go of the GIL) and the best of a few passes counts. Without a
-compiler the peaks are unknown (None), and the report says so.
+compiler that builds it (x86-64 only), or without AVX2, the peaks are
+unknown (None), and the report says so.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def _library(workdir: pathlib.Path) -> ctypes.CDLL | None:
     out = workdir / "peak.so"
     if not out.exists() or out.stat().st_mtime < SOURCE.stat().st_mtime:
         workdir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", "-o", str(out), str(SOURCE)],
-                       check=True)
+        built = subprocess.run([compiler, "-O2", "-march=native", "-shared", "-fPIC", "-o", str(out), str(SOURCE)],
+                               capture_output=True)
+        if built.returncode != 0:
+            return None
     lib = ctypes.CDLL(str(out))
     for name in ("fp32_macs", "int8_macs"):
         fn = getattr(lib, name)
