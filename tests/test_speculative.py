@@ -187,7 +187,9 @@ def test_replies_drafted_by_a_model_are_transformers_greedy_and_leave_the_cache_
     prompts = ["Why is the sky blue?", "Tell me a story about a cat"]
     plain = []
     for prompt in prompts:
-        r = model.prompt(prompt, max_tokens=24, kv_disk_mb=0)  # each turn from its session, none from disk
+        # each turn from its session, none from disk; the cache stored exactly (fp32), so the comparison below
+        # holds to fp32 sums in another order, not to fp16's rounding step, which such sums may straddle
+        r = model.prompt(prompt, max_tokens=24, kv_disk_mb=0, kv_storage_dtype="fp32")
         r.text()
         (session,) = [s for _, s in store.POOL._sessions.values()]
         plain.append((r.text(), snapshot_of(session)))
@@ -195,7 +197,8 @@ def test_replies_drafted_by_a_model_are_transformers_greedy_and_leave_the_cache_
     for draft in ("itself", "other"):
         for prompt, (text, content) in zip(prompts, plain):
             conversation = model.conversation()
-            r = conversation.prompt(prompt, max_tokens=24, draft=draft, draft_tokens=draft_tokens, kv_disk_mb=0)
+            r = conversation.prompt(prompt, max_tokens=24, draft=draft, draft_tokens=draft_tokens, kv_disk_mb=0,
+                                    kv_storage_dtype="fp32")
             assert r.text() == text == hf_greedy(tiny, [{"role": "user", "content": prompt}], 24)[1]
             j = r.response_json
             assert j["draft"] == draft and j["drafted_tokens"] > 0
@@ -214,7 +217,7 @@ def test_replies_drafted_by_a_model_are_transformers_greedy_and_leave_the_cache_
             assert drafting.cache.length == len(drafting.tokens)
             assert common_prefix(drafting.tokens, session.tokens) >= len(drafting.tokens) - draft_tokens
             again = conversation.prompt("And again?", max_tokens=6, draft=draft, draft_tokens=draft_tokens,
-                                        kv_disk_mb=0)
+                                        kv_disk_mb=0, kv_storage_dtype="fp32")
             again.text()
             assert again.response_json["cache_path"] == "hit" and len(store.DRAFTS) == 1
             store.POOL.clear()
