@@ -14,6 +14,7 @@
 #include <string>
 #include <stdexcept>
 #include <type_traits>
+#include <unistd.h>
 #include <vector>
 
 #include "dense_amx.h"
@@ -302,9 +303,18 @@ void dense_block(const Product& j, const float* x, float* y, int64_t lo, int64_t
 // pass's C (3, 4 or 6).
 constexpr int64_t kDenseChunkRows = 24;
 
-// Bytes of weight rows a pass keeps in a core's L1 data cache (48 KB on
-// recent x86, 32 KB on older) beside its rows of x.
-constexpr int64_t kL1PanelBytes = 32 * 1024;
+// A core's L1 data cache (48 KB on recent Intel cores, 32 KB on AMD's and
+// older ones; 32 KB where the system does not say).
+inline int64_t l1_data_bytes() {
+  static const int64_t bytes = [] {
+#if defined(_SC_LEVEL1_DCACHE_SIZE)
+    const long size = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+    if (size > 0) return int64_t(size);
+#endif
+    return int64_t(32 * 1024);
+  }();
+  return bytes;
+}
 
 // y = x W^T for W's rows [lo, hi): up to 4 rows of x per pass over those
 // weight rows (the accumulators then fit the registers); more rows take more
@@ -339,14 +349,16 @@ void dense_product_rows(const Product& j, int64_t lo, int64_t hi) {
   }
   // With bf16 dot products (x rounded to bf16), which multiply twice as
   // fast as FMAs, passes of 4 rows of x go over one pass's weight rows (C)
-  // with every such row of x before the next C where those rows fit L1 (a
-  // 2048-wide weight's): read over the whole chunk from L2, they held the
-  // dot instructions back. Elsewhere (and the last 1-3 rows of x) a pass
+  // with every such row of x before the next C where those rows and the 4
+  // rows of x fit L1 together (a 2048-wide weight's in 48 KB): read over the
+  // whole chunk from L2, they held the dot instructions back; where they do
+  // not fit, they push each other out of L1 and the chunk's passes are
+  // faster. Elsewhere (and the last 1-3 rows of x) a pass
   // takes the chunk, where the widening loads are the bound and fewer, longer
   // passes cost less. Each output is the same sum either way.
   const int fours = j.x_rows / 4 * 4;
   constexpr int64_t panel = kWeightRows<4>;
-  const bool in_l1 = j.xb && fours > 4 && panel * j.K * int64_t(sizeof(T)) <= kL1PanelBytes;
+  const bool in_l1 = j.xb && fours > 4 && (panel + 4) * j.K * int64_t(sizeof(T)) <= l1_data_bytes();
   const int64_t step = in_l1 ? panel : hi - lo;
   for (int64_t n0 = lo; n0 < hi; n0 += step) {
     for (int r = 0; r < fours; r += 4) {
