@@ -407,7 +407,7 @@ def test_the_fp32_crossover_is_measured_once_and_kept(kernels, monkeypatch, tmp_
     record = json.loads(kept.read_text())
     assert record["rows"] == rows and set(record["ms"]) <= {"128", "64"}
     ours, blas = record["ms"]["128"]["ours"], record["ms"]["128"]["blas"]
-    assert (rows == 128) == (ours <= blas)
+    assert (rows == 128) == (ours <= blas * crossover.BLAS_MARGIN)
     kept.write_text(json.dumps(dict(record, rows=64)))  # as another process finds it
     monkeypatch.setattr(crossover, "_measured", {})
     assert crossover.fp32_rows(*args, measure=True) == 64
